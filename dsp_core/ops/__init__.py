@@ -1,0 +1,17 @@
+"""The op table's families; importing this package registers every op.
+
+One module per family, each op's schema, traits, shape rule and kernel side by side.
+"""
+
+from dsp_core.ops import (  # noqa: F401  (registration by import)
+    conv,
+    elementwise,
+    linalg,
+    losses,
+    random,
+    recurrent,
+    tensor,
+)
+from dsp_core.ops.registry import OpDef, Trait, all_ops, has_op, lookup, op
+
+__all__ = ["OpDef", "Trait", "all_ops", "has_op", "lookup", "op"]

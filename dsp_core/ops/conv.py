@@ -1,0 +1,3 @@
+"""conv ops."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""elementwise ops."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""linalg ops."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""losses ops."""
+
+from __future__ import annotations

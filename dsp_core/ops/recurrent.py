@@ -1,0 +1,3 @@
+"""recurrent ops."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""tensor ops."""
+
+from __future__ import annotations
