@@ -1,0 +1,67 @@
+"""DSP: compile a computation graph once into a flat plan, then run (and replay) it many times.
+
+    import dsp_core as dsp
+    model = dsp.compile("model.onnx")          # or an onnx.ModelProto, or a dsp Graph
+    outs = model.run({"x": x})                 # dict of every output
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from dsp_core.backends.hookspecs import hookimpl
+from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core.errors import DSPError
+from dsp_core.ir.builder import GraphBuilder
+from dsp_core.ir.graph import Graph
+from dsp_core.runtime.model import CompiledModel
+
+try:
+    __version__ = version("dsp-core")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+
+def compile(  # noqa: A001  (the public name the API promises)
+    model: Any,
+    mode: str | GraphExecutionMode = "auto",
+    *,
+    strict: bool = False,
+) -> CompiledModel:
+    """Compile a model (path, bytes, onnx.ModelProto or dsp Graph) for ``mode``.
+
+    ``mode`` is a GraphExecutionMode or its name in any case ("slot_by_slot", "AUTO").
+    ``strict`` makes the auction fail rather than fall back to the reference backend.
+    """
+    from dsp_core.ir.onnx_import import import_model
+
+    graph = model if isinstance(model, Graph) else import_model(_as_source(model))
+    if isinstance(model, Graph):
+        graph.validate()
+    return CompiledModel(graph, GraphExecutionMode.parse(mode), strict=strict)
+
+
+def _as_source(model: Any) -> Any:
+    if isinstance(model, (str, os.PathLike, bytes)):
+        return model
+    import onnx
+
+    if isinstance(model, onnx.ModelProto):
+        return model
+    raise DSPError(
+        f"dsp.compile takes a path, bytes, an onnx.ModelProto or a dsp Graph, not {type(model).__name__}"
+    )
+
+
+__all__ = [
+    "CompiledModel",
+    "DSPError",
+    "Graph",
+    "GraphBuilder",
+    "GraphExecutionMode",
+    "__version__",
+    "compile",
+    "hookimpl",
+]

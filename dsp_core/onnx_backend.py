@@ -1,54 +1,74 @@
-"""TEMPORARY development runner (replaced by the real backend): interprets an ONNX model node by node."""
+"""DSP as an ``onnx.backend.base.Backend``, so ONNX's own backend test suite runs through it.
+
+    from dsp_core import onnx_backend
+    rep = onnx_backend.prepare(model_proto)
+    outputs = rep.run([x, y])
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx.backend.base import Backend, BackendRep
 
-from dsp_core.ops.registry import KernelContext, lookup
-
-
-def _attr(a: onnx.AttributeProto) -> Any:
-    v = helper.get_attribute_value(a)
-    if isinstance(v, onnx.TensorProto):
-        return numpy_helper.to_array(v)
-    if isinstance(v, bytes):
-        return v.decode()
-    if isinstance(v, list) and v and isinstance(v[0], bytes):
-        return [x.decode() for x in v]
-    if isinstance(v, list) and v and isinstance(v[0], onnx.TensorProto):
-        return [numpy_helper.to_array(x) for x in v]
-    return v
+from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core.errors import DSPError, UnsupportedOpError
+from dsp_core.ir.onnx_import import import_model
+from dsp_core.runtime.model import CompiledModel
 
 
-class _Rep:
-    def __init__(self, model: onnx.ModelProto) -> None:
+class DSPBackendRep(BackendRep):
+    """A prepared model: ``run`` takes inputs in graph order (or a dict) and returns a list."""
+
+    def __init__(self, model: CompiledModel) -> None:
         self.model = model
-        self.opsets = {o.domain: o.version for o in model.opset_import}
 
-    def run(self, inputs: Any, **kwargs: Any) -> list[Any]:
-        g = self.model.graph
-        env: dict[str, Any] = {"": None}
-        for t in g.initializer:
-            env[t.name] = numpy_helper.to_array(t)
-        names = [i.name for i in g.input if i.name not in env]
-        for n, x in zip(names, inputs):
-            env[n] = x
-        for node in g.node:
-            opdef = lookup(node.op_type, node.domain)
-            attrs = {a.name: _attr(a) for a in node.attribute}
-            ctx = KernelContext(np, self.opsets.get(node.domain or "", 1), len(node.input), len(node.output), node.name)
-            res = opdef.kernel(ctx, *[env[i] for i in node.input], **attrs)
-            if opdef.single_output:
-                res = (res,)
-            for name, r in zip(node.output, res):
-                if name:
-                    env[name] = r
-        return [env[o.name] for o in g.output]
+    def run(self, inputs: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Run on positional inputs (graph input order) or a name -> array dict."""
+        if isinstance(inputs, dict):
+            feeds = inputs
+        else:
+            if isinstance(inputs, np.ndarray):
+                inputs = [inputs]
+            feeds = dict(zip(self.model.input_names, inputs))
+        outs = self.model.run(feeds)
+        return tuple(outs[name] for name in self.model.output_names)
 
 
-def prepare(model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> _Rep:
-    return _Rep(model)
+class DSPBackend(Backend):
+    """ONNX backend API over ``dsp_core.compile`` (mode AUTO unless ``mode=`` is given)."""
+
+    @classmethod
+    def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> DSPBackendRep:
+        """Import and compile ``model``."""
+        super().prepare(model, device, **kwargs)
+        mode = GraphExecutionMode.parse(kwargs.get("mode", "auto"))
+        return DSPBackendRep(CompiledModel(import_model(model), mode))
+
+    @classmethod
+    def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple[Any, ...]:
+        """Prepare and run once."""
+        return cls.prepare(model, device, **kwargs).run(inputs)
+
+    @classmethod
+    def run_node(
+        cls, node: onnx.NodeProto, inputs: Any, device: str = "CPU", outputs_info: Sequence[Any] | None = None, **kwargs: Any
+    ) -> tuple[Any, ...]:
+        """Run a single node (builds a one-node model around it)."""
+        raise DSPError("run_node is not supported; use prepare() on a model")
+
+    @classmethod
+    def supports_device(cls, device: str) -> bool:
+        """DSP's reference runs on the CPU; GPU backends are chosen by AUTO inside."""
+        return device in ("CPU", "CUDA")
+
+
+prepare = DSPBackend.prepare
+run_model = DSPBackend.run_model
+run_node = DSPBackend.run_node
+supports_device = DSPBackend.supports_device
+
+__all__ = ["DSPBackend", "DSPBackendRep", "UnsupportedOpError", "prepare", "run_model", "run_node", "supports_device"]

@@ -1,3 +1,649 @@
-"""conv ops."""
+"""Convolution, pooling, image and signal ops.
+
+Convolutions run as im2col over strided views followed by one batched matmul; pools
+reduce the same strided window view. Sliding-window geometry (output size and padding
+from kernel, stride, dilation, pads and auto_pad) lives in one helper shared by the
+kernels and the shape rules.
+"""
 
 from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dsp_core.ir.dtypes import numpy_from_onnx
+from dsp_core.ops.registry import TensorInfo, Trait, op
+
+# ---------------------------------------------------------------------------
+# Sliding-window geometry
+
+
+def _ints(values: Sequence[int] | None, n: int, fill: int) -> list[int]:
+    """``values`` as a list of ints, or ``n`` copies of ``fill`` when absent."""
+    return [int(v) for v in values] if values is not None else [fill] * n
+
+
+def _window_extent(kernel: int, dilation: int) -> int:
+    return (kernel - 1) * dilation + 1
+
+
+def _window_geometry(
+    in_sp: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    pads: Sequence[int],
+    auto_pad: str = "NOTSET",
+    ceil_mode: bool = False,
+) -> tuple[list[int], list[int], list[int]]:
+    """Output spatial dims and the (begin, end) pads a sliding window needs.
+
+    The end pads include the extra room ceil_mode needs for its last window.
+    """
+    n = len(in_sp)
+    out, begin, end = [], [], []
+    for i in range(n):
+        size, ext, s = in_sp[i], _window_extent(kernel[i], dilations[i]), strides[i]
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            o = -(-size // s)
+            total = max(0, (o - 1) * s + ext - size)
+            small, big = total // 2, total - total // 2
+            pb, pe = (small, big) if auto_pad == "SAME_UPPER" else (big, small)
+        elif auto_pad == "VALID":
+            pb = pe = 0
+            o = (size - ext) // s + 1
+        else:
+            pb, pe = pads[i], pads[i + n]
+            span = size + pb + pe - ext
+            o = (-(-span // s) if ceil_mode else span // s) + 1
+            if ceil_mode and (o - 1) * s >= size + pb:
+                o -= 1  # the last window must start inside the image or its left pad
+        out.append(o)
+        begin.append(pb)
+        end.append(max(pe, (o - 1) * s + ext - size - pb))
+    return out, begin, end
+
+
+def _geometry_from_attrs(
+    in_sp: Sequence[int], kernel: Sequence[int], attrs: dict[str, Any]
+) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """(out, pads_begin, pads_end, strides, dilations) from a node's attributes."""
+    n = len(in_sp)
+    strides = _ints(attrs.get("strides"), n, 1)
+    dilations = _ints(attrs.get("dilations"), n, 1)
+    pads = _ints(attrs.get("pads"), 2 * n, 0)
+    auto_pad = attrs.get("auto_pad", "NOTSET") or "NOTSET"
+    out, pb, pe = _window_geometry(
+        in_sp, kernel, strides, dilations, pads, auto_pad, bool(attrs.get("ceil_mode", 0))
+    )
+    return out, pb, pe, strides, dilations
+
+
+def _pad_spatial(xp: Any, x: Any, begin: Sequence[int], end: Sequence[int], value: Any = 0) -> Any:
+    """``x`` padded on its trailing spatial axes (a no-op view when nothing to pad)."""
+    if not any(begin) and not any(end):
+        return x
+    lead = [(0, 0)] * (x.ndim - len(begin))
+    widths = lead + [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    y = xp.pad(x, widths, mode="constant", constant_values=value)
+    # negative pads crop
+    crop = tuple(slice(None) for _ in lead) + tuple(
+        slice(-min(b, 0), y.shape[len(lead) + i] + min(e, 0)) for i, (b, e) in enumerate(zip(begin, end))
+    )
+    return y[crop]
+
+
+def _windows(xp: Any, x: Any, out: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> Any:
+    """A read-only view (lead..., *out, *kernel) of every window of padded ``x``."""
+    n = len(out)
+    lead = x.shape[: x.ndim - n]
+    sp_strides = x.strides[x.ndim - n :]
+    shape = (*lead, *out, *kernel)
+    st = (
+        *x.strides[: x.ndim - n],
+        *(a * s for a, s in zip(sp_strides, strides)),
+        *(a * d for a, d in zip(sp_strides, dilations)),
+    )
+    return xp.lib.stride_tricks.as_strided(x, shape=shape, strides=st)
+
+
+def _acc_dtype(dtype: Any) -> Any:
+    """The dtype to accumulate in: float64 stays, everything else goes through float32."""
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+# ---------------------------------------------------------------------------
+# Shape rules
+
+
+def _spatial_rule(attrs: dict[str, Any], x: TensorInfo, channels: Any, kernel: Sequence[Any] | None) -> TensorInfo:
+    """(N, channels, *out) when every spatial dim and the kernel are known ints."""
+    if x.shape is None:
+        return TensorInfo(x.dtype, None)
+    sp = x.shape[2:]
+    known = kernel is not None and all(isinstance(d, int) for d in (*sp, *kernel))
+    out: list[Any]
+    if known:
+        out = _geometry_from_attrs(sp, kernel, attrs)[0]  # type: ignore[arg-type]
+    else:
+        out = [None] * len(sp)
+    return TensorInfo(x.dtype, (x.shape[0], channels, *out))
+
+
+def _conv_rule(attrs: dict[str, Any], x: TensorInfo, w: TensorInfo, *rest: TensorInfo) -> list[TensorInfo]:
+    """Shape rule of Conv: (N, M, *out)."""
+    kernel = attrs.get("kernel_shape") or (w.shape[2:] if w.shape is not None else None)
+    m = w.shape[0] if w.shape is not None else None
+    return [_spatial_rule(attrs, x, m, kernel)]
+
+
+def _pool_rule(attrs: dict[str, Any], x: TensorInfo, *rest: Any) -> list[TensorInfo]:
+    """Shape rule of a pool: (N, C, *out), plus int64 indices for MaxPool."""
+    c = x.shape[1] if x.shape is not None else None
+    y = _spatial_rule(attrs, x, c, attrs.get("kernel_shape"))
+    return [y, TensorInfo("int64", y.shape)]
+
+
+def _global_pool_rule(attrs: dict[str, Any], x: TensorInfo) -> list[TensorInfo]:
+    """Shape rule of a global pool: (N, C, 1, ...)."""
+    if x.shape is None:
+        return [x]
+    return [TensorInfo(x.dtype, (*x.shape[:2], *([1] * (len(x.shape) - 2))))]
+
+
+def _conv_transpose_rule(attrs: dict[str, Any], x: TensorInfo, w: TensorInfo, *rest: TensorInfo) -> list[TensorInfo]:
+    """Shape rule of ConvTranspose: (N, M, *out)."""
+    if x.shape is None or w.shape is None:
+        return [TensorInfo(x.dtype, None)]
+    m = w.shape[1] * attrs.get("group", 1) if isinstance(w.shape[1], int) else None
+    sp, kernel = x.shape[2:], attrs.get("kernel_shape") or w.shape[2:]
+    if not all(isinstance(d, int) for d in (*sp, *kernel)):
+        return [TensorInfo(x.dtype, (x.shape[0], m, *([None] * len(sp))))]
+    out = _transpose_geometry(sp, kernel, attrs)[0]  # type: ignore[arg-type]
+    return [TensorInfo(x.dtype, (x.shape[0], m, *out))]
+
+
+# ---------------------------------------------------------------------------
+# Convolution
+
+
+def _im2col_matmul(xp: Any, x: Any, w: Any, group: int, out: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> Any:
+    """Convolve padded ``x`` (N, C, *sp) with ``w`` (M, C/group, *k): (N, M, *out)."""
+    n, c = x.shape[:2]
+    m, cg, kernel = w.shape[0], w.shape[1], w.shape[2:]
+    nd, mg = len(kernel), m // group
+    k_size, p_size = math.prod(kernel), math.prod(out)
+    cols = _windows(xp, x, out, kernel, strides, dilations)  # (N, C, *out, *k)
+    cols = cols.reshape(n, group, cg, *out, *kernel)
+    # -> (G, N, *out, Cg, *k): one matmul row per output pixel
+    perm = (1, 0, *range(3, 3 + nd), 2, *range(3 + nd, 3 + 2 * nd))
+    cols = xp.ascontiguousarray(cols.transpose(perm)).reshape(group, n * p_size, cg * k_size)
+    wmat = w.reshape(group, mg, cg * k_size).transpose(0, 2, 1)
+    y = xp.matmul(cols, wmat)  # (G, N*P, Mg)
+    y = y.reshape(group, n, p_size, mg).transpose(1, 0, 3, 2)
+    return y.reshape(n, m, *out)
+
+
+def _conv_core(xp: Any, x: Any, w: Any, attrs: dict[str, Any], pad_value: Any = 0) -> Any:
+    """Conv of already-cast ``x`` and ``w`` under the node's window attributes."""
+    kernel = list(w.shape[2:])
+    out, pb, pe, strides, dilations = _geometry_from_attrs(x.shape[2:], kernel, attrs)
+    xpad = _pad_spatial(xp, x, pb, pe, pad_value)
+    return _im2col_matmul(xp, xpad, w, attrs.get("group", 1), out, strides, dilations)
+
+
+def _bias_shape(b: Any, ndim: int) -> Any:
+    return b.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+@op("Conv", traits=Trait.FUSABLE, shape=_conv_rule)
+def conv(ctx, x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """N-D convolution with groups, strides, dilations and padding."""
+    acc = _acc_dtype(x.dtype)
+    attrs = dict(auto_pad=auto_pad, dilations=dilations, group=group, pads=pads, strides=strides)
+    y = _conv_core(ctx.xp, x.astype(acc, copy=False), w.astype(acc, copy=False), attrs)
+    if b is not None:
+        y = y + _bias_shape(b.astype(acc, copy=False), y.ndim)
+    return y.astype(x.dtype, copy=False)
+
+
+def _int_conv(xp: Any, x: Any, x_zp: Any, w: Any, w_zp: Any, attrs: dict[str, Any]) -> Any:
+    """Exact integer convolution of zero-point-shifted operands, as float64."""
+    xs = x.astype(np.float64) - (0.0 if x_zp is None else float(x_zp.reshape(-1)[0]))
+    ws = w.astype(np.float64)
+    if w_zp is not None:
+        ws = ws - w_zp.astype(np.float64).reshape((-1,) + (1,) * (w.ndim - 1))
+    return _conv_core(xp, xs, ws, attrs)
+
+
+@op("ConvInteger", since=10)
+def conv_integer(ctx, x, w, x_zero_point=None, w_zero_point=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Integer convolution with zero points; int32 output."""
+    attrs = dict(auto_pad=auto_pad, dilations=dilations, group=group, pads=pads, strides=strides)
+    return ctx.xp.rint(_int_conv(ctx.xp, x, x_zero_point, w, w_zero_point, attrs)).astype(np.int32)
+
+
+def _saturate(xp: Any, y: Any, dtype: Any) -> Any:
+    """Round half to even and clip into integer ``dtype``."""
+    info = np.iinfo(dtype)
+    return xp.clip(xp.rint(y), info.min, info.max).astype(dtype)
+
+
+@op("QLinearConv", since=10)
+def qlinear_conv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Quantized convolution: int conv, rescale by x_scale*w_scale/y_scale, add y_zero_point."""
+    xp = ctx.xp
+    attrs = dict(auto_pad=auto_pad, dilations=dilations, group=group, pads=pads, strides=strides)
+    acc = _int_conv(xp, x, x_zero_point, w, w_zero_point, attrs)
+    if b is not None:
+        acc = acc + _bias_shape(b.astype(np.float64), acc.ndim)
+    scale = x_scale.astype(np.float64) * w_scale.astype(np.float64).reshape(-1) / y_scale.astype(np.float64)
+    y = acc * _bias_shape(scale, acc.ndim) + float(y_zero_point.reshape(-1)[0])
+    return _saturate(xp, y, y_zero_point.dtype)
+
+
+@op("CausalConvWithState", since=27, outputs=2)
+def causal_conv_with_state(ctx, x, weight, bias=None, past_state=None, *, activation="none"):  # type: ignore[no-untyped-def]
+    """Causal depthwise 1-D conv carrying the last k-1 positions as state; optional SiLU."""
+    xp = ctx.xp
+    n, c, _ = x.shape
+    k = weight.shape[2]
+    past = xp.zeros((n, c, k - 1), dtype=x.dtype) if past_state is None else past_state.astype(x.dtype)
+    padded = xp.concatenate([past, x], axis=2)
+    acc = _acc_dtype(x.dtype)
+    y = _conv_core(xp, padded.astype(acc), weight.astype(acc), {"group": c})
+    if bias is not None:
+        y = y + bias.astype(acc).reshape(1, -1, 1)
+    y = y.astype(x.dtype)
+    if activation in ("silu", "swish"):
+        yf = y.astype(np.float32)
+        y = (yf / (1.0 + xp.exp(-yf))).astype(x.dtype)
+    elif activation != "none":
+        raise ValueError(f"CausalConvWithState: activation {activation!r} is not one of none, silu, swish")
+    return y, padded[:, :, padded.shape[2] - (k - 1) :]
+
+
+# ---------------------------------------------------------------------------
+# Transposed convolution and Col2Im: scatter-add of columns into an image
+
+
+def _fold(xp: Any, cols: Any, full: Sequence[int], strides: Sequence[int], dilations: Sequence[int], offset: Sequence[int]) -> Any:
+    """Sum ``cols`` (N, C, *k, *in) into an image (N, C, *full), one add per kernel tap.
+
+    Tap ``kk`` at input position ``i`` lands at ``offset + i*stride + kk*dilation``.
+    """
+    nd = len(full)
+    kernel, in_sp = cols.shape[2 : 2 + nd], cols.shape[2 + nd :]
+    y = xp.zeros((*cols.shape[:2], *full), dtype=cols.dtype)
+    for kk in itertools.product(*(range(k) for k in kernel)):
+        dst = tuple(
+            slice(o + t * d, o + t * d + (i - 1) * s + 1, s)
+            for o, t, d, i, s in zip(offset, kk, dilations, in_sp, strides)
+        )
+        y[(slice(None), slice(None), *dst)] += cols[(slice(None), slice(None), *kk)]
+    return y
+
+
+def _transpose_geometry(in_sp: Sequence[int], kernel: Sequence[int], attrs: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """ConvTranspose output dims and begin pads (the crop offset into the full output)."""
+    n = len(in_sp)
+    strides = _ints(attrs.get("strides"), n, 1)
+    dilations = _ints(attrs.get("dilations"), n, 1)
+    out_pad = _ints(attrs.get("output_padding"), n, 0)
+    auto_pad = attrs.get("auto_pad") or "NOTSET"
+    full = [s * (i - 1) + op_ + _window_extent(k, d) for s, i, op_, k, d in zip(strides, in_sp, out_pad, kernel, dilations)]
+    target = attrs.get("output_shape")
+    if target is not None:
+        target = list(target)[-n:]
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        target = [i * s for i, s in zip(in_sp, strides)]
+    if target is None:
+        pads = _ints(attrs.get("pads"), 2 * n, 0)
+        return [f - pads[i] - pads[i + n] for i, f in enumerate(full)], pads[:n]
+    total = [f - t for f, t in zip(full, target)]
+    begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
+    return [int(t) for t in target], begin
+
+
+@op("ConvTranspose", traits=Trait.FUSABLE, shape=_conv_transpose_rule)
+def conv_transpose(ctx, x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, output_padding=None, output_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Transposed convolution (gradient of Conv) with output_padding / output_shape."""
+    xp = ctx.xp
+    acc = _acc_dtype(x.dtype)
+    n, c = x.shape[:2]
+    in_sp, kernel, mg = x.shape[2:], w.shape[2:], w.shape[1]
+    nd = len(in_sp)
+    attrs = dict(auto_pad=auto_pad, dilations=dilations, output_padding=output_padding, output_shape=output_shape, pads=pads, strides=strides)
+    out, begin = _transpose_geometry(in_sp, kernel, attrs)
+    strides_, dilations_ = _ints(strides, nd, 1), _ints(dilations, nd, 1)
+    cg, k_size, p_size = c // group, math.prod(kernel), math.prod(in_sp)
+    xg = x.astype(acc).reshape(n, group, cg, p_size).transpose(1, 0, 3, 2)  # (G, N, P, Cg)
+    wg = w.astype(acc).reshape(group, 1, cg, mg * k_size)
+    cols = xp.matmul(xg, wg).reshape(group, n, p_size, mg, k_size)
+    cols = cols.transpose(1, 0, 3, 4, 2).reshape(n, group * mg, *kernel, *in_sp)
+    reach = [(i - 1) * s + _window_extent(k, d) for i, s, k, d in zip(in_sp, strides_, kernel, dilations_)]
+    lo = [max(0, -b_) for b_ in begin]  # room for an output that starts before the data
+    full = [max(r + l, l + b_ + o) for r, l, b_, o in zip(reach, lo, begin, out)]
+    y = _fold(xp, cols, full, strides_, dilations_, lo)
+    y = y[(slice(None), slice(None), *(slice(l + b_, l + b_ + o) for l, b_, o in zip(lo, begin, out)))]
+    if b is not None:
+        y = y + _bias_shape(b.astype(acc), y.ndim)
+    return y.astype(x.dtype)
+
+
+@op("Col2Im", since=18)
+def col2im(ctx, x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Rearrange column blocks (N, C*prod(block), L) back into an image, summing overlaps."""
+    image, kernel = [int(v) for v in image_shape.tolist()], [int(v) for v in block_shape.tolist()]
+    nd = len(image)
+    attrs = dict(dilations=dilations, pads=pads, strides=strides)
+    out, pb, pe, strides_, dilations_ = _geometry_from_attrs(image, kernel, attrs)
+    n, ck, _ = x.shape
+    cols = x.reshape(n, ck // math.prod(kernel), *kernel, *out)
+    padded = [i + b + e for i, b, e in zip(image, pb, pe)]
+    y = _fold(ctx.xp, cols, padded, strides_, dilations_, [0] * nd)
+    return y[(slice(None), slice(None), *(slice(b, b + i) for b, i in zip(pb, image)))]
+
+
+# ---------------------------------------------------------------------------
+# Pooling
+
+
+def _pool_view(xp: Any, x: Any, kernel_shape: Sequence[int], attrs: dict[str, Any], fill: Any) -> tuple[Any, list[int], list[int], list[int], list[int]]:
+    """The window view (N, C, *out, *k) of ``x`` padded with ``fill``, and its geometry."""
+    out, pb, pe, strides, dilations = _geometry_from_attrs(x.shape[2:], kernel_shape, attrs)
+    xpad = _pad_spatial(xp, x, pb, pe, fill)
+    return _windows(xp, xpad, out, kernel_shape, strides, dilations), out, pb, strides, dilations
+
+
+def _window_counts(xp: Any, in_sp: Sequence[int], kernel_shape: Sequence[int], attrs: dict[str, Any], include_pad: bool) -> Any:
+    """How many elements each window averages over: real ones, plus explicit pads if asked."""
+    out, pb, pe, strides, dilations = _geometry_from_attrs(in_sp, kernel_shape, attrs)
+    pads = _ints(attrs.get("pads"), 2 * len(in_sp), 0)
+    ones = xp.ones(tuple(in_sp), dtype=np.float64)
+    if include_pad and attrs.get("auto_pad", "NOTSET") in ("NOTSET", "", None):
+        # explicit pads count, the extra room of ceil_mode does not
+        nd = len(in_sp)
+        ones = _pad_spatial(xp, ones, pads[:nd], pads[nd:], 1.0)
+        pb = [b - p for b, p in zip(pb, pads[:nd])]
+        pe = [e - p for e, p in zip(pe, pads[nd:])]
+    elif include_pad:
+        ones = _pad_spatial(xp, ones, pb, pe, 1.0)
+        pb = pe = [0] * len(in_sp)
+    view = _windows(xp, _pad_spatial(xp, ones, pb, pe, 0.0), out, kernel_shape, strides, dilations)
+    return view.sum(axis=tuple(range(len(in_sp), 2 * len(in_sp))))
+
+
+def _pool_attrs(auto_pad: str, ceil_mode: int, dilations: Any, pads: Any, strides: Any) -> dict[str, Any]:
+    return dict(auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations, pads=pads, strides=strides)
+
+
+def _lowest(dtype: Any) -> Any:
+    return -np.inf if np.dtype(dtype).kind == "f" else np.iinfo(dtype).min
+
+
+@op("MaxPool", outputs=(1, 2), shape=_pool_rule)
+def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0, strides=None):  # type: ignore[no-untyped-def]
+    """Max pooling; the optional Indices output holds flat input positions."""
+    xp = ctx.xp
+    attrs = _pool_attrs(auto_pad, ceil_mode, dilations, pads, strides)
+    view, out, pb, strides_, dilations_ = _pool_view(xp, x, kernel_shape, attrs, _lowest(x.dtype))
+    nd = len(kernel_shape)
+    y = view.max(axis=tuple(range(2 + nd, 2 + 2 * nd)))
+    if ctx.n_outputs < 2:
+        return y, None
+    flat = view.reshape(*view.shape[: 2 + nd], -1).argmax(axis=-1)
+    return y, _max_indices(xp, flat, x.shape, out, kernel_shape, pb, strides_, dilations_, storage_order)
+
+
+def _max_indices(xp: Any, flat: Any, x_shape: Sequence[int], out: Sequence[int], kernel: Sequence[int], pb: Sequence[int], strides: Sequence[int], dilations: Sequence[int], storage_order: int) -> Any:
+    """Flat input indices (row- or column-major spatial) of each window's argmax."""
+    nd = len(kernel)
+    sp = x_shape[2:]
+    taps = xp.unravel_index(flat, tuple(kernel))
+    pos = []
+    for i in range(nd):
+        o = xp.arange(out[i]).reshape((-1,) + (1,) * (nd - 1 - i))
+        pos.append(o * strides[i] - pb[i] + taps[i] * dilations[i])
+    order = range(nd - 1, -1, -1) if storage_order else range(nd)
+    index = xp.zeros(flat.shape, dtype=np.int64)
+    for i in order:
+        index = index * sp[i] + pos[i]
+    nc = xp.arange(x_shape[0] * x_shape[1], dtype=np.int64).reshape(x_shape[0], x_shape[1], *([1] * nd))
+    return index + nc * math.prod(sp)
+
+
+@op("AveragePool", shape=_pool_rule)
+def average_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Average pooling; count_include_pad decides whether explicit pads are averaged in."""
+    xp = ctx.xp
+    attrs = _pool_attrs(auto_pad, ceil_mode, dilations, pads, strides)
+    acc = _acc_dtype(x.dtype)
+    view = _pool_view(xp, x.astype(acc), kernel_shape, attrs, 0)[0]
+    nd = len(kernel_shape)
+    total = view.sum(axis=tuple(range(2 + nd, 2 + 2 * nd)))
+    counts = _window_counts(xp, x.shape[2:], kernel_shape, attrs, bool(count_include_pad))
+    return (total / counts).astype(x.dtype)
+
+
+@op("LpPool", shape=_pool_rule)
+def lp_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Lp pooling: (sum |x|^p over the window) ^ (1/p)."""
+    xp = ctx.xp
+    attrs = _pool_attrs(auto_pad, ceil_mode, dilations, pads, strides)
+    acc = _acc_dtype(x.dtype)
+    view = _pool_view(xp, xp.abs(x.astype(acc)) ** p, kernel_shape, attrs, 0)[0]
+    nd = len(kernel_shape)
+    return (view.sum(axis=tuple(range(2 + nd, 2 + 2 * nd))) ** (1.0 / p)).astype(x.dtype)
+
+
+def _global(xp: Any, x: Any, reduce: str) -> Any:
+    axes = tuple(range(2, x.ndim))
+    if reduce == "max":
+        return x.max(axis=axes, keepdims=True)
+    return x.astype(_acc_dtype(x.dtype)).mean(axis=axes, keepdims=True).astype(x.dtype)
+
+
+@op("GlobalAveragePool", traits=Trait.REDUCTION | Trait.FUSABLE, shape=_global_pool_rule)
+def global_average_pool(ctx, x):  # type: ignore[no-untyped-def]
+    """Mean over every spatial axis, kept as size 1."""
+    return _global(ctx.xp, x, "mean")
+
+
+@op("GlobalMaxPool", traits=Trait.REDUCTION | Trait.FUSABLE, shape=_global_pool_rule)
+def global_max_pool(ctx, x):  # type: ignore[no-untyped-def]
+    """Max over every spatial axis, kept as size 1."""
+    return _global(ctx.xp, x, "max")
+
+
+@op("GlobalLpPool", traits=Trait.REDUCTION, shape=_global_pool_rule)
+def global_lp_pool(ctx, x, *, p=2):  # type: ignore[no-untyped-def]
+    """Lp norm over every spatial axis, kept as size 1."""
+    xf = ctx.xp.abs(x.astype(_acc_dtype(x.dtype))) ** p
+    return (xf.sum(axis=tuple(range(2, x.ndim)), keepdims=True) ** (1.0 / p)).astype(x.dtype)
+
+
+@op("MaxUnpool", since=9)
+def max_unpool(ctx, x, indices, output_shape=None, *, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Scatter pooled values back to the positions their indices name; zeros elsewhere."""
+    xp = ctx.xp
+    nd = len(kernel_shape)
+    strides_, pads_ = _ints(strides, nd, 1), _ints(pads, 2 * nd, 0)
+    sp = [(i - 1) * s + k - pads_[d] - pads_[d + nd] for d, (i, s, k) in enumerate(zip(x.shape[2:], strides_, kernel_shape))]
+    default = (*x.shape[:2], *sp)
+    shape = default if output_shape is None else tuple(int(v) for v in output_shape.tolist())
+    # indices address the default unpooled shape; re-address them in the requested one
+    flat = xp.ravel_multi_index(xp.unravel_index(indices.reshape(-1), default), shape)
+    y = xp.zeros(math.prod(shape), dtype=x.dtype)
+    y[flat] = x.reshape(-1)
+    return y.reshape(shape)
+
+
+@op("LRN", traits=Trait.FUSABLE, shape=lambda attrs, x: [x])
+def lrn(ctx, x, *, alpha=0.0001, beta=0.75, bias=1.0, size=None):  # type: ignore[no-untyped-def]
+    """Local response normalization across channels."""
+    xp = ctx.xp
+    acc = _acc_dtype(x.dtype)
+    sq = x.astype(acc) ** 2
+    before, after = (size - 1) // 2, size - 1 - (size - 1) // 2
+    padded = xp.pad(sq, [(0, 0), (before, after)] + [(0, 0)] * (x.ndim - 2))
+    c = x.shape[1]
+    window = sum(padded[:, i : i + c] for i in range(size))
+    return (x.astype(acc) / (bias + alpha / size * window) ** beta).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Resize: separable, one axis at a time, each output position a weighted sum of taps
+
+
+def _source_coords(xp: Any, mode: str, out_n: int, scale: float, in_n: int, roi: tuple[float, float]) -> Any:
+    """Input coordinate of every output position along one axis."""
+    y = xp.arange(out_n, dtype=np.float64)
+    out_f = scale * in_n  # the unrounded output length
+    if mode == "asymmetric":
+        return y / scale
+    if mode == "align_corners":
+        return y * 0.0 if out_f == 1 else y * (in_n - 1) / (out_f - 1)
+    if mode == "pytorch_half_pixel":
+        return y * 0.0 - 0.5 if out_f == 1 else (y + 0.5) / scale - 0.5
+    if mode == "half_pixel":
+        return (y + 0.5) / scale - 0.5
+    if mode == "tf_half_pixel_for_nn":
+        return (y + 0.5) / scale
+    if mode == "half_pixel_symmetric":
+        offset = in_n / 2 * (1 - out_n / out_f)
+        return offset + (y + 0.5) / scale - 0.5
+    if mode == "tf_crop_and_resize":
+        start, end = roi
+        if out_f == 1:
+            return y * 0.0 + (end - start) * (in_n - 1) / 2 + start * (in_n - 1)
+        return start * (in_n - 1) + y * (end - start) * (in_n - 1) / (out_f - 1)
+    raise ValueError(f"Resize: unknown coordinate_transformation_mode {mode!r}")
+
+
+def _nearest_index(xp: Any, x: Any, nearest_mode: str) -> Any:
+    """Round source coordinates to input indices the way ``nearest_mode`` says."""
+    rounding = {
+        "round_prefer_floor": lambda v: xp.ceil(v - 0.5),
+        "round_prefer_ceil": lambda v: xp.floor(v + 0.5),
+        "floor": xp.floor,
+        "ceil": xp.ceil,
+    }
+    if nearest_mode not in rounding:
+        raise ValueError(f"Resize: unknown nearest_mode {nearest_mode!r}")
+    return rounding[nearest_mode](x).astype(np.int64)
+
+
+def _cubic_kernel(d: Any, a: float, xp: Any) -> Any:
+    d = xp.abs(d)
+    near = ((a + 2) * d - (a + 3)) * d * d + 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+    return xp.where(d <= 1, near, xp.where(d < 2, far, 0.0))
+
+
+def _interp_taps(xp: Any, x: Any, in_n: int, scale: float, opts: dict[str, Any]) -> tuple[Any, Any]:
+    """(indices, weights), each (out, taps), of linear or cubic interpolation at ``x``."""
+    cubic = opts["mode"] == "cubic"
+    radius = 2 if cubic else 1
+    stretch = min(scale, 1.0) if opts["antialias"] else 1.0  # antialias widens the filter
+    start = math.floor(-radius / stretch) + 1
+    base = xp.floor(x)
+    offsets = xp.arange(start, 1 - start + 1, dtype=np.float64)
+    dist = (offsets[None, :] - (x - base)[:, None]) * stretch
+    w = _cubic_kernel(dist, opts["cubic_coeff_a"], xp) if cubic else xp.clip(1 - xp.abs(dist), 0, 1)
+    idx = base.astype(np.int64)[:, None] + offsets.astype(np.int64)[None, :]
+    if opts["exclude_outside"]:
+        w = xp.where((idx < 0) | (idx >= in_n), 0.0, w)
+    if opts["antialias"] or opts["exclude_outside"]:
+        w = w / w.sum(axis=1, keepdims=True)
+    return xp.clip(idx, 0, in_n - 1), w
+
+
+def _resize_axis(xp: Any, data: Any, axis: int, out_n: int, scale: float, roi: tuple[float, float], opts: dict[str, Any]) -> Any:
+    """Resize ``data`` along ``axis`` to ``out_n`` positions."""
+    in_n = data.shape[axis]
+    ctm = opts["coordinate_transformation_mode"]
+    x = _source_coords(xp, ctm, out_n, scale, in_n, roi)
+    if opts["mode"] == "nearest":
+        idx = xp.clip(_nearest_index(xp, x, opts["nearest_mode"]), 0, in_n - 1)
+        y = xp.take(data, idx, axis=axis)
+    else:
+        idx, w = _interp_taps(xp, x, in_n, scale, opts)
+        taps = xp.take(data, idx.reshape(-1), axis=axis)
+        taps = taps.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :])
+        w = w.astype(data.dtype).reshape(idx.shape + (1,) * (data.ndim - axis - 1))
+        y = (taps * w).sum(axis=axis + 1)
+    if ctm == "tf_crop_and_resize":
+        outside = ((x < 0) | (x > in_n - 1)).reshape((-1,) + (1,) * (data.ndim - axis - 1))
+        y = xp.where(outside, xp.asarray(opts["extrapolation_value"], dtype=y.dtype), y)
+    return y
+
+
+def _resize_plan(x_shape: Sequence[int], scales: Any, sizes: Any, axes: Sequence[int], policy: str) -> tuple[list[float], list[int]]:
+    """Per-axis (scale, output length) for the resized axes."""
+    in_sp = [x_shape[a] for a in axes]
+    if sizes is not None and sizes.size:
+        want = [int(v) for v in sizes.tolist()]
+        scale_list = [o / i for o, i in zip(want, in_sp)]
+        if policy in ("not_larger", "not_smaller"):
+            s = min(scale_list) if policy == "not_larger" else max(scale_list)
+            return [s] * len(axes), [int(math.floor(s * i + 0.5)) for i in in_sp]
+        return scale_list, want
+    scale_list = [float(v) for v in scales.tolist()]
+    return scale_list, [int(math.floor(i * s)) for i, s in zip(in_sp, scale_list)]
+
+
+def _resize(xp: Any, x: Any, roi: Any, scales: Any, sizes: Any, axes: Sequence[int] | None, opts: dict[str, Any]) -> Any:
+    """Resize ``x``; shared by Resize and Upsample."""
+    r = x.ndim
+    axes = [a % r for a in axes] if axes is not None else list(range(r))
+    scale_list, out_list = _resize_plan(x.shape, scales, sizes, axes, opts.get("keep_aspect_ratio_policy", "stretch"))
+    rois = roi.tolist() if roi is not None and roi.size else None
+    nearest = opts["mode"] == "nearest"
+    y = x if nearest else x.astype(np.float64 if x.dtype.kind != "f" else _acc_dtype(x.dtype))
+    for i, axis in enumerate(axes):
+        pair = (float(rois[i]), float(rois[i + len(axes)])) if rois else (0.0, 1.0)
+        if math.isclose(scale_list[i], 1.0) and out_list[i] == x.shape[axis] and pair == (0.0, 1.0):
+            continue  # identity along this axis
+        y = _resize_axis(xp, y, axis, out_list[i], scale_list[i], pair, opts)
+    if y.dtype == x.dtype:
+        return y
+    return y.astype(x.dtype) if x.dtype.kind == "f" else _saturate(xp, y, x.dtype)
+
+
+@op("Resize", since=10, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def resize(ctx, x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None, coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0, extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", mode="nearest", nearest_mode="round_prefer_floor"):  # type: ignore[no-untyped-def]
+    """Resize by scales or to sizes: nearest, linear or cubic, with every coordinate mode."""
+    if ctx.opset < 11:  # Resize-10: (X, scales), asymmetric coordinates, floor for nearest
+        roi, scales = None, roi
+        coordinate_transformation_mode, nearest_mode = "asymmetric", "floor"
+    opts = dict(
+        antialias=antialias,
+        coordinate_transformation_mode=coordinate_transformation_mode,
+        cubic_coeff_a=cubic_coeff_a,
+        exclude_outside=exclude_outside,
+        extrapolation_value=extrapolation_value,
+        keep_aspect_ratio_policy=keep_aspect_ratio_policy,
+        mode=mode,
+        nearest_mode=nearest_mode,
+    )
+    return _resize(ctx.xp, x, roi, scales, sizes, axes, opts)
+
+
+@op("Upsample", since=9, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def upsample(ctx, x, scales, *, mode="nearest"):  # type: ignore[no-untyped-def]
+    """Deprecated upsampling by scales: nearest (floor) or linear, asymmetric coordinates."""
+    opts = dict(
+        antialias=0,
+        coordinate_transformation_mode="asymmetric",
+        cubic_coeff_a=-0.75,
+        exclude_outside=0,
+        extrapolation_value=0.0,
+        mode="linear" if mode in ("linear", "bilinear") else mode,
+        nearest_mode="floor",
+    )
+    return _resize(ctx.xp, x, None, scales, None, None, opts)

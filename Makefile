@@ -1,0 +1,42 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PLUGINS := plugins/cpu_ref
+TEST_DISTS := tests/dists/dsp_test_backends
+
+.PHONY: demo test gpu-test lint typecheck node-suite bench fixtures clean
+
+$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS) $(TEST_DISTS))
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test,dev]" $(addprefix -e ,$(PLUGINS) $(TEST_DISTS))
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
+
+lint: $(STAMP)
+	$(BIN)/ruff check dsp_core plugins tests benchmarks scripts examples
+	$(BIN)/mypy
+
+node-suite: $(STAMP)
+	$(BIN)/python scripts/node_suite.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/cpu_overhead.py
+
+# Regenerates tests/fixtures (needs torch; uses its own venv, not needed by tests).
+fixtures:
+	test -x .fixture-venv/bin/python || ($(PYTHON) -m venv .fixture-venv && .fixture-venv/bin/pip install torch==2.13.0 transformers onnx==1.23.2 onnxscript onnxruntime==1.32.0 numpy)
+	.fixture-venv/bin/python scripts/make_fixtures.py --out tests/fixtures
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,234 @@
+"""Graph + requested outputs -> Plan, or a decline with a reason.
+
+Steps: keep the nodes the outputs need; fold Constant nodes into constant externals;
+class every external input; number values; freeze attributes; compute liveness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from dsp_core.errors import GraphError, InputError, UnsupportedOpError
+from dsp_core.ir import dtypes
+from dsp_core.ir.graph import Graph, Node
+from dsp_core.ops.registry import KernelContext, OpDef, Trait, lookup
+from dsp_core.plan.plan import External, ExternalClass, Plan, Slot, ValueInfo
+
+
+@dataclass(frozen=True)
+class Declined:
+    """The compiler's 'no': the graph runs on the legacy interpreter, for this reason."""
+
+    reason: str
+    node: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.reason} (at {self.node})" if self.node else self.reason
+
+
+def required_nodes(graph: Graph, outputs: Sequence[str]) -> list[Node]:
+    """The nodes needed to compute ``outputs``, in graph (topological) order."""
+    producers = graph.producers()
+    needed: set[int] = set()
+    stack = [producers[name] for name in outputs if name in producers]
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        node = graph.nodes[i]
+        reads = list(node.inputs)
+        for _, _, sub in Graph.subgraphs_of(node):
+            reads.extend(sub.outer_names)
+        stack.extend(producers[name] for name in reads if name in producers)
+    return [graph.nodes[i] for i in sorted(needed)]
+
+
+def check_outputs(graph: Graph, outputs: Sequence[str] | None) -> tuple[str, ...]:
+    """The requested output names, defaulting to the graph's; InputError for unknown names."""
+    if outputs is None:
+        return tuple(graph.output_names)
+    known = set(graph.output_names) | set(graph.producers()) | set(graph.input_names)
+    unknown = [name for name in outputs if name not in known]
+    if unknown:
+        raise InputError(
+            f"requested output {unknown[0]!r} is not a value of graph {graph.name!r}; "
+            f"graph outputs are {', '.join(graph.output_names)}"
+        )
+    return tuple(outputs)
+
+
+def compile_plan(graph: Graph, outputs: Sequence[str] | None = None) -> Plan | Declined:
+    """Compile ``graph`` for ``outputs`` into a Plan, or return why it declines."""
+    out_names = check_outputs(graph, outputs)
+    nodes = required_nodes(graph, out_names)
+    opdefs: list[OpDef] = []
+    for node in nodes:
+        opset = graph.opsets.get(node.domain, graph.opsets.get("", 1))
+        try:
+            opdef = lookup(node.op_type, node.domain, opset)
+        except UnsupportedOpError as exc:
+            raise UnsupportedOpError(f"{node.label()}: {exc}") from None
+        if opdef.has(Trait.CONTROL_FLOW) or any(True for _ in Graph.subgraphs_of(node)):
+            return Declined(f"control-flow op {node.op_type} runs its subgraphs in the legacy interpreter", node.name)
+        opdefs.append(opdef)
+    return _Builder(graph, out_names).build(nodes, opdefs)
+
+
+class _Builder:
+    def __init__(self, graph: Graph, out_names: tuple[str, ...]) -> None:
+        self.graph = graph
+        self.out_names = out_names
+        self.externals: list[External] = []
+        self.constants: dict[int, np.ndarray] = {}
+        self.refs: dict[str, int] = {}  # graph name -> wiring ref
+        self.values: list[ValueInfo] = []
+
+    def _external(self, name: str, cls: ExternalClass, array: np.ndarray | None = None) -> int:
+        info = self.graph.info(name)
+        k = len(self.externals)
+        if array is not None:
+            dtype, shape = dtypes.normalize(array.dtype), tuple(array.shape)
+            self.constants[k] = array
+        else:
+            dtype = info.dtype if info else None
+            shape = info.shape if info else None
+        self.externals.append(External(name, cls, dtype, shape))
+        self.refs[name] = Plan.external_ref(k)
+        return self.refs[name]
+
+    def _ref(self, name: str) -> int | None:
+        if not name:
+            return None
+        if name in self.refs:
+            return self.refs[name]
+        if name in self.graph.initializers:
+            return self._external(name, ExternalClass.CONSTANT, self.graph.initializers[name])
+        cls = ExternalClass.VARIABLE if name in self.graph.variables else ExternalClass.PLACEHOLDER
+        return self._external(name, cls)
+
+    def _value(self, name: str) -> int:
+        info = self.graph.info(name)
+        self.values.append(ValueInfo(name, info.dtype if info else None, info.shape if info else None))
+        self.refs[name] = len(self.values) - 1
+        return self.refs[name]
+
+    def build(self, nodes: list[Node], opdefs: list[OpDef]) -> Plan:
+        # Every graph input is an external, even when no requested output reads it, so
+        # feeds are validated the same way whatever the requested outputs.
+        for v in self.graph.inputs:
+            if v.name not in self.graph.initializers:
+                self._ref(v.name)
+        slots: list[Slot] = []
+        for node, opdef in zip(nodes, opdefs):
+            if node.op_type == "Constant" and node.domain == "":
+                self._fold_constant(node, opdef)
+                continue
+            inputs = tuple(self._ref(name) for name in node.inputs)
+            _check_arity(node, opdef)
+            outputs = tuple(self._value(name) if name else None for name in node.outputs)
+            opset = self.graph.opsets.get(node.domain, self.graph.opsets.get("", 1))
+            slots.append(
+                Slot(
+                    index=len(slots),
+                    op=node.op_type,
+                    domain=node.domain,
+                    opset=opset,
+                    name=node.name,
+                    inputs=inputs,
+                    outputs=outputs,
+                    attrs=MappingProxyType(_frozen_attrs(node, opdef)),
+                    traits=opdef.traits,
+                )
+            )
+        outputs = []
+        for name in self.out_names:
+            if name not in self.refs:
+                raise GraphError(f"output {name!r} is not computed by graph {self.graph.name!r}")
+            outputs.append(self.refs[name])
+        plan = Plan(
+            slots=tuple(slots),
+            externals=tuple(self.externals),
+            values=tuple(self.values),
+            outputs=tuple(outputs),
+            output_names=self.out_names,
+            release=liveness(slots, len(self.values), outputs),
+            constants=self.constants,
+            graph_name=self.graph.name,
+        )
+        plan.content_hash = content_hash(plan)
+        return plan
+
+    def _fold_constant(self, node: Node, opdef: OpDef) -> None:
+        import numpy
+
+        ctx = KernelContext(numpy, self.graph.opsets.get("", 1), 0, 1, node.name)
+        array = np.asarray(opdef.kernel(ctx, **node.attrs))
+        self._external(node.outputs[0], ExternalClass.CONSTANT, array)
+
+
+def _check_arity(node: Node, opdef: OpDef) -> None:
+    lo, hi = opdef.inputs
+    n = len(node.inputs)
+    if n < lo or (hi >= 0 and n > hi):
+        want = f"{lo}" if lo == hi else f"{lo}..{'any' if hi < 0 else hi}"
+        raise GraphError(f"{node.label()} has {n} inputs; {node.op_type} takes {want}")
+    unknown = set(node.attrs) - set(opdef.attrs)
+    if unknown:
+        raise GraphError(
+            f"{node.label()} has attribute(s) {', '.join(sorted(unknown))} that {node.op_type} does not define"
+        )
+
+
+def _frozen_attrs(node: Node, opdef: OpDef) -> dict[str, Any]:
+    """The node's attributes; arrays are made read-only so no kernel can change them."""
+    attrs: dict[str, Any] = {}
+    for key, val in node.attrs.items():
+        if isinstance(val, np.ndarray):
+            val = val.copy()
+            val.flags.writeable = False
+        attrs[key] = val
+    return attrs
+
+
+def liveness(slots: Sequence[Slot], n_values: int, outputs: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Per slot, the values whose last reader it is (requested outputs are never released)."""
+    last_use = [-1] * n_values
+    for slot in slots:
+        for v in slot.outputs:
+            if v is not None:
+                last_use[v] = slot.index  # a value nobody reads dies where it is made
+        for r in slot.inputs:
+            if r is not None and r >= 0:
+                last_use[r] = slot.index
+    keep = {r for r in outputs if r >= 0}
+    release: list[list[int]] = [[] for _ in slots]
+    for v, at in enumerate(last_use):
+        if at >= 0 and v not in keep:
+            release[at].append(v)
+    return tuple(tuple(r) for r in release)
+
+
+def content_hash(plan: Plan) -> str:
+    """A digest of everything that defines what the plan computes."""
+    h = hashlib.blake2b(digest_size=16)
+    for ext in plan.externals:
+        h.update(f"E{ext.name}|{ext.cls.value}|{ext.dtype}|{ext.shape}".encode())
+    for k in sorted(plan.constants):
+        arr = np.ascontiguousarray(plan.constants[k])
+        h.update(f"C{k}|{arr.dtype}|{arr.shape}".encode())
+        h.update(arr.tobytes())
+    for slot in plan.slots:
+        h.update(f"S{slot.op}|{slot.domain}|{slot.opset}|{slot.inputs}|{slot.outputs}".encode())
+        for key in sorted(slot.attrs):
+            val = slot.attrs[key]
+            h.update(key.encode())
+            h.update(val.tobytes() if isinstance(val, np.ndarray) else repr(val).encode())
+    h.update(repr(plan.outputs).encode())
+    return h.hexdigest()

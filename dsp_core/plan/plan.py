@@ -1,0 +1,145 @@
+"""The Plan: a flat, integer-indexed program compiled from a graph for a set of outputs.
+
+Wiring is by integers. Every slot output is a *value* numbered from 0 in topological
+order; a slot input ``r`` is either a value (``r >= 0``) or an external input
+``-(k + 1)`` (``r < 0``, k indexes ``plan.externals``), or None for a missing optional
+input. Executors hold one flat list: index 0 is None, then the externals, then the
+values (see ``Plan.flat``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dsp_core.ops.registry import Trait
+
+Dim = int | str | None
+
+
+class ExternalClass(enum.Enum):
+    """How an external input behaves across calls."""
+
+    CONSTANT = "constant"  # weights: fixed for the life of the plan
+    VARIABLE = "variable"  # mutable state the caller owns (KV caches)
+    PLACEHOLDER = "placeholder"  # fed at every call
+
+
+@dataclass(frozen=True)
+class External:
+    """An input of the plan that no slot computes."""
+
+    name: str
+    cls: ExternalClass
+    dtype: str | None
+    shape: tuple[Dim, ...] | None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One op application: op, frozen attributes, integer wiring, traits."""
+
+    index: int
+    op: str
+    domain: str
+    opset: int
+    name: str
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]  # value ids; None for an output the graph does not name
+    attrs: Mapping[str, Any]
+    traits: Trait
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """A value's name and what static inference knows of its dtype and shape."""
+
+    name: str
+    dtype: str | None
+    shape: tuple[Dim, ...] | None
+
+
+@dataclass
+class Plan:
+    """A compiled, backend-neutral program for one graph and one set of requested outputs."""
+
+    slots: tuple[Slot, ...]
+    externals: tuple[External, ...]
+    values: tuple[ValueInfo, ...]
+    outputs: tuple[int, ...]  # refs (value id or external ref) of the requested outputs
+    output_names: tuple[str, ...]
+    release: tuple[tuple[int, ...], ...]  # per slot: value ids whose last use is that slot
+    constants: dict[int, np.ndarray] = field(default_factory=dict)  # external index -> array
+    content_hash: str = ""
+    graph_name: str = "graph"
+
+    # -- addressing ---------------------------------------------------------------
+    @property
+    def n_flat(self) -> int:
+        """Length of an executor's flat value list (None cell + externals + values + scratch)."""
+        return 1 + len(self.externals) + len(self.values) + 1
+
+    @property
+    def scratch(self) -> int:
+        """Flat index that absorbs outputs nobody reads."""
+        return self.n_flat - 1
+
+    def flat(self, ref: int | None) -> int:
+        """Flat index of a wiring reference (None -> 0, the always-None cell)."""
+        if ref is None:
+            return 0
+        if ref < 0:
+            return -ref  # external k (ref -(k+1)) lives at 1 + k
+        return 1 + len(self.externals) + ref
+
+    @staticmethod
+    def external_ref(k: int) -> int:
+        """The wiring reference of external input ``k``."""
+        return -(k + 1)
+
+    def ref_name(self, ref: int | None) -> str:
+        """The graph name behind a reference, for tables and messages."""
+        if ref is None:
+            return ""
+        if ref < 0:
+            return self.externals[-ref - 1].name
+        return self.values[ref].name
+
+    def ref_info(self, ref: int | None) -> tuple[str | None, tuple[Dim, ...] | None]:
+        """(dtype, shape) known statically for a reference."""
+        if ref is None:
+            return (None, None)
+        if ref < 0:
+            ext = self.externals[-ref - 1]
+            return (ext.dtype, ext.shape)
+        info = self.values[ref]
+        return (info.dtype, info.shape)
+
+    def placeholders(self) -> list[int]:
+        """Indexes of PLACEHOLDER and VARIABLE externals (what a caller feeds)."""
+        return [k for k, e in enumerate(self.externals) if e.cls is not ExternalClass.CONSTANT]
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for reports: slots, values, externals by class, constant bytes."""
+        by_cls = {c.value: sum(1 for e in self.externals if e.cls is c) for c in ExternalClass}
+        return {
+            "slots": len(self.slots),
+            "values": len(self.values),
+            "externals": by_cls,
+            "constant_bytes": int(sum(a.nbytes for a in self.constants.values())),
+            "content_hash": self.content_hash,
+        }
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A maximal run of consecutive slots given to one backend by the auction."""
+
+    index: int
+    backend: str
+    mode: str
+    slots: tuple[int, ...]

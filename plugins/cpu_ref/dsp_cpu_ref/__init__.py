@@ -1,0 +1,8 @@
+"""dsp-cpu-ref: DSP's reference backends (numpy): SLOT_BY_SLOT and SHAPE_INFERENCE_ONLY.
+
+Registered through the ``dsp.backends`` entry point like any third-party backend.
+"""
+
+from dsp_cpu_ref.plugin import ShapeInferenceBackend, SlotBySlotBackend, dsp_register_backends
+
+__all__ = ["ShapeInferenceBackend", "SlotBySlotBackend", "dsp_register_backends"]

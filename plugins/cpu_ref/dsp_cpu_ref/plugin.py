@@ -1,0 +1,50 @@
+"""The plugin module named by the entry point: declares the backends and their contracts."""
+
+from __future__ import annotations
+
+from dsp_core import hookimpl
+from dsp_core.backends.base import Backend, CompiledSegment, ModeContract
+from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core.ir.dtypes import DTYPE_NAMES
+from dsp_core.plan.plan import Plan, Segment
+from dsp_cpu_ref.shape_only import ShapeOnlySegment
+from dsp_cpu_ref.slot_by_slot import SlotBySlotSegment
+
+_REFERENCE = ModeContract(
+    deterministic=True,
+    needs_stable_addresses=False,
+    can_update_in_place=True,
+    tf32=False,
+    dtypes=frozenset(DTYPE_NAMES),
+    tolerance=0.0,
+)
+
+
+class SlotBySlotBackend(Backend):
+    """Runs every slot with its numpy reference kernel: the oracle for all other backends."""
+
+    name = "slot_by_slot"
+    mode = GraphExecutionMode.SLOT_BY_SLOT
+    platform = "cpu"
+    contract = _REFERENCE
+
+    def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
+        return SlotBySlotSegment(self, plan, segment)
+
+
+class ShapeInferenceBackend(Backend):
+    """Propagates dtypes and shapes through the plan without computing values."""
+
+    name = "shape_inference_only"
+    mode = GraphExecutionMode.SHAPE_INFERENCE_ONLY
+    platform = "cpu"
+    contract = _REFERENCE
+
+    def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
+        return ShapeOnlySegment(self, plan, segment)
+
+
+@hookimpl
+def dsp_register_backends() -> list[Backend]:
+    """cpu_ref's backends."""
+    return [SlotBySlotBackend(), ShapeInferenceBackend()]

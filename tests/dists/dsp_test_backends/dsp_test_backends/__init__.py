@@ -1,0 +1,1 @@
+"""Backends used by DSP's own tests; inert unless DSP_TEST_BACKENDS=1."""
