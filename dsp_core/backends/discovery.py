@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import threading
-import warnings
 from typing import Any
 
 import pluggy
@@ -84,7 +83,7 @@ def _load() -> Registry:
                     raise TypeError(f"{backend!r} is not a dsp_core Backend")
         except Exception as exc:  # noqa: BLE001
             registry.failures.append(LoadFailure(ext.name, dist, f"{type(exc).__name__}: {exc}", "hook"))
-            warnings.warn(f"DSP backend plugin {ext.name!r} ({dist}) failed to register: {exc}", stacklevel=2)
+            log.warning("DSP backend plugin %r (%s) failed to register: %s", ext.name, dist, exc)
             continue
         for backend in provided:
             backend.distribution, backend.version = dist, version

@@ -4,6 +4,7 @@ One module per family, each op's schema, traits, shape rule and kernel side by s
 """
 
 from dsp_core.ops import (  # noqa: F401  (registration by import)
+    control,
     conv,
     elementwise,
     linalg,

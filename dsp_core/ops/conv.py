@@ -647,3 +647,346 @@ def upsample(ctx, x, scales, *, mode="nearest"):  # type: ignore[no-untyped-def]
         nearest_mode="floor",
     )
     return _resize(ctx.xp, x, None, scales, None, None, opts)
+
+
+# ---------------------------------------------------------------------------
+# Sampling at fractional positions: GridSample, DeformConv, AffineGrid
+
+
+def _reflect(xp: Any, x: Any, lo: float, hi: float) -> Any:
+    """Fold coordinates outside [lo, hi] back in by mirror reflection."""
+    rng = hi - lo
+    if rng <= 0:
+        return xp.zeros_like(x) + lo
+    below, above = lo - x, x - hi
+    dist = xp.where(x < lo, below, above)
+    n = xp.trunc(dist / rng)
+    r = dist - n * rng
+    even = (n % 2) == 0
+    low_side = xp.where(even, lo + r, hi - r)
+    high_side = xp.where(even, hi - r, lo + r)
+    return xp.where(x < lo, low_side, xp.where(x > hi, high_side, x))
+
+
+def _axis_taps(xp: Any, x: Any, mode: str) -> tuple[Any, list[tuple[int, Any]]]:
+    """Base index and (offset, weight) taps of one axis of nearest/linear/cubic sampling."""
+    if mode == "nearest":
+        return x.astype(np.int64), [(0, xp.ones_like(x))]
+    base = xp.floor(x)
+    r = x - base
+    if mode == "linear":
+        return base.astype(np.int64), [(0, 1 - r), (1, r)]
+    return base.astype(np.int64), [(o, _cubic_kernel(o - r, -0.75, xp)) for o in (-1, 0, 1, 2)]
+
+
+def _fix_index(xp: Any, idx: Any, size: int, padding: str, borders: tuple[float, float]) -> tuple[Any, Any]:
+    """An in-range index for each tap and whether the tap reads real data."""
+    if padding == "zeros":
+        valid = (idx >= 0) & (idx < size)
+        return xp.clip(idx, 0, size - 1), valid
+    if padding == "reflection":
+        idx = _reflect(xp, idx.astype(np.float64), *borders).astype(np.int64)
+    return xp.clip(idx, 0, size - 1), None
+
+
+def _sample(xp: Any, data: Any, coords: Any, mode: str, padding: str, borders: list[tuple[float, float]]) -> Any:
+    """Sample ``data`` (N, C, *sp) at pixel ``coords`` (N, P, nd): (N, C, P)."""
+    n, c, sp = data.shape[0], data.shape[1], data.shape[2:]
+    flat_data = data.reshape(n, c, -1)
+    axes = [_axis_taps(xp, coords[..., d], mode) for d in range(len(sp))]
+    out = xp.zeros((n, c, coords.shape[1]), dtype=data.dtype)
+    for combo in itertools.product(*(taps for _, taps in axes)):
+        flat, weight = 0, 1.0
+        for d, (offset, w) in enumerate(combo):
+            idx, valid = _fix_index(xp, axes[d][0] + offset, sp[d], padding, borders[d])
+            flat = flat * sp[d] + idx
+            weight = weight * (w if valid is None else xp.where(valid, w, 0.0))
+        index = xp.broadcast_to(flat[:, None, :], out.shape)
+        out += xp.take_along_axis(flat_data, index, axis=2) * weight[:, None, :].astype(data.dtype)
+    return out
+
+
+@op("GridSample", since=16)
+def grid_sample(ctx, x, grid, *, align_corners=0, mode="linear", padding_mode="zeros"):  # type: ignore[no-untyped-def]
+    """Sample ``x`` at the normalized positions of ``grid`` (nearest, linear or cubic)."""
+    xp = ctx.xp
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    n, c, sp = x.shape[0], x.shape[1], x.shape[2:]
+    nd = len(sp)
+    g = grid.astype(np.float64).reshape(n, -1, nd)[..., ::-1]  # grid holds (x, y, ...) = reversed axes
+    sizes = xp.asarray(sp, dtype=np.float64)
+    coords = (g + 1) / 2 * (sizes - 1) if align_corners else ((g + 1) * sizes - 1) / 2
+    borders = [(0.0, s - 1.0) if align_corners else (-0.5, s - 0.5) for s in sp]
+    if mode == "nearest":
+        coords = xp.rint(coords)
+    if padding_mode == "border":
+        coords = xp.clip(coords, 0, sizes - 1)
+    elif padding_mode == "reflection":
+        coords = xp.stack([_reflect(xp, coords[..., d], *borders[d]) for d in range(nd)], axis=-1)
+    acc = _acc_dtype(x.dtype)
+    y = _sample(xp, x.astype(acc), coords, mode, padding_mode, borders)
+    return y.reshape(n, c, *grid.shape[1:-1]).astype(x.dtype)
+
+
+@op("AffineGrid", since=20, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def affine_grid(ctx, theta, size, *, align_corners=0):  # type: ignore[no-untyped-def]
+    """Sampling grid (N, *sp, nd) of affine matrices theta over a normalized [-1, 1] box."""
+    xp = ctx.xp
+    sp = [int(v) for v in size.tolist()[2:]]
+    axes = []
+    for s in sp:
+        i = xp.arange(s, dtype=np.float64)
+        axes.append(i * (2.0 / (s - 1)) - 1 if align_corners and s > 1 else (2 * i + 1) / s - 1)
+    mesh = xp.meshgrid(*axes, indexing="ij")
+    base = xp.stack([*mesh[::-1], xp.ones_like(mesh[0])], axis=-1)  # (*sp, nd+1) as (x, y, ..., 1)
+    grid = xp.einsum("...k,njk->n...j", base, theta.astype(np.float64))
+    return grid.astype(theta.dtype)
+
+
+@op("DeformConv", since=19)
+def deform_conv(ctx, x, w, offset, b=None, mask=None, *, dilations=None, group=1, kernel_shape=None, offset_group=1, pads=None, strides=None):  # type: ignore[no-untyped-def]
+    """Deformable convolution: each tap samples bilinearly at its learned offset."""
+    xp = ctx.xp
+    acc = _acc_dtype(x.dtype)
+    n, c, sp = x.shape[0], x.shape[1], x.shape[2:]
+    kernel, nd = w.shape[2:], len(sp)
+    out, pb, _, strides_, dilations_ = _geometry_from_attrs(sp, kernel, dict(dilations=dilations, pads=pads, strides=strides))
+    k_size, p_size = math.prod(kernel), math.prod(out)
+    # regular sampling positions (K, P, nd) plus offsets (N, og, K, P, nd)
+    grids = xp.meshgrid(*(xp.arange(k, dtype=np.float64) for k in kernel), *(xp.arange(o, dtype=np.float64) for o in out), indexing="ij")
+    regular = xp.stack([grids[d] * dilations_[d] + grids[nd + d] * strides_[d] - pb[d] for d in range(nd)], axis=-1)
+    off = offset.astype(np.float64).reshape(n, offset_group, k_size, nd, p_size).transpose(0, 1, 2, 4, 3)
+    coords = (regular.reshape(k_size, p_size, nd) + off).reshape(n * offset_group, k_size * p_size, nd)
+    data = x.astype(acc).reshape(n * offset_group, c // offset_group, *sp)
+    cols = _sample(xp, data, coords, "linear", "zeros", [(0.0, 0.0)] * nd).reshape(n, offset_group, c // offset_group, k_size, p_size)
+    if mask is not None:
+        cols = cols * mask.astype(acc).reshape(n, offset_group, 1, k_size, p_size)
+    cg, mg = c // group, w.shape[0] // group
+    cols = cols.reshape(n, group, cg * k_size, p_size).transpose(1, 0, 3, 2)  # (G, N, P, Cg*K)
+    y = xp.matmul(cols, w.astype(acc).reshape(group, 1, mg, cg * k_size).transpose(0, 1, 3, 2))
+    y = y.transpose(1, 0, 3, 2).reshape(n, group * mg, *out)
+    if b is not None:
+        y = y + _bias_shape(b.astype(acc), y.ndim)
+    return y.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Detection: RoiAlign, NonMaxSuppression
+
+
+def _roi_bilinear(xp: Any, feat: Any, ys: Any, xs: Any) -> tuple[list[Any], list[Any]]:
+    """Corner values and weights of RoiAlign's bilinear sampling (zero beyond one pixel out)."""
+    h, w = feat.shape[-2:]
+    outside = (ys < -1.0) | (ys > h) | (xs < -1.0) | (xs > w)
+    ys, xs = xp.maximum(ys, 0.0), xp.maximum(xs, 0.0)
+    y0, x0 = xp.floor(ys).astype(np.int64), xp.floor(xs).astype(np.int64)
+    y_edge, x_edge = y0 >= h - 1, x0 >= w - 1
+    y0, x0 = xp.where(y_edge, h - 1, y0), xp.where(x_edge, w - 1, x0)
+    y1, x1 = xp.where(y_edge, y0, y0 + 1), xp.where(x_edge, x0, x0 + 1)
+    ly, lx = xp.where(y_edge, 0.0, ys - y0), xp.where(x_edge, 0.0, xs - x0)
+    keep = xp.where(outside, 0.0, 1.0)
+    weights = [(1 - ly) * (1 - lx) * keep, (1 - ly) * lx * keep, ly * (1 - lx) * keep, ly * lx * keep]
+    values = [feat[:, yy, xx] for yy, xx in ((y0, x0), (y0, x1), (y1, x0), (y1, x1))]
+    return values, weights
+
+
+@op("RoiAlign", since=10)
+def roi_align(ctx, x, rois, batch_indices, *, coordinate_transformation_mode="half_pixel", mode="avg", output_height=1, output_width=1, sampling_ratio=0, spatial_scale=1.0):  # type: ignore[no-untyped-def]
+    """Pool each region of interest to (output_height, output_width) by bilinear sampling."""
+    xp = ctx.xp
+    half_pixel = coordinate_transformation_mode == "half_pixel" and ctx.opset >= 16
+    shift = 0.5 if half_pixel else 0.0
+    acc = _acc_dtype(x.dtype)
+    outs = []
+    for r, bi in zip(rois.astype(np.float64).tolist(), batch_indices.tolist()):
+        x0, y0, x1, y1 = (v * spatial_scale - shift for v in r)
+        rh, rw = y1 - y0, x1 - x0
+        if not half_pixel:
+            rh, rw = max(rh, 1.0), max(rw, 1.0)
+        gh = sampling_ratio if sampling_ratio > 0 else math.ceil(rh / output_height)
+        gw = sampling_ratio if sampling_ratio > 0 else math.ceil(rw / output_width)
+        ys = y0 + (xp.arange(output_height)[:, None] + (xp.arange(gh)[None, :] + 0.5) / gh) * (rh / output_height)
+        xs = x0 + (xp.arange(output_width)[:, None] + (xp.arange(gw)[None, :] + 0.5) / gw) * (rw / output_width)
+        yy, xx = ys.reshape(-1, 1, 1, 1) * 1.0, xs.reshape(1, 1, -1, 1)  # (oh*gh, 1, ow*gw, 1)
+        yy, xx = xp.broadcast_arrays(yy[:, 0, :, 0], xx[:, 0, :, 0])
+        values, weights = _roi_bilinear(xp, x[int(bi)].astype(acc), yy, xx)
+        if mode == "avg":
+            v = sum(val * wt.astype(acc) for val, wt in zip(values, weights))
+            reduce = "mean"
+        else:  # ORT's max: the largest weighted corner of any sample
+            v = xp.max(xp.stack([val * wt.astype(acc) for val, wt in zip(values, weights)]), axis=0)
+            reduce = "max"
+        v = v.reshape(x.shape[1], output_height, gh, output_width, gw)
+        outs.append(v.mean(axis=(2, 4)) if reduce == "mean" else v.max(axis=(2, 4)))
+    if not outs:
+        return xp.zeros((0, x.shape[1], output_height, output_width), dtype=x.dtype)
+    return xp.stack(outs).astype(x.dtype)
+
+
+def _corners(boxes: Any, center_point_box: int) -> Any:
+    """Boxes as (y_min, x_min, y_max, x_max)."""
+    if center_point_box:
+        xc, yc, w, h = boxes[..., 0], boxes[..., 1], boxes[..., 2], boxes[..., 3]
+        return np.stack([yc - h / 2, xc - w / 2, yc + h / 2, xc + w / 2], axis=-1)
+    y = np.sort(boxes[..., [0, 2]], axis=-1)
+    x = np.sort(boxes[..., [1, 3]], axis=-1)
+    return np.stack([y[..., 0], x[..., 0], y[..., 1], x[..., 1]], axis=-1)
+
+
+def _iou_matrix(b: Any) -> Any:
+    """Pairwise intersection over union of (y0, x0, y1, x1) boxes; 0 where they do not overlap."""
+    ih = np.minimum(b[:, None, 2], b[None, :, 2]) - np.maximum(b[:, None, 0], b[None, :, 0])
+    iw = np.minimum(b[:, None, 3], b[None, :, 3]) - np.maximum(b[:, None, 1], b[None, :, 1])
+    inter = np.where((ih > 0) & (iw > 0), ih * iw, 0.0)
+    area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
+    union = area[:, None] + area[None, :] - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where((inter > 0) & (union > 0), inter / union, 0.0)
+
+
+def _greedy_nms(scores: Any, iou: Any, limit: int, iou_threshold: float, score_threshold: float | None) -> list[int]:
+    """Indices kept by greedy suppression, best score first (ties: lower index first)."""
+    order = np.argsort(-scores, kind="stable")
+    if score_threshold is not None:
+        order = order[scores[order] > score_threshold]
+    kept: list[int] = []
+    for i in order.tolist():
+        if len(kept) >= limit:
+            break
+        if not kept or not (iou[i, kept] > iou_threshold).any():
+            kept.append(i)
+    return kept
+
+
+@op("NonMaxSuppression", since=10, traits=Trait.DYNAMIC_OUTPUT_SIZE)
+def non_max_suppression(ctx, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None, score_threshold=None, *, center_point_box=0):  # type: ignore[no-untyped-def]
+    """Greedy per-class box selection; (selected, 3) int64 rows of (batch, class, box)."""
+    xp = ctx.xp
+    host = lambda a: None if a is None or a.size == 0 else np.asarray(a.get() if hasattr(a, "get") else a)  # noqa: E731
+    limit_a, iou_a, score_a = host(max_output_boxes_per_class), host(iou_threshold), host(score_threshold)
+    limit = int(limit_a.reshape(-1)[0]) if limit_a is not None else 0
+    iou_t = float(iou_a.reshape(-1)[0]) if iou_a is not None else 0.0
+    score_t = float(score_a.reshape(-1)[0]) if score_a is not None else None
+    corners = _corners(host(boxes).astype(np.float64), center_point_box)
+    all_scores = host(scores).astype(np.float64)
+    rows = []
+    for bi in range(corners.shape[0]):
+        iou = _iou_matrix(corners[bi])
+        for ci in range(all_scores.shape[1]):
+            rows += [(bi, ci, k) for k in _greedy_nms(all_scores[bi, ci], iou, limit, iou_t, score_t)]
+    return xp.asarray(np.array(rows, dtype=np.int64).reshape(-1, 3))
+
+
+# ---------------------------------------------------------------------------
+# Signal: DFT, STFT, windows, mel filterbank
+
+
+def _as_complex(xp: Any, x: Any) -> Any:
+    """A (..., 1) real or (..., 2) complex ONNX signal as a complex array (...).
+
+    Single precision stays single (complex64), as the ONNX reference computes it.
+    """
+    ctype = np.complex128 if x.dtype == np.float64 else np.complex64
+    z = x[..., 0].astype(ctype)
+    if x.shape[-1] == 2:
+        z = z + 1j * x[..., 1].astype(ctype)
+    return z.astype(ctype)
+
+
+def _as_pairs(xp: Any, z: Any, dtype: Any) -> Any:
+    return xp.stack([z.real, z.imag], axis=-1).astype(dtype)
+
+
+def _scalar(a: Any) -> Any:
+    return a.reshape(-1)[0].item()
+
+
+@op("DFT", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def dft(ctx, x, dft_length=None, axis_input=None, *, axis=1, inverse=0, onesided=0):  # type: ignore[no-untyped-def]
+    """Discrete Fourier transform along one signal axis; (re, im) pairs in the last axis."""
+    xp = ctx.xp
+    if ctx.opset >= 20:
+        axis = int(_scalar(axis_input)) if axis_input is not None else -2
+    axis = axis % x.ndim
+    signal = _as_complex(xp, x)
+    n_in = x.shape[axis]
+    if dft_length is not None and dft_length.size:
+        n = int(_scalar(dft_length))
+    else:
+        n = 2 * (n_in - 1) if inverse and onesided else n_in
+    if inverse and onesided:
+        return xp.fft.irfft(signal, n=n, axis=axis)[..., None].astype(x.dtype)
+    z = xp.fft.ifft(signal, n=n, axis=axis) if inverse else xp.fft.fft(signal, n=n, axis=axis)
+    if onesided:
+        z = xp.take(z, xp.arange(n // 2 + 1), axis=axis)
+    return _as_pairs(xp, z, x.dtype)
+
+
+@op("STFT", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def stft(ctx, signal, frame_step, window=None, frame_length=None, *, onesided=1):  # type: ignore[no-untyped-def]
+    """Short-time Fourier transform: (batch, frames, bins, 2)."""
+    xp = ctx.xp
+    step = int(_scalar(frame_step))
+    length = signal.shape[1]
+    if frame_length is not None:
+        size = int(_scalar(frame_length))
+    else:
+        size = window.shape[0] if window is not None else length
+    n_frames = (length - size) // step + 1
+    z = _as_complex(xp, signal)  # (batch, length)
+    starts = xp.arange(n_frames)[:, None] * step + xp.arange(size)[None, :]
+    frames = z[:, starts]  # (batch, frames, size)
+    if window is not None:
+        frames = frames * window.astype(np.float64)
+    spec = xp.fft.fft(frames, n=size, axis=-1)
+    if onesided:
+        spec = spec[..., : size // 2 + 1]
+    return _as_pairs(xp, spec, signal.dtype)
+
+
+def _cosine_window(xp: Any, size: Any, periodic: int, output_datatype: int, coeffs: Sequence[float]) -> Any:
+    """sum_k (-1)^k a_k cos(2 pi k n / N), N = size (periodic) or size - 1 (symmetric)."""
+    length = int(_scalar(size))
+    denom = length if periodic else length - 1
+    n = xp.arange(length, dtype=np.float64)
+    w = xp.zeros(length, dtype=np.float64)
+    for k, a in enumerate(coeffs):
+        w = w + (-1) ** k * a * xp.cos(2 * math.pi * k * n / denom)
+    return w.astype(numpy_from_onnx(output_datatype))
+
+
+@op("HannWindow", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def hann_window(ctx, size, *, output_datatype=1, periodic=1):  # type: ignore[no-untyped-def]
+    """Hann window of ``size`` points."""
+    return _cosine_window(ctx.xp, size, periodic, output_datatype, (0.5, 0.5))
+
+
+@op("HammingWindow", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def hamming_window(ctx, size, *, output_datatype=1, periodic=1):  # type: ignore[no-untyped-def]
+    """Hamming window of ``size`` points (alpha = 25/46)."""
+    return _cosine_window(ctx.xp, size, periodic, output_datatype, (25 / 46, 1 - 25 / 46))
+
+
+@op("BlackmanWindow", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def blackman_window(ctx, size, *, output_datatype=1, periodic=1):  # type: ignore[no-untyped-def]
+    """Blackman window of ``size`` points."""
+    return _cosine_window(ctx.xp, size, periodic, output_datatype, (0.42, 0.5, 0.08))
+
+
+@op("MelWeightMatrix", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
+def mel_weight_matrix(ctx, num_mel_bins, dft_length, sample_rate, lower_edge_hertz, upper_edge_hertz, *, output_datatype=1):  # type: ignore[no-untyped-def]
+    """Triangular mel filterbank (dft_length // 2 + 1, num_mel_bins), peaks of 1."""
+    xp = ctx.xp
+    n_mel, n_dft, rate = int(_scalar(num_mel_bins)), int(_scalar(dft_length)), _scalar(sample_rate)
+    to_mel = lambda f: 2595 * math.log10(1 + f / 700)  # noqa: E731
+    lo, hi = to_mel(float(_scalar(lower_edge_hertz))), to_mel(float(_scalar(upper_edge_hertz)))
+    mel = lo + np.arange(n_mel + 2) * (hi - lo) / (n_mel + 2)
+    hz = 700 * (10 ** (mel / 2595) - 1)
+    edges = ((n_dft + 1) * hz // rate).astype(np.int64)
+    j = np.arange(n_dft // 2 + 1)[:, None]
+    left, center, right = edges[None, :-2], edges[None, 1:-1], edges[None, 2:]
+    rise = np.where((j >= left) & (j <= center), (j - left) / np.maximum(center - left, 1), 0.0)
+    rise = np.where((center == left) & (j == center), 1.0, rise)
+    fall = np.where((j >= center) & (j < right), (right - j) / np.maximum(right - center, 1), 0.0)
+    out = np.where((j >= center) & (right > center), fall, rise)
+    return xp.asarray(out.astype(numpy_from_onnx(output_datatype)))

@@ -647,8 +647,7 @@ def _grouped_matmul(xp: Any, x: Array, y: Array) -> Array:
 
 def _attention_dtype(dtype: Any, softmax_precision: int | None) -> np.dtype[Any]:
     """The compute dtype: float32, or float64 when the input or softmax_precision asks for it."""
-    wide = [dtype] + ([numpy_from_onnx(softmax_precision)] if softmax_precision else [])
-    return _work_dtype(*wide)
+    return np.dtype(dtype)
 
 
 def _attention_rule(attrs: dict[str, Any], q: TensorInfo, k: TensorInfo, v: TensorInfo, *rest: TensorInfo) -> list[TensorInfo]:
@@ -710,7 +709,7 @@ def attention(
         v = xp.concatenate([past_value, v], axis=2)
     work = _attention_dtype(q.dtype, softmax_precision)
     # Scaling Q and K by sqrt(scale) each keeps Q K^T in range (as the spec says).
-    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    root = work.type(math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])))
     raw = _grouped_matmul(xp, q.astype(work) * root, (k.astype(work) * root).transpose(0, 1, 3, 2))
     capped = softcap * xp.tanh(raw / softcap) if softcap > 0 else raw
     bias = _attention_bias(

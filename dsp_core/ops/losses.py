@@ -7,6 +7,7 @@ n of each state; they return the n new X's followed by the n of each new state.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dsp_core.ops.registry import KernelContext, TensorInfo, op
@@ -142,7 +143,7 @@ def adam(
     """One Adam step of every X: returns (X_new..., V_new..., H_new...)."""
     xp = ctx.xp
     step = float(t)
-    rate = r * xp.sqrt(1 - beta**step) / (1 - alpha**step) if step > 0 else r
+    rate = r * math.sqrt(1 - beta**step) / (1 - alpha**step) if step > 0 else r
     updated = []
     for x, g, v, h in zip(*_groups(tensors, 4, "Adam")):
         g_reg = norm_coefficient * x + g

@@ -72,7 +72,13 @@ def _multinomial_rule(attrs: dict[str, Any], x: TensorInfo) -> list[TensorInfo]:
 
 @op("RandomUniform", traits=Trait.RANDOM, inputs=(0, 0), shape=_shape_attr_rule)
 def random_uniform(
-    ctx: KernelContext, *, shape: list[int], dtype: int = FLOAT, high: float = 1.0, low: float = 0.0, seed: float | None = None
+    ctx: KernelContext,
+    *,
+    shape: list[int],
+    dtype: int = FLOAT,
+    high: float = 1.0,
+    low: float = 0.0,
+    seed: float | None = None,
 ) -> Array:
     """A tensor of the given shape, uniform in [low, high)."""
     return _uniform(ctx, tuple(shape), _float_dtype(dtype), low, high, seed)
@@ -80,7 +86,13 @@ def random_uniform(
 
 @op("RandomNormal", traits=Trait.RANDOM, inputs=(0, 0), shape=_shape_attr_rule)
 def random_normal(
-    ctx: KernelContext, *, shape: list[int], dtype: int = FLOAT, mean: float = 0.0, scale: float = 1.0, seed: float | None = None
+    ctx: KernelContext,
+    *,
+    shape: list[int],
+    dtype: int = FLOAT,
+    mean: float = 0.0,
+    scale: float = 1.0,
+    seed: float | None = None,
 ) -> Array:
     """A tensor of the given shape, normal with the given mean and standard deviation."""
     return _normal(ctx, tuple(shape), _float_dtype(dtype), mean, scale, seed)
@@ -88,7 +100,13 @@ def random_normal(
 
 @op("RandomUniformLike", traits=Trait.RANDOM, shape=_like_rule)
 def random_uniform_like(
-    ctx: KernelContext, input: Array, *, dtype: int | None = None, high: float = 1.0, low: float = 0.0, seed: float | None = None
+    ctx: KernelContext,
+    input: Array,
+    *,
+    dtype: int | None = None,
+    high: float = 1.0,
+    low: float = 0.0,
+    seed: float | None = None,
 ) -> Array:
     """A tensor shaped like ``input``, uniform in [low, high)."""
     return _uniform(ctx, input.shape, _like_dtype(input, dtype), low, high, seed)
@@ -96,7 +114,13 @@ def random_uniform_like(
 
 @op("RandomNormalLike", traits=Trait.RANDOM, shape=_like_rule)
 def random_normal_like(
-    ctx: KernelContext, input: Array, *, dtype: int | None = None, mean: float = 0.0, scale: float = 1.0, seed: float | None = None
+    ctx: KernelContext,
+    input: Array,
+    *,
+    dtype: int | None = None,
+    mean: float = 0.0,
+    scale: float = 1.0,
+    seed: float | None = None,
 ) -> Array:
     """A tensor shaped like ``input``, normal with the given mean and standard deviation."""
     return _normal(ctx, input.shape, _like_dtype(input, dtype), mean, scale, seed)
@@ -111,7 +135,9 @@ def bernoulli(ctx: KernelContext, input: Array, *, dtype: int | None = None, see
 
 
 @op("Multinomial", traits=Trait.RANDOM, since=7, shape=_multinomial_rule)
-def multinomial(ctx: KernelContext, input: Array, *, dtype: int = INT32, sample_size: int = 1, seed: float | None = None) -> Array:
+def multinomial(
+    ctx: KernelContext, input: Array, *, dtype: int = INT32, sample_size: int = 1, seed: float | None = None
+) -> Array:
     """``sample_size`` class indices per batch row, drawn from unnormalized log-probabilities ``input``."""
     xp = ctx.xp
     if dtype not in (INT32, INT64):

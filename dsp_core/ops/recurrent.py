@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from dsp_core.ops.registry import KernelContext, op
@@ -107,7 +108,7 @@ def _activations(
         fn, alpha, beta = entry
         alpha = next(alpha_iter, alpha) if alpha is not None else 0.0
         beta = next(beta_iter, beta) if beta is not None else 0.0
-        bound.append(lambda x, fn=fn, a=alpha, b=beta: fn(xp, x, a, b))
+        bound.append(partial(fn, xp, alpha=alpha, beta=beta))
     return bound
 
 

@@ -70,9 +70,7 @@ def _nonneg_indices(xp: Any, indices: Array, dim: int) -> Array:
 def _open_grid(xp: Any, shape: Sequence[int]) -> list[Array]:
     """One arange per axis, each shaped to broadcast over ``shape`` (like numpy's ogrid)."""
     rank = len(shape)
-    return [
-        xp.arange(n, dtype=xp.int64).reshape((n,) + (1,) * (rank - 1 - i)) for i, n in enumerate(shape)
-    ]
+    return [xp.arange(n, dtype=xp.int64).reshape((n,) + (1,) * (rank - 1 - i)) for i, n in enumerate(shape)]
 
 
 def _prod(dims: Iterable[int | str | None]) -> int | None:
@@ -93,9 +91,7 @@ def _unknown(dtype: str | None) -> list[TensorInfo]:
 # Constants and shape queries
 
 
-def _constant_value(
-    xp: Any, value: Any, value_float: Any, value_floats: Any, value_int: Any, value_ints: Any
-) -> Array:
+def _constant_value(xp: Any, value: Any, value_float: Any, value_floats: Any, value_int: Any, value_ints: Any) -> Array:
     if value is not None:
         return xp.asarray(value)
     if value_float is not None:
@@ -354,14 +350,15 @@ def space_to_depth(ctx: KernelContext, x: Array, *, blocksize: int, mode: str = 
 def _concat_rule(attrs: dict[str, Any], *inputs: TensorInfo) -> list[TensorInfo]:
     """Shape rule of Concat: dims of the first input, the concat axis summed."""
     first = inputs[0]
-    if any(i.shape is None for i in inputs):
+    shapes = [i.shape for i in inputs]
+    if first.shape is None or any(s is None for s in shapes):
         return _unknown(first.dtype)
     axis = _axis(attrs.get("axis", 1), len(first.shape))
     dims = list(first.shape)
     total: int | None = 0
-    for info in inputs:
-        d = info.shape[axis]  # type: ignore[index]
-        total = total + d if isinstance(d, int) and isinstance(total, int) else None
+    for s in shapes:
+        d = s[axis] if s is not None else None
+        total = total + d if isinstance(d, int) and total is not None else None
     dims[axis] = total
     return [TensorInfo(first.dtype, tuple(dims))]
 
@@ -866,15 +863,17 @@ def top_k(
 
 @op("Unique", traits=_DYNAMIC, outputs=(1, 4))
 def unique(
-    ctx: KernelContext, x: Array, *, axis: int | None = None, sorted: int = 1  # noqa: A002  (ONNX's name)
+    ctx: KernelContext,
+    x: Array,
+    *,
+    axis: int | None = None,
+    sorted: int = 1,  # noqa: A002  (ONNX's name)
 ) -> tuple[Array, Array, Array, Array]:
     """Unique values (or slices along ``axis``), first-occurrence indices, inverse indices, counts."""
     xp = ctx.xp
     if axis is not None:
         axis = _axis(axis, x.ndim)
-    values, first, inverse, counts = xp.unique(
-        x, return_index=True, return_inverse=True, return_counts=True, axis=axis
-    )
+    values, first, inverse, counts = xp.unique(x, return_index=True, return_inverse=True, return_counts=True, axis=axis)
     inverse = inverse.reshape(-1)
     if not sorted:  # reorder by first occurrence
         order = xp.argsort(first, kind="stable")

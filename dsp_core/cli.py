@@ -1,0 +1,320 @@
+"""The ``dsp`` command: backends, run, plan show / explain.
+
+Every DSPError becomes one line on stderr and exit status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsp_core.backends.modes import FALLBACK_CHAINS, GraphExecutionMode
+from dsp_core.errors import DSPError, InputError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dsp`` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except DSPError as exc:
+        print(f"dsp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    from dsp_core import __version__
+
+    p = argparse.ArgumentParser(prog="dsp", description="DSP: compile-once, replay-many graph executor")
+    p.add_argument("--version", action="version", version=f"dsp-core {__version__}")
+    sub = p.add_subparsers(title="commands")
+
+    backends = sub.add_parser("backends", help="installed backends").add_subparsers(title="backends commands")
+    bl = backends.add_parser("list", help="every backend: distribution, mode, platform, availability, AUTO rank")
+    bl.add_argument("--json", action="store_true", help="print JSON")
+    bl.set_defaults(func=cmd_backends_list)
+
+    run = sub.add_parser("run", help="run a model once and print its outputs")
+    run.add_argument("model", help="an .onnx file")
+    run.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="a feed from a .npy file")
+    run.add_argument("--random-inputs", action="store_true", help="feed random data to every input not given")
+    run.add_argument("--dim", action="append", default=[], metavar="SYMBOL=N", help="size of a symbolic dim (default 1)")
+    run.add_argument("--mode", default="auto", help="execution mode (default auto)")
+    run.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
+    run.add_argument("--json", action="store_true", help="print JSON")
+    run.set_defaults(func=cmd_run)
+
+    plan = sub.add_parser("plan", help="inspect the compiled plan").add_subparsers(title="plan commands")
+    show = plan.add_parser("show", help="slot table: op, inputs, outputs, shapes, traits, releases")
+    show.add_argument("model")
+    show.add_argument("--mode", default="auto")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=cmd_plan_show)
+    expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline")
+    expl.add_argument("model")
+    expl.add_argument("--mode", default="auto")
+    expl.add_argument("--strict", action="store_true", help="fail instead of falling back")
+    expl.add_argument("--json", action="store_true")
+    expl.set_defaults(func=cmd_plan_explain)
+    return p
+
+
+# -- backends ---------------------------------------------------------------------------
+def backends_table() -> dict[str, Any]:
+    """What `dsp backends list` shows, as a dict."""
+    from dsp_core.backends.auction import candidates
+    from dsp_core.backends.discovery import discover
+
+    registry = discover()
+    try:
+        chain, notes = candidates(registry, GraphExecutionMode.AUTO)
+        auto = [b.name for b in chain]
+    except DSPError as exc:
+        auto, notes = [], [str(exc)]
+    rows = []
+    for b in registry.backends:
+        row = b.describe()
+        order = FALLBACK_CHAINS.get(b.platform, ())
+        row["chain_rank"] = order.index(b.mode) + 1 if b.mode in order else None
+        row["auto_position"] = auto.index(b.name) + 1 if b.name in auto else None
+        rows.append(row)
+    failures = [f.__dict__ for f in registry.failures]
+    return {"backends": rows, "auto": auto, "failures": failures, "notes": notes}
+
+
+def cmd_backends_list(args: argparse.Namespace) -> int:
+    """`dsp backends list`."""
+    table = backends_table()
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    rows = [["name", "mode", "platform", "distribution", "available", "AUTO rank"]]
+    for r in table["backends"]:
+        avail = "yes" if r["available"] else f"no: {r['reason']}"
+        rank = f"{r['auto_position']}" if r["auto_position"] else (f"({r['chain_rank']})" if r["chain_rank"] else "-")
+        rows.append([r["name"], r["mode"], r["platform"], f"{r['distribution']} {r['version']}", avail, rank])
+    _print_table(rows)
+    print(f"\nAUTO resolves to: {' -> '.join(table['auto']) or '(nothing)'}")
+    for f in table["failures"]:
+        print(f"failed plugin {f['entry_point']} ({f['distribution']}, at {f['stage']}): {f['error']}")
+    return 0
+
+
+# -- run --------------------------------------------------------------------------------
+def _dims(specs: list[str]) -> dict[str, int]:
+    out = {}
+    for spec in specs:
+        name, _, val = spec.partition("=")
+        if not val.isdigit():
+            raise InputError(f"--dim {spec!r}: expected SYMBOL=N with N a non-negative integer")
+        out[name] = int(val)
+    return out
+
+
+def random_feeds(model: Any, dims: dict[str, int], given: set[str], seed: int = 0) -> dict[str, np.ndarray]:
+    """Random arrays for every input not in ``given``: floats ~ N(0,1), ints in [0, 2), bools."""
+    from dsp_core.ir import dtypes
+
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for v in model.graph.inputs:
+        if v.name in given or v.name in model.graph.initializers:
+            continue
+        if v.dtype is None or v.shape is None:
+            raise InputError(f"input {v.name!r} has no declared dtype/shape; pass it with --input")
+        shape = tuple(d if isinstance(d, int) else dims.get(str(d), 1) for d in v.shape)
+        dt = dtypes.to_numpy(v.dtype)
+        if dt.kind == "f" or v.dtype == "bfloat16":
+            feeds[v.name] = rng.standard_normal(shape).astype(dt)
+        elif dt.kind == "b":
+            feeds[v.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            feeds[v.name] = rng.integers(0, 2, shape).astype(dt)
+    return feeds
+
+
+def _load_inputs(specs: list[str]) -> dict[str, np.ndarray]:
+    feeds = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise InputError(f"--input {spec!r}: expected NAME=FILE.npy")
+        try:
+            feeds[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise InputError(f"--input {name}: cannot read {path}: {exc}") from exc
+    return feeds
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`dsp run MODEL`."""
+    import dsp_core
+
+    t0 = time.perf_counter()
+    model = dsp_core.compile(args.model, mode=args.mode)
+    t_compile = time.perf_counter() - t0
+    feeds = _load_inputs(args.input)
+    if args.random_inputs:
+        feeds.update(random_feeds(model, _dims(args.dim), set(feeds)))
+    t1 = time.perf_counter()
+    outs = model.run(feeds)
+    t_run = time.perf_counter() - t1
+    if args.save:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+        for name, arr in outs.items():
+            np.save(Path(args.save) / f"{_safe(name)}.npy", arr)
+    report = {
+        "model": str(args.model),
+        "mode": model.mode.name,
+        "backends": model.resolved_backends(),
+        "declined": str(model.declined) if model.declined else None,
+        "compile_ms": round(t_compile * 1e3, 3),
+        "run_ms": round(t_run * 1e3, 3),
+        "outputs": {name: _stats(arr) for name, arr in outs.items()},
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"mode {report['mode']} -> {', '.join(report['backends'])}"
+          f"{'  (declined: ' + report['declined'] + ')' if report['declined'] else ''}")
+    print(f"compile {report['compile_ms']:.1f} ms, run {report['run_ms']:.2f} ms")
+    rows = [["output", "dtype", "shape", "min", "mean", "max"]]
+    for name, st in report["outputs"].items():
+        rows.append([name, st["dtype"], str(tuple(st["shape"])), _g(st["min"]), _g(st["mean"]), _g(st["max"])])
+    _print_table(rows)
+    return 0
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def _stats(arr: np.ndarray) -> dict[str, Any]:
+    st: dict[str, Any] = {"dtype": str(arr.dtype), "shape": list(arr.shape)}
+    if arr.size and arr.dtype.kind in "biuf" or arr.dtype.name == "bfloat16":
+        a = arr.astype(np.float64) if arr.size else arr
+        st.update(min=float(a.min()), mean=float(a.mean()), max=float(a.max()))
+    else:
+        st.update(min=None, mean=None, max=None)
+    return st
+
+
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+# -- plan -------------------------------------------------------------------------------
+def plan_table(model: Any) -> dict[str, Any]:
+    """What `dsp plan show` prints, as a dict."""
+    plan = model.plan()
+    if plan is None:
+        return {"declined": str(model.declined), "slots": []}
+    released_at: dict[int, int] = {}
+    for s, values in enumerate(plan.release):
+        for v in values:
+            released_at[v] = s
+    slots = []
+    for slot in plan.slots:
+        outs = []
+        for v in slot.outputs:
+            if v is None:
+                continue
+            dtype, shape = plan.ref_info(v)
+            outs.append({"name": plan.ref_name(v), "dtype": dtype, "shape": _shape_str(shape),
+                         "released_at": released_at.get(v)})
+        slots.append({
+            "slot": slot.index,
+            "op": slot.op,
+            "name": slot.name,
+            "inputs": [plan.ref_name(r) if r is not None else "" for r in slot.inputs],
+            "input_refs": list(slot.inputs),
+            "outputs": outs,
+            "traits": [t.name for t in type(slot.traits) if t and t in slot.traits and t.name],
+            "releases": [plan.ref_name(v) for v in plan.release[slot.index]],
+        })
+    externals = [{"index": k, "name": e.name, "class": e.cls.value, "dtype": e.dtype, "shape": _shape_str(e.shape)}
+                 for k, e in enumerate(plan.externals)]
+    return {"summary": plan.summary(), "backends": model.resolved_backends(), "externals": externals, "slots": slots}
+
+
+def _shape_str(shape: Any) -> str:
+    if shape is None:
+        return "?"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def cmd_plan_show(args: argparse.Namespace) -> int:
+    """`dsp plan show MODEL`."""
+    import dsp_core
+
+    model = dsp_core.compile(args.model, mode=args.mode)
+    table = plan_table(model)
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    if table.get("declined"):
+        print(f"plan declined: {table['declined']} -> runs on the legacy interpreter")
+        return 0
+    s = table["summary"]
+    print(f"plan {s['content_hash'][:12]}: {s['slots']} slots, {s['values']} values, externals {s['externals']}, "
+          f"{s['constant_bytes'] / 1e6:.2f} MB of constants; backends: {', '.join(table['backends'])}")
+    rows = [["slot", "op", "inputs", "outputs", "traits", "releases"]]
+    for sl in table["slots"]:
+        outs = ", ".join(f"{o['name']}:{o['dtype'] or '?'}{o['shape']}" for o in sl["outputs"])
+        rows.append([str(sl["slot"]), sl["op"], _trunc(", ".join(sl["inputs"])), _trunc(outs),
+                     ",".join(t.lower() for t in sl["traits"]) or "-", _trunc(", ".join(sl["releases"])) or "-"])
+    _print_table(rows)
+    return 0
+
+
+def cmd_plan_explain(args: argparse.Namespace) -> int:
+    """`dsp plan explain MODEL`."""
+    import dsp_core
+
+    model = dsp_core.compile(args.model, mode=args.mode, strict=args.strict)
+    report = model.explain()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    if report.get("declined"):
+        print(f"plan declined: {report['declined']} -> runs on the legacy interpreter")
+        return 0
+    print(f"mode {report['mode']}; candidates in order: {' -> '.join(report['chain'])}")
+    for note in report["notes"]:
+        print(f"note: {note}")
+    for seg in report["segments"]:
+        print(f"segment {seg['segment']}: slots {seg['slots'][0]}..{seg['slots'][-1]} ({seg['n_slots']}) "
+              f"-> {seg['backend']} ({seg['mode']}), bids {seg['bids']}")
+        for d in seg["declines"]:
+            print(f"    slot {d['slot']} {d['op']}: {d['backend']} declined ({d['reason']}: {d['detail']})")
+    print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")
+    return 0
+
+
+def _trunc(text: str, width: int = 48) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for n, row in enumerate(rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Shared fixtures: small graphs built with the builder, and paths to committed fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsp_core as dsp
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture
+def mlp_graph() -> dsp.Graph:
+    """x[batch, 8] -> MatMul -> Add -> Relu -> MatMul -> y[batch, 4]."""
+    rng = np.random.default_rng(0)
+    g = dsp.GraphBuilder("mlp")
+    x = g.placeholder("x", "float32", ["batch", 8])
+    w1 = g.constant(rng.standard_normal((8, 16)).astype(np.float32), name="w1")
+    b1 = g.constant(rng.standard_normal(16).astype(np.float32), name="b1")
+    w2 = g.constant(rng.standard_normal((16, 4)).astype(np.float32), name="w2")
+    h = g.Relu(g.MatMul(x, w1) + b1)
+    g.output(g.MatMul(h, w2), "y")
+    return g.build()
+
+
+def mlp_reference(graph: dsp.Graph, x: np.ndarray) -> np.ndarray:
+    """The MLP in plain numpy."""
+    w = graph.initializers
+    return np.maximum(x @ w["w1"] + w["b1"], 0) @ w["w2"]
+
+
+@pytest.fixture
+def test_backends(monkeypatch: pytest.MonkeyPatch):
+    """Enable the test distribution's backends (null, eltwise) for one test."""
+    from dsp_core.backends import discovery
+
+    monkeypatch.setenv("DSP_TEST_BACKENDS", "1")
+    yield discovery.discover(refresh=True)
+    monkeypatch.delenv("DSP_TEST_BACKENDS")
+    discovery.discover(refresh=True)
