@@ -77,9 +77,7 @@ def _geometry_from_attrs(
     dilations = _ints(attrs.get("dilations"), n, 1)
     pads = _ints(attrs.get("pads"), 2 * n, 0)
     auto_pad = attrs.get("auto_pad", "NOTSET") or "NOTSET"
-    out, pb, pe = _window_geometry(
-        in_sp, kernel, strides, dilations, pads, auto_pad, bool(attrs.get("ceil_mode", 0))
-    )
+    out, pb, pe = _window_geometry(in_sp, kernel, strides, dilations, pads, auto_pad, bool(attrs.get("ceil_mode", 0)))
     return out, pb, pe, strides, dilations
 
 
@@ -97,7 +95,9 @@ def _pad_spatial(xp: Any, x: Any, begin: Sequence[int], end: Sequence[int], valu
     return y[crop]
 
 
-def _windows(xp: Any, x: Any, out: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> Any:
+def _windows(
+    xp: Any, x: Any, out: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
+) -> Any:
     """A read-only view (lead..., *out, *kernel) of every window of padded ``x``."""
     n = len(out)
     lead = x.shape[: x.ndim - n]
@@ -171,7 +171,9 @@ def _conv_transpose_rule(attrs: dict[str, Any], x: TensorInfo, w: TensorInfo, *r
 # Convolution
 
 
-def _im2col_matmul(xp: Any, x: Any, w: Any, group: int, out: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> Any:
+def _im2col_matmul(
+    xp: Any, x: Any, w: Any, group: int, out: Sequence[int], strides: Sequence[int], dilations: Sequence[int]
+) -> Any:
     """Convolve padded ``x`` (N, C, *sp) with ``w`` (M, C/group, *k): (N, M, *out)."""
     n, c = x.shape[:2]
     m, cg, kernel = w.shape[0], w.shape[1], w.shape[2:]
@@ -201,7 +203,7 @@ def _bias_shape(b: Any, ndim: int) -> Any:
 
 
 @op("Conv", traits=Trait.FUSABLE, shape=_conv_rule)
-def conv(ctx, x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def conv(ctx, x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
     """N-D convolution with groups, strides, dilations and padding."""
     acc = _acc_dtype(x.dtype)
     attrs = dict(auto_pad=auto_pad, dilations=dilations, group=group, pads=pads, strides=strides)
@@ -221,7 +223,20 @@ def _int_conv(xp: Any, x: Any, x_zp: Any, w: Any, w_zp: Any, attrs: dict[str, An
 
 
 @op("ConvInteger", since=10)
-def conv_integer(ctx, x, w, x_zero_point=None, w_zero_point=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def conv_integer(
+    ctx,
+    x,
+    w,
+    x_zero_point=None,
+    w_zero_point=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
     """Integer convolution with zero points; int32 output."""
     attrs = dict(auto_pad=auto_pad, dilations=dilations, group=group, pads=pads, strides=strides)
     return ctx.xp.rint(_int_conv(ctx.xp, x, x_zero_point, w, w_zero_point, attrs)).astype(np.int32)
@@ -234,7 +249,25 @@ def _saturate(xp: Any, y: Any, dtype: Any) -> Any:
 
 
 @op("QLinearConv", since=10)
-def qlinear_conv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def qlinear_conv(
+    ctx,
+    x,
+    x_scale,
+    x_zero_point,
+    w,
+    w_scale,
+    w_zero_point,
+    y_scale,
+    y_zero_point,
+    b=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
     """Quantized convolution: int conv, rescale by x_scale*w_scale/y_scale, add y_zero_point."""
     xp = ctx.xp
     attrs = dict(auto_pad=auto_pad, dilations=dilations, group=group, pads=pads, strides=strides)
@@ -247,7 +280,7 @@ def qlinear_conv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scal
 
 
 @op("CausalConvWithState", since=27, outputs=2)
-def causal_conv_with_state(ctx, x, weight, bias=None, past_state=None, *, activation="none"):  # type: ignore[no-untyped-def]
+def causal_conv_with_state(ctx, x, weight, bias=None, past_state=None, *, activation="none"):
     """Causal depthwise 1-D conv carrying the last k-1 positions as state; optional SiLU."""
     xp = ctx.xp
     n, c, _ = x.shape
@@ -271,31 +304,32 @@ def causal_conv_with_state(ctx, x, weight, bias=None, past_state=None, *, activa
 # Transposed convolution and Col2Im: scatter-add of columns into an image
 
 
-def _fold(xp: Any, cols: Any, full: Sequence[int], strides: Sequence[int], dilations: Sequence[int], offset: Sequence[int]) -> Any:
+def _fold(xp: Any, cols: Any, full: Sequence[int], strides: Sequence[int], dilations: Sequence[int]) -> Any:
     """Sum ``cols`` (N, C, *k, *in) into an image (N, C, *full), one add per kernel tap.
 
-    Tap ``kk`` at input position ``i`` lands at ``offset + i*stride + kk*dilation``.
+    Tap ``kk`` at input position ``i`` lands at ``i*stride + kk*dilation``.
     """
     nd = len(full)
     kernel, in_sp = cols.shape[2 : 2 + nd], cols.shape[2 + nd :]
     y = xp.zeros((*cols.shape[:2], *full), dtype=cols.dtype)
     for kk in itertools.product(*(range(k) for k in kernel)):
-        dst = tuple(
-            slice(o + t * d, o + t * d + (i - 1) * s + 1, s)
-            for o, t, d, i, s in zip(offset, kk, dilations, in_sp, strides)
-        )
+        dst = tuple(slice(t * d, t * d + (i - 1) * s + 1, s) for t, d, i, s in zip(kk, dilations, in_sp, strides))
         y[(slice(None), slice(None), *dst)] += cols[(slice(None), slice(None), *kk)]
     return y
 
 
-def _transpose_geometry(in_sp: Sequence[int], kernel: Sequence[int], attrs: dict[str, Any]) -> tuple[list[int], list[int]]:
+def _transpose_geometry(
+    in_sp: Sequence[int], kernel: Sequence[int], attrs: dict[str, Any]
+) -> tuple[list[int], list[int]]:
     """ConvTranspose output dims and begin pads (the crop offset into the full output)."""
     n = len(in_sp)
     strides = _ints(attrs.get("strides"), n, 1)
     dilations = _ints(attrs.get("dilations"), n, 1)
     out_pad = _ints(attrs.get("output_padding"), n, 0)
     auto_pad = attrs.get("auto_pad") or "NOTSET"
-    full = [s * (i - 1) + op_ + _window_extent(k, d) for s, i, op_, k, d in zip(strides, in_sp, out_pad, kernel, dilations)]
+    full = [
+        s * (i - 1) + op_ + _window_extent(k, d) for s, i, op_, k, d in zip(strides, in_sp, out_pad, kernel, dilations)
+    ]
     target = attrs.get("output_shape")
     if target is not None:
         target = list(target)[-n:]
@@ -310,14 +344,35 @@ def _transpose_geometry(in_sp: Sequence[int], kernel: Sequence[int], attrs: dict
 
 
 @op("ConvTranspose", traits=Trait.FUSABLE, shape=_conv_transpose_rule)
-def conv_transpose(ctx, x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, output_padding=None, output_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def conv_transpose(
+    ctx,
+    x,
+    w,
+    b=None,
+    *,
+    auto_pad="NOTSET",
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    output_padding=None,
+    output_shape=None,
+    pads=None,
+    strides=None,
+):
     """Transposed convolution (gradient of Conv) with output_padding / output_shape."""
     xp = ctx.xp
     acc = _acc_dtype(x.dtype)
     n, c = x.shape[:2]
     in_sp, kernel, mg = x.shape[2:], w.shape[2:], w.shape[1]
     nd = len(in_sp)
-    attrs = dict(auto_pad=auto_pad, dilations=dilations, output_padding=output_padding, output_shape=output_shape, pads=pads, strides=strides)
+    attrs = dict(
+        auto_pad=auto_pad,
+        dilations=dilations,
+        output_padding=output_padding,
+        output_shape=output_shape,
+        pads=pads,
+        strides=strides,
+    )
     out, begin = _transpose_geometry(in_sp, kernel, attrs)
     strides_, dilations_ = _ints(strides, nd, 1), _ints(dilations, nd, 1)
     cg, k_size, p_size = c // group, math.prod(kernel), math.prod(in_sp)
@@ -326,41 +381,43 @@ def conv_transpose(ctx, x, w, b=None, *, auto_pad="NOTSET", dilations=None, grou
     cols = xp.matmul(xg, wg).reshape(group, n, p_size, mg, k_size)
     cols = cols.transpose(1, 0, 3, 4, 2).reshape(n, group * mg, *kernel, *in_sp)
     reach = [(i - 1) * s + _window_extent(k, d) for i, s, k, d in zip(in_sp, strides_, kernel, dilations_)]
-    lo = [max(0, -b_) for b_ in begin]  # room for an output that starts before the data
-    full = [max(r + l, l + b_ + o) for r, l, b_, o in zip(reach, lo, begin, out)]
-    y = _fold(xp, cols, full, strides_, dilations_, lo)
-    y = y[(slice(None), slice(None), *(slice(l + b_, l + b_ + o) for l, b_, o in zip(lo, begin, out)))]
+    y = _fold(xp, cols, reach, strides_, dilations_)
+    # crop the pads off (or zero-extend, for output_padding / a larger output_shape)
+    y = _pad_spatial(xp, y, [-b_ for b_ in begin], [o + b_ - r for o, b_, r in zip(out, begin, reach)])
     if b is not None:
         y = y + _bias_shape(b.astype(acc), y.ndim)
     return y.astype(x.dtype)
 
 
 @op("Col2Im", since=18)
-def col2im(ctx, x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def col2im(ctx, x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
     """Rearrange column blocks (N, C*prod(block), L) back into an image, summing overlaps."""
     image, kernel = [int(v) for v in image_shape.tolist()], [int(v) for v in block_shape.tolist()]
-    nd = len(image)
     attrs = dict(dilations=dilations, pads=pads, strides=strides)
     out, pb, pe, strides_, dilations_ = _geometry_from_attrs(image, kernel, attrs)
     n, ck, _ = x.shape
     cols = x.reshape(n, ck // math.prod(kernel), *kernel, *out)
     padded = [i + b + e for i, b, e in zip(image, pb, pe)]
-    y = _fold(ctx.xp, cols, padded, strides_, dilations_, [0] * nd)
-    return y[(slice(None), slice(None), *(slice(b, b + i) for b, i in zip(pb, image)))]
+    y = _fold(ctx.xp, cols, padded, strides_, dilations_)
+    return _pad_spatial(ctx.xp, y, [-b for b in pb], [-e for e in pe])
 
 
 # ---------------------------------------------------------------------------
 # Pooling
 
 
-def _pool_view(xp: Any, x: Any, kernel_shape: Sequence[int], attrs: dict[str, Any], fill: Any) -> tuple[Any, list[int], list[int], list[int], list[int]]:
+def _pool_view(
+    xp: Any, x: Any, kernel_shape: Sequence[int], attrs: dict[str, Any], fill: Any
+) -> tuple[Any, list[int], list[int], list[int], list[int]]:
     """The window view (N, C, *out, *k) of ``x`` padded with ``fill``, and its geometry."""
     out, pb, pe, strides, dilations = _geometry_from_attrs(x.shape[2:], kernel_shape, attrs)
     xpad = _pad_spatial(xp, x, pb, pe, fill)
     return _windows(xp, xpad, out, kernel_shape, strides, dilations), out, pb, strides, dilations
 
 
-def _window_counts(xp: Any, in_sp: Sequence[int], kernel_shape: Sequence[int], attrs: dict[str, Any], include_pad: bool) -> Any:
+def _window_counts(
+    xp: Any, in_sp: Sequence[int], kernel_shape: Sequence[int], attrs: dict[str, Any], include_pad: bool
+) -> Any:
     """How many elements each window averages over: real ones, plus explicit pads if asked."""
     out, pb, pe, strides, dilations = _geometry_from_attrs(in_sp, kernel_shape, attrs)
     pads = _ints(attrs.get("pads"), 2 * len(in_sp), 0)
@@ -387,7 +444,18 @@ def _lowest(dtype: Any) -> Any:
 
 
 @op("MaxPool", outputs=(1, 2), shape=_pool_rule)
-def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, pads=None, storage_order=0, strides=None):  # type: ignore[no-untyped-def]
+def max_pool(
+    ctx,
+    x,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    dilations=None,
+    kernel_shape=None,
+    pads=None,
+    storage_order=0,
+    strides=None,
+):
     """Max pooling; the optional Indices output holds flat input positions."""
     xp = ctx.xp
     attrs = _pool_attrs(auto_pad, ceil_mode, dilations, pads, strides)
@@ -400,7 +468,17 @@ def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_s
     return y, _max_indices(xp, flat, x.shape, out, kernel_shape, pb, strides_, dilations_, storage_order)
 
 
-def _max_indices(xp: Any, flat: Any, x_shape: Sequence[int], out: Sequence[int], kernel: Sequence[int], pb: Sequence[int], strides: Sequence[int], dilations: Sequence[int], storage_order: int) -> Any:
+def _max_indices(
+    xp: Any,
+    flat: Any,
+    x_shape: Sequence[int],
+    out: Sequence[int],
+    kernel: Sequence[int],
+    pb: Sequence[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+    storage_order: int,
+) -> Any:
     """Flat input indices (row- or column-major spatial) of each window's argmax."""
     nd = len(kernel)
     sp = x_shape[2:]
@@ -418,7 +496,18 @@ def _max_indices(xp: Any, flat: Any, x_shape: Sequence[int], out: Sequence[int],
 
 
 @op("AveragePool", shape=_pool_rule)
-def average_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def average_pool(
+    ctx,
+    x,
+    *,
+    auto_pad="NOTSET",
+    ceil_mode=0,
+    count_include_pad=0,
+    dilations=None,
+    kernel_shape=None,
+    pads=None,
+    strides=None,
+):
     """Average pooling; count_include_pad decides whether explicit pads are averaged in."""
     xp = ctx.xp
     attrs = _pool_attrs(auto_pad, ceil_mode, dilations, pads, strides)
@@ -431,7 +520,7 @@ def average_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0,
 
 
 @op("LpPool", shape=_pool_rule)
-def lp_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def lp_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2, pads=None, strides=None):
     """Lp pooling: (sum |x|^p over the window) ^ (1/p)."""
     xp = ctx.xp
     attrs = _pool_attrs(auto_pad, ceil_mode, dilations, pads, strides)
@@ -449,31 +538,34 @@ def _global(xp: Any, x: Any, reduce: str) -> Any:
 
 
 @op("GlobalAveragePool", traits=Trait.REDUCTION | Trait.FUSABLE, shape=_global_pool_rule)
-def global_average_pool(ctx, x):  # type: ignore[no-untyped-def]
+def global_average_pool(ctx, x):
     """Mean over every spatial axis, kept as size 1."""
     return _global(ctx.xp, x, "mean")
 
 
 @op("GlobalMaxPool", traits=Trait.REDUCTION | Trait.FUSABLE, shape=_global_pool_rule)
-def global_max_pool(ctx, x):  # type: ignore[no-untyped-def]
+def global_max_pool(ctx, x):
     """Max over every spatial axis, kept as size 1."""
     return _global(ctx.xp, x, "max")
 
 
 @op("GlobalLpPool", traits=Trait.REDUCTION, shape=_global_pool_rule)
-def global_lp_pool(ctx, x, *, p=2):  # type: ignore[no-untyped-def]
+def global_lp_pool(ctx, x, *, p=2):
     """Lp norm over every spatial axis, kept as size 1."""
     xf = ctx.xp.abs(x.astype(_acc_dtype(x.dtype))) ** p
     return (xf.sum(axis=tuple(range(2, x.ndim)), keepdims=True) ** (1.0 / p)).astype(x.dtype)
 
 
 @op("MaxUnpool", since=9)
-def max_unpool(ctx, x, indices, output_shape=None, *, kernel_shape=None, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def max_unpool(ctx, x, indices, output_shape=None, *, kernel_shape=None, pads=None, strides=None):
     """Scatter pooled values back to the positions their indices name; zeros elsewhere."""
     xp = ctx.xp
     nd = len(kernel_shape)
     strides_, pads_ = _ints(strides, nd, 1), _ints(pads, 2 * nd, 0)
-    sp = [(i - 1) * s + k - pads_[d] - pads_[d + nd] for d, (i, s, k) in enumerate(zip(x.shape[2:], strides_, kernel_shape))]
+    sp = [
+        (i - 1) * s + k - pads_[d] - pads_[d + nd]
+        for d, (i, s, k) in enumerate(zip(x.shape[2:], strides_, kernel_shape))
+    ]
     default = (*x.shape[:2], *sp)
     shape = default if output_shape is None else tuple(int(v) for v in output_shape.tolist())
     # indices address the default unpooled shape; re-address them in the requested one
@@ -484,7 +576,7 @@ def max_unpool(ctx, x, indices, output_shape=None, *, kernel_shape=None, pads=No
 
 
 @op("LRN", traits=Trait.FUSABLE, shape=lambda attrs, x: [x])
-def lrn(ctx, x, *, alpha=0.0001, beta=0.75, bias=1.0, size=None):  # type: ignore[no-untyped-def]
+def lrn(ctx, x, *, alpha=0.0001, beta=0.75, bias=1.0, size=None):
     """Local response normalization across channels."""
     xp = ctx.xp
     acc = _acc_dtype(x.dtype)
@@ -563,7 +655,9 @@ def _interp_taps(xp: Any, x: Any, in_n: int, scale: float, opts: dict[str, Any])
     return xp.clip(idx, 0, in_n - 1), w
 
 
-def _resize_axis(xp: Any, data: Any, axis: int, out_n: int, scale: float, roi: tuple[float, float], opts: dict[str, Any]) -> Any:
+def _resize_axis(
+    xp: Any, data: Any, axis: int, out_n: int, scale: float, roi: tuple[float, float], opts: dict[str, Any]
+) -> Any:
     """Resize ``data`` along ``axis`` to ``out_n`` positions."""
     in_n = data.shape[axis]
     ctm = opts["coordinate_transformation_mode"]
@@ -583,7 +677,9 @@ def _resize_axis(xp: Any, data: Any, axis: int, out_n: int, scale: float, roi: t
     return y
 
 
-def _resize_plan(x_shape: Sequence[int], scales: Any, sizes: Any, axes: Sequence[int], policy: str) -> tuple[list[float], list[int]]:
+def _resize_plan(
+    x_shape: Sequence[int], scales: Any, sizes: Any, axes: Sequence[int], policy: str
+) -> tuple[list[float], list[int]]:
     """Per-axis (scale, output length) for the resized axes."""
     in_sp = [x_shape[a] for a in axes]
     if sizes is not None and sizes.size:
@@ -597,7 +693,9 @@ def _resize_plan(x_shape: Sequence[int], scales: Any, sizes: Any, axes: Sequence
     return scale_list, [int(math.floor(i * s)) for i, s in zip(in_sp, scale_list)]
 
 
-def _resize(xp: Any, x: Any, roi: Any, scales: Any, sizes: Any, axes: Sequence[int] | None, opts: dict[str, Any]) -> Any:
+def _resize(
+    xp: Any, x: Any, roi: Any, scales: Any, sizes: Any, axes: Sequence[int] | None, opts: dict[str, Any]
+) -> Any:
     """Resize ``x``; shared by Resize and Upsample."""
     r = x.ndim
     axes = [a % r for a in axes] if axes is not None else list(range(r))
@@ -616,7 +714,23 @@ def _resize(xp: Any, x: Any, roi: Any, scales: Any, sizes: Any, axes: Sequence[i
 
 
 @op("Resize", since=10, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def resize(ctx, x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None, coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75, exclude_outside=0, extrapolation_value=0.0, keep_aspect_ratio_policy="stretch", mode="nearest", nearest_mode="round_prefer_floor"):  # type: ignore[no-untyped-def]
+def resize(
+    ctx,
+    x,
+    roi=None,
+    scales=None,
+    sizes=None,
+    *,
+    antialias=0,
+    axes=None,
+    coordinate_transformation_mode="half_pixel",
+    cubic_coeff_a=-0.75,
+    exclude_outside=0,
+    extrapolation_value=0.0,
+    keep_aspect_ratio_policy="stretch",
+    mode="nearest",
+    nearest_mode="round_prefer_floor",
+):
     """Resize by scales or to sizes: nearest, linear or cubic, with every coordinate mode."""
     if ctx.opset < 11:  # Resize-10: (X, scales), asymmetric coordinates, floor for nearest
         roi, scales = None, roi
@@ -635,7 +749,7 @@ def resize(ctx, x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None,
 
 
 @op("Upsample", since=9, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def upsample(ctx, x, scales, *, mode="nearest"):  # type: ignore[no-untyped-def]
+def upsample(ctx, x, scales, *, mode="nearest"):
     """Deprecated upsampling by scales: nearest (floor) or linear, asymmetric coordinates."""
     opts = dict(
         antialias=0,
@@ -696,7 +810,8 @@ def _sample(xp: Any, data: Any, coords: Any, mode: str, padding: str, borders: l
     axes = [_axis_taps(xp, coords[..., d], mode) for d in range(len(sp))]
     out = xp.zeros((n, c, coords.shape[1]), dtype=data.dtype)
     for combo in itertools.product(*(taps for _, taps in axes)):
-        flat, weight = 0, 1.0
+        flat: Any = 0
+        weight: Any = 1.0
         for d, (offset, w) in enumerate(combo):
             idx, valid = _fix_index(xp, axes[d][0] + offset, sp[d], padding, borders[d])
             flat = flat * sp[d] + idx
@@ -707,7 +822,7 @@ def _sample(xp: Any, data: Any, coords: Any, mode: str, padding: str, borders: l
 
 
 @op("GridSample", since=16)
-def grid_sample(ctx, x, grid, *, align_corners=0, mode="linear", padding_mode="zeros"):  # type: ignore[no-untyped-def]
+def grid_sample(ctx, x, grid, *, align_corners=0, mode="linear", padding_mode="zeros"):
     """Sample ``x`` at the normalized positions of ``grid`` (nearest, linear or cubic)."""
     xp = ctx.xp
     mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
@@ -729,7 +844,7 @@ def grid_sample(ctx, x, grid, *, align_corners=0, mode="linear", padding_mode="z
 
 
 @op("AffineGrid", since=20, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def affine_grid(ctx, theta, size, *, align_corners=0):  # type: ignore[no-untyped-def]
+def affine_grid(ctx, theta, size, *, align_corners=0):
     """Sampling grid (N, *sp, nd) of affine matrices theta over a normalized [-1, 1] box."""
     xp = ctx.xp
     sp = [int(v) for v in size.tolist()[2:]]
@@ -744,21 +859,41 @@ def affine_grid(ctx, theta, size, *, align_corners=0):  # type: ignore[no-untype
 
 
 @op("DeformConv", since=19)
-def deform_conv(ctx, x, w, offset, b=None, mask=None, *, dilations=None, group=1, kernel_shape=None, offset_group=1, pads=None, strides=None):  # type: ignore[no-untyped-def]
+def deform_conv(
+    ctx,
+    x,
+    w,
+    offset,
+    b=None,
+    mask=None,
+    *,
+    dilations=None,
+    group=1,
+    kernel_shape=None,
+    offset_group=1,
+    pads=None,
+    strides=None,
+):
     """Deformable convolution: each tap samples bilinearly at its learned offset."""
     xp = ctx.xp
     acc = _acc_dtype(x.dtype)
     n, c, sp = x.shape[0], x.shape[1], x.shape[2:]
     kernel, nd = w.shape[2:], len(sp)
-    out, pb, _, strides_, dilations_ = _geometry_from_attrs(sp, kernel, dict(dilations=dilations, pads=pads, strides=strides))
+    out, pb, _, strides_, dilations_ = _geometry_from_attrs(
+        sp, kernel, dict(dilations=dilations, pads=pads, strides=strides)
+    )
     k_size, p_size = math.prod(kernel), math.prod(out)
     # regular sampling positions (K, P, nd) plus offsets (N, og, K, P, nd)
-    grids = xp.meshgrid(*(xp.arange(k, dtype=np.float64) for k in kernel), *(xp.arange(o, dtype=np.float64) for o in out), indexing="ij")
+    grids = xp.meshgrid(
+        *(xp.arange(k, dtype=np.float64) for k in kernel), *(xp.arange(o, dtype=np.float64) for o in out), indexing="ij"
+    )
     regular = xp.stack([grids[d] * dilations_[d] + grids[nd + d] * strides_[d] - pb[d] for d in range(nd)], axis=-1)
     off = offset.astype(np.float64).reshape(n, offset_group, k_size, nd, p_size).transpose(0, 1, 2, 4, 3)
     coords = (regular.reshape(k_size, p_size, nd) + off).reshape(n * offset_group, k_size * p_size, nd)
     data = x.astype(acc).reshape(n * offset_group, c // offset_group, *sp)
-    cols = _sample(xp, data, coords, "linear", "zeros", [(0.0, 0.0)] * nd).reshape(n, offset_group, c // offset_group, k_size, p_size)
+    cols = _sample(xp, data, coords, "linear", "zeros", [(0.0, 0.0)] * nd).reshape(
+        n, offset_group, c // offset_group, k_size, p_size
+    )
     if mask is not None:
         cols = cols * mask.astype(acc).reshape(n, offset_group, 1, k_size, p_size)
     cg, mg = c // group, w.shape[0] // group
@@ -791,7 +926,19 @@ def _roi_bilinear(xp: Any, feat: Any, ys: Any, xs: Any) -> tuple[list[Any], list
 
 
 @op("RoiAlign", since=10)
-def roi_align(ctx, x, rois, batch_indices, *, coordinate_transformation_mode="half_pixel", mode="avg", output_height=1, output_width=1, sampling_ratio=0, spatial_scale=1.0):  # type: ignore[no-untyped-def]
+def roi_align(
+    ctx,
+    x,
+    rois,
+    batch_indices,
+    *,
+    coordinate_transformation_mode="half_pixel",
+    mode="avg",
+    output_height=1,
+    output_width=1,
+    sampling_ratio=0,
+    spatial_scale=1.0,
+):
     """Pool each region of interest to (output_height, output_width) by bilinear sampling."""
     xp = ctx.xp
     half_pixel = coordinate_transformation_mode == "half_pixel" and ctx.opset >= 16
@@ -858,17 +1005,29 @@ def _greedy_nms(scores: Any, iou: Any, limit: int, iou_threshold: float, score_t
     return kept
 
 
+def _to_host(a: Any) -> np.ndarray:
+    """A numpy copy of a numpy or cupy array (the greedy loop runs on the host)."""
+    return np.asarray(a.get() if hasattr(a, "get") else a)
+
+
+def _optional_scalar(a: Any, default: Any) -> Any:
+    """The single value of an optional scalar input, or ``default`` when absent or empty."""
+    if a is None or a.size == 0:
+        return default
+    return _to_host(a).reshape(-1)[0].item()
+
+
 @op("NonMaxSuppression", since=10, traits=Trait.DYNAMIC_OUTPUT_SIZE)
-def non_max_suppression(ctx, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None, score_threshold=None, *, center_point_box=0):  # type: ignore[no-untyped-def]
+def non_max_suppression(
+    ctx, boxes, scores, max_output_boxes_per_class=None, iou_threshold=None, score_threshold=None, *, center_point_box=0
+):
     """Greedy per-class box selection; (selected, 3) int64 rows of (batch, class, box)."""
     xp = ctx.xp
-    host = lambda a: None if a is None or a.size == 0 else np.asarray(a.get() if hasattr(a, "get") else a)  # noqa: E731
-    limit_a, iou_a, score_a = host(max_output_boxes_per_class), host(iou_threshold), host(score_threshold)
-    limit = int(limit_a.reshape(-1)[0]) if limit_a is not None else 0
-    iou_t = float(iou_a.reshape(-1)[0]) if iou_a is not None else 0.0
-    score_t = float(score_a.reshape(-1)[0]) if score_a is not None else None
-    corners = _corners(host(boxes).astype(np.float64), center_point_box)
-    all_scores = host(scores).astype(np.float64)
+    limit = _optional_scalar(max_output_boxes_per_class, 0)
+    iou_t = _optional_scalar(iou_threshold, 0.0)
+    score_t = _optional_scalar(score_threshold, None)
+    corners = _corners(_to_host(boxes).astype(np.float64), center_point_box)
+    all_scores = _to_host(scores).astype(np.float64)
     rows = []
     for bi in range(corners.shape[0]):
         iou = _iou_matrix(corners[bi])
@@ -902,7 +1061,7 @@ def _scalar(a: Any) -> Any:
 
 
 @op("DFT", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def dft(ctx, x, dft_length=None, axis_input=None, *, axis=1, inverse=0, onesided=0):  # type: ignore[no-untyped-def]
+def dft(ctx, x, dft_length=None, axis_input=None, *, axis=1, inverse=0, onesided=0):
     """Discrete Fourier transform along one signal axis; (re, im) pairs in the last axis."""
     xp = ctx.xp
     if ctx.opset >= 20:
@@ -923,7 +1082,7 @@ def dft(ctx, x, dft_length=None, axis_input=None, *, axis=1, inverse=0, onesided
 
 
 @op("STFT", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def stft(ctx, signal, frame_step, window=None, frame_length=None, *, onesided=1):  # type: ignore[no-untyped-def]
+def stft(ctx, signal, frame_step, window=None, frame_length=None, *, onesided=1):
     """Short-time Fourier transform: (batch, frames, bins, 2)."""
     xp = ctx.xp
     step = int(_scalar(frame_step))
@@ -956,25 +1115,27 @@ def _cosine_window(xp: Any, size: Any, periodic: int, output_datatype: int, coef
 
 
 @op("HannWindow", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def hann_window(ctx, size, *, output_datatype=1, periodic=1):  # type: ignore[no-untyped-def]
+def hann_window(ctx, size, *, output_datatype=1, periodic=1):
     """Hann window of ``size`` points."""
     return _cosine_window(ctx.xp, size, periodic, output_datatype, (0.5, 0.5))
 
 
 @op("HammingWindow", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def hamming_window(ctx, size, *, output_datatype=1, periodic=1):  # type: ignore[no-untyped-def]
+def hamming_window(ctx, size, *, output_datatype=1, periodic=1):
     """Hamming window of ``size`` points (alpha = 25/46)."""
     return _cosine_window(ctx.xp, size, periodic, output_datatype, (25 / 46, 1 - 25 / 46))
 
 
 @op("BlackmanWindow", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def blackman_window(ctx, size, *, output_datatype=1, periodic=1):  # type: ignore[no-untyped-def]
+def blackman_window(ctx, size, *, output_datatype=1, periodic=1):
     """Blackman window of ``size`` points."""
     return _cosine_window(ctx.xp, size, periodic, output_datatype, (0.42, 0.5, 0.08))
 
 
 @op("MelWeightMatrix", since=17, traits=Trait.VALUE_DEPENDENT_SHAPE)
-def mel_weight_matrix(ctx, num_mel_bins, dft_length, sample_rate, lower_edge_hertz, upper_edge_hertz, *, output_datatype=1):  # type: ignore[no-untyped-def]
+def mel_weight_matrix(
+    ctx, num_mel_bins, dft_length, sample_rate, lower_edge_hertz, upper_edge_hertz, *, output_datatype=1
+):
     """Triangular mel filterbank (dft_length // 2 + 1, num_mel_bins), peaks of 1."""
     xp = ctx.xp
     n_mel, n_dft, rate = int(_scalar(num_mel_bins)), int(_scalar(dft_length)), _scalar(sample_rate)

@@ -303,8 +303,8 @@ def clip(
     lo: Array | None = None,
     hi: Array | None = None,
     *,
-    min: float = -3.4028234663852886e38,  # noqa: A002  (ONNX's attribute names, opsets 6-10)
-    max: float = 3.4028234663852886e38,  # noqa: A002
+    min: float = -3.4028234663852886e38,  # the attribute names of opsets 6-10 shadow builtins
+    max: float = 3.4028234663852886e38,
 ) -> Array:
     """ONNX Clip: Min(max, Max(x, min)); bounds are attributes before opset 11, inputs after."""
     xp = ctx.xp
@@ -369,7 +369,7 @@ def celu(ctx: KernelContext, x: Array, *, alpha: float = 1.0) -> Array:
 @op("ThresholdedRelu", traits=_EW, shape=same_as_first, since=10)
 def thresholded_relu(ctx: KernelContext, x: Array, *, alpha: float = 1.0) -> Array:
     """ONNX ThresholdedRelu: x if x > alpha else 0."""
-    return ctx.xp.where(x > alpha, x, 0).astype(x.dtype)
+    return _narrow(ctx.xp.where(x > alpha, x, 0), x)
 
 
 @op("HardSigmoid", traits=_EW, shape=same_as_first, since=6)
@@ -508,9 +508,7 @@ def cast(ctx: KernelContext, x: Array, *, to: int, saturate: int = 1, round_mode
 
 
 @op("CastLike", traits=_EW, shape=_cast_like_rule, since=15)
-def cast_like(
-    ctx: KernelContext, x: Array, like: Array, *, saturate: int = 1, round_mode: str = "up"
-) -> Array:
+def cast_like(ctx: KernelContext, x: Array, like: Array, *, saturate: int = 1, round_mode: str = "up") -> Array:
     """ONNX CastLike: Cast to the dtype of the second input."""
     dtypes.normalize(like.dtype)  # raises DTypeError for a dtype DSP does not compute with
     return x.astype(like.dtype, copy=False)

@@ -20,13 +20,19 @@ TRAINING = "ai.onnx.preview.training"
 # Losses. Input is [N, C, d1, ..., dk], target [N, d1, ..., dk] of class indices.
 
 
-def _loss_shape(attrs: dict[str, Any], scores: TensorInfo, *rest: TensorInfo | None) -> list[TensorInfo]:
-    """Shape rule of both losses: [N, d1..dk] for reduction none, a scalar otherwise."""
+def _loss_info(attrs: dict[str, Any], scores: TensorInfo) -> TensorInfo:
+    """The loss output: [N, d1..dk] for reduction none, a scalar otherwise."""
     if attrs.get("reduction", "mean") != "none":
-        loss = TensorInfo(scores.dtype, ())
-    else:
-        loss = TensorInfo(scores.dtype, None if scores.shape is None else scores.shape[:1] + scores.shape[2:])
-    return [loss, scores]
+        return TensorInfo(scores.dtype, ())
+    return TensorInfo(scores.dtype, None if scores.shape is None else scores.shape[:1] + scores.shape[2:])
+
+
+def _nll_rule(attrs: dict[str, Any], scores: TensorInfo, *rest: TensorInfo | None) -> list[TensorInfo]:
+    return [_loss_info(attrs, scores)]
+
+
+def _sce_rule(attrs: dict[str, Any], scores: TensorInfo, *rest: TensorInfo | None) -> list[TensorInfo]:
+    return [_loss_info(attrs, scores), scores]  # (loss, log_prob)
 
 
 def _nll(
@@ -54,7 +60,7 @@ def _upcast(xp: Any, a: Array) -> Array:
     return a.astype(xp.float32) if a is not None and a.dtype.itemsize < 4 else a
 
 
-@op("NegativeLogLikelihoodLoss", since=12, shape=_loss_shape)
+@op("NegativeLogLikelihoodLoss", since=12, shape=_nll_rule)
 def negative_log_likelihood_loss(
     ctx: KernelContext,
     input: Array,
@@ -70,7 +76,7 @@ def negative_log_likelihood_loss(
     return loss.astype(input.dtype)
 
 
-@op("SoftmaxCrossEntropyLoss", since=12, outputs=(1, 2), shape=_loss_shape)
+@op("SoftmaxCrossEntropyLoss", since=12, outputs=(1, 2), shape=_sce_rule)
 def softmax_cross_entropy_loss(
     ctx: KernelContext,
     scores: Array,

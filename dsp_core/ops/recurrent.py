@@ -239,7 +239,7 @@ def _recurrence(
         reverse = spec.direction == "reverse" or d == 1
         xd = _reverse_within(xp, x, lens) if reverse else x
         xw = xd @ w[d].T + wb[d]
-        y, final = _scan(xp, xw, lens, tuple(s[d] for s in states0), lambda xt, st, d=d: cell(d, xt, st))
+        y, final = _scan(xp, xw, lens, tuple(s[d] for s in states0), partial(cell, d))
         ys.append(_reverse_within(xp, y, lens) if reverse else y)
         finals.append(final)
     y_all = xp.stack(ys, axis=1)
@@ -323,8 +323,9 @@ def gru(
     def cell(d: int, xw: Array, states: tuple[Array, ...]) -> tuple[Array, ...]:
         f, g = spec.acts[d]
         (h_prev,) = states
+        zr_ = slice(0, 2 * spec.hidden)  # the z and r gates, computed together
+        zr = f(spec.clip(xw[:, zr_] + h_prev @ spec.rt[d][:, zr_] + spec.rb[d][zr_]))
         rt_h, rb_h = spec.gate(spec.rt[d], 2), spec.gate(spec.rb[d], 2)
-        zr = f(spec.clip(xw + h_prev @ spec.rt[d] + spec.rb[d])[:, : 2 * spec.hidden])
         z, reset = spec.gate(zr, 0), spec.gate(zr, 1)
         if linear_before_reset:
             recur = reset * (h_prev @ rt_h + rb_h)

@@ -73,8 +73,10 @@ def _open_grid(xp: Any, shape: Sequence[int]) -> list[Array]:
     return [xp.arange(n, dtype=xp.int64).reshape((n,) + (1,) * (rank - 1 - i)) for i, n in enumerate(shape)]
 
 
-def _prod(dims: Iterable[int | str | None]) -> int | None:
-    """Product of dims, or None when any dim is not a known int."""
+def _prod(dims: Dims) -> int | str | None:
+    """Product of dims: the dim itself when alone, None when a dim is not a known int."""
+    if len(dims) == 1:
+        return dims[0]
     total = 1
     for d in dims:
         if not isinstance(d, int):
@@ -210,7 +212,7 @@ def _reshape_target(in_shape: Sequence[int], target: list[int], allowzero: int) 
 @op("Reshape", traits=_VALUE_SHAPE, since=5)
 def reshape(ctx: KernelContext, data: Array, shape: Array, *, allowzero: int = 0) -> Array:
     """``data`` with a new shape: 0 copies the input dim (unless allowzero), -1 is inferred."""
-    return data.reshape(_reshape_target(data.shape, _ints(shape), allowzero))
+    return data.reshape(tuple(_reshape_target(data.shape, _ints(shape), allowzero)))
 
 
 def _flatten_rule(attrs: dict[str, Any], x: TensorInfo) -> list[TensorInfo]:
@@ -303,18 +305,20 @@ def tile(ctx: KernelContext, x: Array, repeats: Array) -> Array:
     return ctx.xp.tile(x, tuple(_ints(repeats)))
 
 
+def _scaled(dim: int | str | None, factor: int, inverse: bool = False) -> int | None:
+    if not isinstance(dim, int):
+        return None
+    return dim // factor if inverse else dim * factor
+
+
 def _depth_space_rule(to_space: bool) -> Callable[..., list[TensorInfo]]:
     def rule(attrs: dict[str, Any], x: TensorInfo) -> list[TensorInfo]:
         if x.shape is None or len(x.shape) != 4:
             return _unknown(x.dtype)
         n, c, h, w = x.shape
         bs = attrs["blocksize"]
-        if to_space:
-            dims = (n, c // (bs * bs), h * bs, w * bs) if isinstance(c, int) and isinstance(h, int) else None
-        else:
-            dims = (n, c * bs * bs, h // bs, w // bs) if isinstance(c, int) and isinstance(h, int) else None
-        if dims is not None and not isinstance(w, int):
-            dims = dims[:3] + (None,)
+        # DepthToSpace divides channels by bs*bs and multiplies H, W by bs; SpaceToDepth the reverse.
+        dims = (n, _scaled(c, bs * bs, to_space), _scaled(h, bs, not to_space), _scaled(w, bs, not to_space))
         return [TensorInfo(x.dtype, dims)]
 
     rule.__doc__ = f"Shape rule of {'DepthToSpace' if to_space else 'SpaceToDepth'}."

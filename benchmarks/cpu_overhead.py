@@ -1,0 +1,169 @@
+"""Host time per step: legacy interpreter vs SLOT_BY_SLOT vs ONNX Runtime (run_with_iobinding).
+
+    python benchmarks/cpu_overhead.py [--repeats 7] [--out benchmarks/results/cpu_overhead.json]
+
+Cases: (a) a chain of 200 small elementwise ops on a [1, 16] tensor; (b) the GPT-2
+fixture's decode step (past length 7). Each figure is the median over ``--repeats`` runs
+of the mean time of a batch of calls. A benchmark, not a test: it never fails on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2 = ROOT / "tests" / "fixtures" / "gpt2_eager.onnx"
+GPT2_GOLDEN = ROOT / "tests" / "fixtures" / "gpt2_eager.golden.npz"
+
+
+def chain_graph(n_ops: int = 200) -> Any:
+    """x[1,16] -> n_ops elementwise ops (Add, Mul, Relu, Sigmoid, Tanh, Neg, Abs, Sub) -> y."""
+    import dsp_core as dsp
+
+    g = dsp.GraphBuilder("chain200")
+    x = g.placeholder("x", "float32", [1, 16])
+    c = g.constant(np.full((1, 16), 0.5, np.float32), name="c")
+    h = x
+    unary = ["Relu", "Sigmoid", "Tanh", "Neg", "Abs"]
+    binary = ["Add", "Mul", "Sub"]
+    for i in range(n_ops - 1):
+        h = g.op(binary[i % 3], h, c) if i % 2 == 0 else g.op(unary[(i // 2) % 5], h)
+    g.output(h, "y")
+    return g.build()
+
+
+def time_per_call(fn: Callable[[], Any], calls: int, repeats: int) -> tuple[float, list[float]]:
+    """Median over repeats of the mean seconds per call (after one warm-up batch)."""
+    for _ in range(max(1, calls // 10)):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples), samples
+
+
+def ort_runner(model_proto: Any, feeds: dict[str, np.ndarray]) -> Callable[[], Any] | None:
+    """An ONNX Runtime call through a pre-bound IOBinding, or None when ORT is missing."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model_proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    binding = sess.io_binding()
+    for name, arr in feeds.items():
+        binding.bind_cpu_input(name, arr)
+    for out in sess.get_outputs():
+        binding.bind_output(out.name, "cpu")
+    return lambda: sess.run_with_iobinding(binding)
+
+
+def bench_case(name: str, graph: Any, model_proto: Any, feeds: dict[str, np.ndarray], calls: int, repeats: int) -> dict[str, Any]:
+    """Time the three engines on one case; check they agree first."""
+    import dsp_core as dsp
+
+    model = dsp.compile(graph, mode="slot_by_slot")
+    ref = model.run(feeds)
+    legacy = model.run_legacy(feeds)
+    for key in ref:
+        np.testing.assert_allclose(ref[key], legacy[key], rtol=1e-5, atol=1e-6)
+    rows: dict[str, Any] = {}
+    rows["legacy"], _ = time_per_call(lambda: model.run_legacy(feeds), calls, repeats)
+    rows["slot_by_slot"], _ = time_per_call(lambda: model.run(feeds), calls, repeats)
+    ort_fn = ort_runner(model_proto, feeds)
+    if ort_fn is not None:
+        rows["onnxruntime_iobinding"], _ = time_per_call(ort_fn, calls, repeats)
+    plan = model.plan()
+    return {
+        "case": name,
+        "slots": len(plan.slots) if plan else None,
+        "us_per_step": {k: round(v * 1e6, 2) for k, v in rows.items()},
+        "legacy_over_slot_by_slot": round(rows["legacy"] / rows["slot_by_slot"], 2),
+        "slot_by_slot_over_ort": round(rows["slot_by_slot"] / rows["onnxruntime_iobinding"], 2) if ort_fn else None,
+        "calls_per_sample": calls,
+        "repeats": repeats,
+    }
+
+
+def gpt2_case() -> tuple[Any, Any, dict[str, np.ndarray]] | None:
+    """The GPT-2 fixture and the feeds of its first decode step, or None if absent."""
+    if not GPT2.exists() or not GPT2_GOLDEN.exists():
+        return None
+    import onnx
+
+    from dsp_core.ir.onnx_import import import_model
+
+    golden = np.load(GPT2_GOLDEN)
+    prefix = "step1."
+    proto = onnx.load(str(GPT2))
+    graph = import_model(proto)
+    feeds = {name: golden[prefix + name] for name in graph.input_names}
+    return graph, proto, feeds
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the cases, print a table, write JSON."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_overhead.json"))
+    args = p.parse_args(argv)
+
+    from dsp_core import __version__
+    from dsp_core.ir.onnx_export import to_onnx
+
+    results = []
+    chain = chain_graph()
+    print("case (a): 200-op elementwise chain ...", flush=True)
+    results.append(bench_case("chain200", chain, to_onnx(chain), {"x": np.ones((1, 16), np.float32)}, 200, args.repeats))
+    case = gpt2_case()
+    if case is None:
+        print("case (b) skipped: tests/fixtures/gpt2_eager.onnx not found (run `make fixtures`)")
+    else:
+        print("case (b): GPT-2 fixture decode step ...", flush=True)
+        results.append(bench_case("gpt2_decode_step", *case, 50, args.repeats))
+
+    header = f"{'case':<18} {'slots':>5} {'legacy µs':>10} {'slot_by_slot µs':>16} {'ORT iobind µs':>14} {'legacy/sbs':>11} {'sbs/ORT':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        us = r["us_per_step"]
+        print(f"{r['case']:<18} {r['slots']:>5} {us['legacy']:>10.1f} {us['slot_by_slot']:>16.1f} "
+              f"{us.get('onnxruntime_iobinding', float('nan')):>14.1f} {r['legacy_over_slot_by_slot']:>10.2f}x "
+              f"{r['slot_by_slot_over_ort'] or float('nan'):>7.2f}x")
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "dsp_core": __version__,
+        "statistic": f"median of {args.repeats} samples, each the mean over a batch of calls",
+    }
+    try:
+        import onnxruntime
+
+        meta["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
