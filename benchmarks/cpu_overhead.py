@@ -72,7 +72,9 @@ def ort_runner(model_proto: Any, feeds: dict[str, np.ndarray]) -> Callable[[], A
     return lambda: sess.run_with_iobinding(binding)
 
 
-def bench_case(name: str, graph: Any, model_proto: Any, feeds: dict[str, np.ndarray], calls: int, repeats: int) -> dict[str, Any]:
+def bench_case(
+    name: str, graph: Any, model_proto: Any, feeds: dict[str, np.ndarray], calls: int, repeats: int
+) -> dict[str, Any]:
     """Time the three engines on one case; check they agree first."""
     import dsp_core as dsp
 
@@ -128,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     chain = chain_graph()
     print("case (a): 200-op elementwise chain ...", flush=True)
-    results.append(bench_case("chain200", chain, to_onnx(chain), {"x": np.ones((1, 16), np.float32)}, 200, args.repeats))
+    results.append(
+        bench_case("chain200", chain, to_onnx(chain), {"x": np.ones((1, 16), np.float32)}, 200, args.repeats)
+    )
     case = gpt2_case()
     if case is None:
         print("case (b) skipped: tests/fixtures/gpt2_eager.onnx not found (run `make fixtures`)")
@@ -136,14 +140,19 @@ def main(argv: list[str] | None = None) -> int:
         print("case (b): GPT-2 fixture decode step ...", flush=True)
         results.append(bench_case("gpt2_decode_step", *case, 50, args.repeats))
 
-    header = f"{'case':<18} {'slots':>5} {'legacy µs':>10} {'slot_by_slot µs':>16} {'ORT iobind µs':>14} {'legacy/sbs':>11} {'sbs/ORT':>8}"
+    header = (
+        f"{'case':<18} {'slots':>5} {'legacy µs':>10} {'slot_by_slot µs':>16} "
+        f"{'ORT iobind µs':>14} {'legacy/sbs':>11} {'sbs/ORT':>8}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         us = r["us_per_step"]
-        print(f"{r['case']:<18} {r['slots']:>5} {us['legacy']:>10.1f} {us['slot_by_slot']:>16.1f} "
-              f"{us.get('onnxruntime_iobinding', float('nan')):>14.1f} {r['legacy_over_slot_by_slot']:>10.2f}x "
-              f"{r['slot_by_slot_over_ort'] or float('nan'):>7.2f}x")
+        print(
+            f"{r['case']:<18} {r['slots']:>5} {us['legacy']:>10.1f} {us['slot_by_slot']:>16.1f} "
+            f"{us.get('onnxruntime_iobinding', float('nan')):>14.1f} {r['legacy_over_slot_by_slot']:>10.2f}x "
+            f"{r['slot_by_slot_over_ort'] or float('nan'):>7.2f}x"
+        )
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.machine(),

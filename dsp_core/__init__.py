@@ -1,8 +1,8 @@
 """DSP: compile a computation graph once into a flat plan, then run (and replay) it many times.
 
-    import dsp_core as dsp
-    model = dsp.compile("model.onnx")          # or an onnx.ModelProto, or a dsp Graph
-    outs = model.run({"x": x})                 # dict of every output
+import dsp_core as dsp
+model = dsp.compile("model.onnx")          # or an onnx.ModelProto, or a dsp Graph
+outs = model.run({"x": x})                 # dict of every output
 """
 
 from __future__ import annotations
@@ -50,9 +50,7 @@ def _as_source(model: Any) -> Any:
 
     if isinstance(model, onnx.ModelProto):
         return model
-    raise DSPError(
-        f"dsp.compile takes a path, bytes, an onnx.ModelProto or a dsp Graph, not {type(model).__name__}"
-    )
+    raise DSPError(f"dsp.compile takes a path, bytes, an onnx.ModelProto or a dsp Graph, not {type(model).__name__}")
 
 
 __all__ = [

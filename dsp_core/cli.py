@@ -49,9 +49,13 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a model once and print its outputs")
     run.add_argument("model", help="an .onnx file")
-    run.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="a feed from a .npy file")
+    run.add_argument(
+        "--input", "-i", action="append", default=[], metavar="NAME=FILE.npy", help="a feed from a .npy file"
+    )
     run.add_argument("--random-inputs", action="store_true", help="feed random data to every input not given")
-    run.add_argument("--dim", action="append", default=[], metavar="SYMBOL=N", help="size of a symbolic dim (default 1)")
+    run.add_argument(
+        "--dim", action="append", default=[], metavar="SYMBOL=N", help="size of a symbolic dim (default 1)"
+    )
     run.add_argument("--mode", default="auto", help="execution mode (default auto)")
     run.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
     run.add_argument("--json", action="store_true", help="print JSON")
@@ -176,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         for name, arr in outs.items():
             np.save(Path(args.save) / f"{_safe(name)}.npy", arr)
-    report = {
+    report: dict[str, Any] = {
         "model": str(args.model),
         "mode": model.mode.name,
         "backends": model.resolved_backends(),
@@ -188,8 +192,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"mode {report['mode']} -> {', '.join(report['backends'])}"
-          f"{'  (declined: ' + report['declined'] + ')' if report['declined'] else ''}")
+    print(
+        f"mode {report['mode']} -> {', '.join(report['backends'])}"
+        f"{'  (declined: ' + report['declined'] + ')' if report['declined'] else ''}"
+    )
     print(f"compile {report['compile_ms']:.1f} ms, run {report['run_ms']:.2f} ms")
     rows = [["output", "dtype", "shape", "min", "mean", "max"]]
     for name, st in report["outputs"].items():
@@ -233,20 +239,30 @@ def plan_table(model: Any) -> dict[str, Any]:
             if v is None:
                 continue
             dtype, shape = plan.ref_info(v)
-            outs.append({"name": plan.ref_name(v), "dtype": dtype, "shape": _shape_str(shape),
-                         "released_at": released_at.get(v)})
-        slots.append({
-            "slot": slot.index,
-            "op": slot.op,
-            "name": slot.name,
-            "inputs": [plan.ref_name(r) if r is not None else "" for r in slot.inputs],
-            "input_refs": list(slot.inputs),
-            "outputs": outs,
-            "traits": [t.name for t in type(slot.traits) if t and t in slot.traits and t.name],
-            "releases": [plan.ref_name(v) for v in plan.release[slot.index]],
-        })
-    externals = [{"index": k, "name": e.name, "class": e.cls.value, "dtype": e.dtype, "shape": _shape_str(e.shape)}
-                 for k, e in enumerate(plan.externals)]
+            outs.append(
+                {
+                    "name": plan.ref_name(v),
+                    "dtype": dtype,
+                    "shape": _shape_str(shape),
+                    "released_at": released_at.get(v),
+                }
+            )
+        slots.append(
+            {
+                "slot": slot.index,
+                "op": slot.op,
+                "name": slot.name,
+                "inputs": [plan.ref_name(r) if r is not None else "" for r in slot.inputs],
+                "input_refs": list(slot.inputs),
+                "outputs": outs,
+                "traits": [t.name for t in type(slot.traits) if t and t in slot.traits and t.name],
+                "releases": [plan.ref_name(v) for v in plan.release[slot.index]],
+            }
+        )
+    externals = [
+        {"index": k, "name": e.name, "class": e.cls.value, "dtype": e.dtype, "shape": _shape_str(e.shape)}
+        for k, e in enumerate(plan.externals)
+    ]
     return {"summary": plan.summary(), "backends": model.resolved_backends(), "externals": externals, "slots": slots}
 
 
@@ -269,13 +285,23 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         print(f"plan declined: {table['declined']} -> runs on the legacy interpreter")
         return 0
     s = table["summary"]
-    print(f"plan {s['content_hash'][:12]}: {s['slots']} slots, {s['values']} values, externals {s['externals']}, "
-          f"{s['constant_bytes'] / 1e6:.2f} MB of constants; backends: {', '.join(table['backends'])}")
+    print(
+        f"plan {s['content_hash'][:12]}: {s['slots']} slots, {s['values']} values, externals {s['externals']}, "
+        f"{s['constant_bytes'] / 1e6:.2f} MB of constants; backends: {', '.join(table['backends'])}"
+    )
     rows = [["slot", "op", "inputs", "outputs", "traits", "releases"]]
     for sl in table["slots"]:
         outs = ", ".join(f"{o['name']}:{o['dtype'] or '?'}{o['shape']}" for o in sl["outputs"])
-        rows.append([str(sl["slot"]), sl["op"], _trunc(", ".join(sl["inputs"])), _trunc(outs),
-                     ",".join(t.lower() for t in sl["traits"]) or "-", _trunc(", ".join(sl["releases"])) or "-"])
+        rows.append(
+            [
+                str(sl["slot"]),
+                sl["op"],
+                _trunc(", ".join(sl["inputs"])),
+                _trunc(outs),
+                ",".join(t.lower() for t in sl["traits"]) or "-",
+                _trunc(", ".join(sl["releases"])) or "-",
+            ]
+        )
     _print_table(rows)
     return 0
 
@@ -296,8 +322,10 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
     for note in report["notes"]:
         print(f"note: {note}")
     for seg in report["segments"]:
-        print(f"segment {seg['segment']}: slots {seg['slots'][0]}..{seg['slots'][-1]} ({seg['n_slots']}) "
-              f"-> {seg['backend']} ({seg['mode']}), bids {seg['bids']}")
+        print(
+            f"segment {seg['segment']}: slots {seg['slots'][0]}..{seg['slots'][-1]} ({seg['n_slots']}) "
+            f"-> {seg['backend']} ({seg['mode']}), bids {seg['bids']}"
+        )
         for d in seg["declines"]:
             print(f"    slot {d['slot']} {d['op']}: {d['backend']} declined ({d['reason']}: {d['detail']})")
     print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")

@@ -1,8 +1,8 @@
 """DSP as an ``onnx.backend.base.Backend``, so ONNX's own backend test suite runs through it.
 
-    from dsp_core import onnx_backend
-    rep = onnx_backend.prepare(model_proto)
-    outputs = rep.run([x, y])
+from dsp_core import onnx_backend
+rep = onnx_backend.prepare(model_proto)
+outputs = rep.run([x, y])
 """
 
 from __future__ import annotations
@@ -55,7 +55,12 @@ class DSPBackend(Backend):
 
     @classmethod
     def run_node(
-        cls, node: onnx.NodeProto, inputs: Any, device: str = "CPU", outputs_info: Sequence[Any] | None = None, **kwargs: Any
+        cls,
+        node: onnx.NodeProto,
+        inputs: Any,
+        device: str = "CPU",
+        outputs_info: Sequence[Any] | None = None,
+        **kwargs: Any,
     ) -> tuple[Any, ...]:
         """Run a single node (builds a one-node model around it)."""
         raise DSPError("run_node is not supported; use prepare() on a model")

@@ -67,12 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     plan = model.plan()
     part = model.partition()
     print(f"DSP {dsp.__version__}: {Path(args.model).name}, compiled in {compile_ms:.0f} ms")
-    print(f"AUTO resolved to: {', '.join(model.resolved_backends())}"
-          f"{' (segments: ' + str(len(part.segments)) + ')' if part else ''}")
+    print(
+        f"AUTO resolved to: {', '.join(model.resolved_backends())}"
+        f"{' (segments: ' + str(len(part.segments)) + ')' if part else ''}"
+    )
     if plan is not None:
         s = plan.summary()
-        print(f"plan: {s['slots']} slots, {s['values']} values, {s['externals']['placeholder']} placeholders, "
-              f"{s['externals']['constant']} constants ({s['constant_bytes'] / 1e6:.2f} MB)")
+        print(
+            f"plan: {s['slots']} slots, {s['values']} values, {s['externals']['placeholder']} placeholders, "
+            f"{s['externals']['constant']} constants ({s['constant_bytes'] / 1e6:.2f} MB)"
+        )
     else:
         print(f"plan declined: {model.declined} -> legacy interpreter")
 
@@ -85,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     dsp_step = statistics.median(dsp_times[1:]) * 1e3
     legacy_step = statistics.median(legacy_times[1:]) * 1e3
     print(f"prefill ({prompt.shape[1]} tokens): DSP {dsp_times[0] * 1e3:.2f} ms, legacy {legacy_times[0] * 1e3:.2f} ms")
-    print(f"decode, median of {args.steps} steps: DSP {dsp_step:.3f} ms/step, legacy {legacy_step:.3f} ms/step "
-          f"({legacy_step / dsp_step:.2f}x)")
+    print(
+        f"decode, median of {args.steps} steps: DSP {dsp_step:.3f} ms/step, legacy {legacy_step:.3f} ms/step "
+        f"({legacy_step / dsp_step:.2f}x)"
+    )
     print(f"tokens (identical in both): {dsp_tokens[1:]}")
     return 0
 

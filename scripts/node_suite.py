@@ -49,9 +49,7 @@ def compare(expected: np.ndarray, got: Any, rtol: float, atol: float) -> None:
     if expected.shape != got.shape:
         raise AssertionError(f"shape {got.shape} != expected {expected.shape}")
     if expected.dtype.kind in "fc" or expected.dtype.name == "bfloat16":
-        np.testing.assert_allclose(
-            got.astype(np.float64), expected.astype(np.float64), rtol=rtol, atol=atol
-        )
+        np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), rtol=rtol, atol=atol)
     else:
         np.testing.assert_array_equal(got, expected)
 

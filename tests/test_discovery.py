@@ -85,7 +85,23 @@ def test_unknown_mode_lists_allowed(mlp_graph: dsp.Graph) -> None:
 def test_every_mode_of_the_seed_exists() -> None:
     names = {m.name for m in GraphExecutionMode}
     assert names == {
-        "AUTO", "SLOT_BY_SLOT", "CUDA_GRAPHS", "TRITON", "NVRTC_JIT", "PTX_JIT", "EMULATED_REPLAY",
-        "SHAPE_INFERENCE_ONLY", "HIP_GRAPHS", "LEVEL_ZERO", "VULKAN", "METAL", "MLX", "NNAPI",
-        "ARM_HYBRID", "MLIR_CPU_JIT", "ONEDNN", "OPENVINO", "ACL",
+        "AUTO",
+        "SLOT_BY_SLOT",
+        "CUDA_GRAPHS",
+        "TRITON",
+        "NVRTC_JIT",
+        "PTX_JIT",
+        "EMULATED_REPLAY",
+        "SHAPE_INFERENCE_ONLY",
+        "HIP_GRAPHS",
+        "LEVEL_ZERO",
+        "VULKAN",
+        "METAL",
+        "MLX",
+        "NNAPI",
+        "ARM_HYBRID",
+        "MLIR_CPU_JIT",
+        "ONEDNN",
+        "OPENVINO",
+        "ACL",
     }

@@ -59,8 +59,12 @@ def test_import_initializers_constants_value_info() -> None:
         helper.make_node("MatMul", ["x", "w"], ["mm"]),
         helper.make_node("Mul", ["mm", "c"], ["y"]),
     ]
-    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [w],
+    )
     graph = import_model(model)
     assert graph.initializers["w"].shape == (2, 3)
     assert graph.inputs[0].shape == ("n", 2)
@@ -72,13 +76,21 @@ def test_import_initializers_constants_value_info() -> None:
 
 def test_import_external_data(tmp_path) -> None:
     w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
-    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])],
-                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
-                   [numpy_helper.from_array(w, "w")])
+    model = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+        [numpy_helper.from_array(w, "w")],
+    )
     path = tmp_path / "ext.onnx"
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="ext.data", size_threshold=0)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="ext.data",
+        size_threshold=0,
+    )
     assert (tmp_path / "ext.data").exists()
     x = np.ones((1, 64), np.float32)
     np.testing.assert_allclose(dsp.compile(path).run({"x": x})["y"], x @ w, rtol=1e-5)
@@ -91,9 +103,11 @@ def test_bad_files(tmp_path) -> None:
     rnd.write_bytes(np.random.default_rng(0).bytes(4096))
     with pytest.raises(ModelLoadError):
         dsp.compile(rnd)
-    good = _model([helper.make_node("Relu", ["x"], ["y"])],
-                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]).SerializeToString()
+    good = _model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    ).SerializeToString()
     trunc = tmp_path / "trunc.onnx"
     trunc.write_bytes(good[: len(good) // 2])
     with pytest.raises(ModelLoadError):
@@ -101,17 +115,21 @@ def test_bad_files(tmp_path) -> None:
 
 
 def test_unknown_op_is_named() -> None:
-    model = _model([helper.make_node("FancyOp", ["x"], ["y"], name="fancy_1", domain="com.example")],
-                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = _model(
+        [helper.make_node("FancyOp", ["x"], ["y"], name="fancy_1", domain="com.example")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     model.opset_import.append(helper.make_opsetid("com.example", 1))
     with pytest.raises(UnsupportedOpError, match=r"FancyOp node \"fancy_1\""):
         dsp.compile(model)
 
 
 def test_undefined_value_rejected() -> None:
-    model = _model([helper.make_node("Relu", ["nowhere"], ["y"])],
-                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = _model(
+        [helper.make_node("Relu", ["nowhere"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     with pytest.raises(GraphError, match="nowhere"):
         import_model(model, infer_shapes=False)

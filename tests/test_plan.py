@@ -76,25 +76,48 @@ def test_shape_inference_follows_value_dependent_shapes() -> None:
     g = dsp.GraphBuilder()
     x = g.placeholder("x", "float32", ["n", 6])
     shape = g.Shape(x)
-    flat = g.Reshape(x, g.Concat(g.constant(np.array([-1], np.int64)), g.Slice(
-        shape, g.constant(np.array([1], np.int64)), g.constant(np.array([2], np.int64))), axis=0))
+    flat = g.Reshape(
+        x,
+        g.Concat(
+            g.constant(np.array([-1], np.int64)),
+            g.Slice(shape, g.constant(np.array([1], np.int64)), g.constant(np.array([2], np.int64))),
+            axis=0,
+        ),
+    )
     g.output(g.Transpose(flat, perm=[1, 0]), "y")
     out = dsp.compile(g.build(), mode="shape_inference_only").run({"x": np.ones((4, 6), np.float32)})["y"]
     assert out.shape == (6, 4)
 
 
 def test_control_flow_is_declined_with_reason_and_runs_legacy() -> None:
-    then_g = helper.make_graph([helper.make_node("Identity", ["a"], ["t"])], "then", [],
-                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
-    else_g = helper.make_graph([helper.make_node("Neg", ["a"], ["e"])], "else", [],
-                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
-    nodes = [helper.make_node("Relu", ["x"], ["a"]),
-             helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g, name="the_if")]
+    then_g = helper.make_graph(
+        [helper.make_node("Identity", ["a"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])],
+    )
+    else_g = helper.make_graph(
+        [helper.make_node("Neg", ["a"], ["e"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])],
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g, name="the_if"),
+    ]
     model = helper.make_model(
-        helper.make_graph(nodes, "cf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
-                                        helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]),
-        opset_imports=[helper.make_opsetid("", 18)])
+        helper.make_graph(
+            nodes,
+            "cf",
+            [
+                helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+                helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            ],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        ),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
     graph = import_model(model)
     declined = compile_plan(graph)
     assert isinstance(declined, Declined) and "If" in str(declined) and "the_if" in str(declined)
@@ -147,5 +170,8 @@ def test_variables_are_classed(mlp_graph: dsp.Graph) -> None:
     g.output(x + state, "y")
     plan = compile_plan(g.build())
     classes = {e.name: e.cls for e in plan.externals}
-    assert classes == {"x": ExternalClass.PLACEHOLDER, "state": ExternalClass.VARIABLE, **{
-        e.name: ExternalClass.CONSTANT for e in plan.externals if e.cls is ExternalClass.CONSTANT}}
+    assert classes == {
+        "x": ExternalClass.PLACEHOLDER,
+        "state": ExternalClass.VARIABLE,
+        **{e.name: ExternalClass.CONSTANT for e in plan.externals if e.cls is ExternalClass.CONSTANT},
+    }

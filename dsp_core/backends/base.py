@@ -17,7 +17,7 @@ from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import BackendError, BackendUnavailableError
 
 if TYPE_CHECKING:
-    from dsp_core.plan.plan import Plan, Segment, Slot
+    from dsp_core.plan.plan import Plan, Segment
 
 
 @dataclass(frozen=True)

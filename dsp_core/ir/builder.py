@@ -1,12 +1,12 @@
 """GraphBuilder: build a DSP graph in Python without ONNX.
 
-    g = GraphBuilder()
-    x = g.placeholder("x", "float32", ["batch", 16])
-    w = g.constant(np.ones((16, 4), np.float32), name="w")
-    y = g.Relu(g.MatMul(x, w))        # any op of the table, by its ONNX name
-    z = y * 2.0 + 1.0                 # operators on handles build Mul / Add nodes
-    g.output(z, "z")
-    graph = g.build()
+g = GraphBuilder()
+x = g.placeholder("x", "float32", ["batch", 16])
+w = g.constant(np.ones((16, 4), np.float32), name="w")
+y = g.Relu(g.MatMul(x, w))        # any op of the table, by its ONNX name
+z = y * 2.0 + 1.0                 # operators on handles build Mul / Add nodes
+g.output(z, "z")
+graph = g.build()
 """
 
 from __future__ import annotations

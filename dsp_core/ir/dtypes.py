@@ -87,9 +87,7 @@ def from_onnx(code: int) -> str:
     name = _BY_ONNX.get(code)
     if name is None:
         what = _UNSUPPORTED_ONNX.get(code, f"code {code}")
-        raise DTypeError(
-            f"ONNX element type {what} is not supported; DSP supports {', '.join(DTYPE_NAMES)}"
-        )
+        raise DTypeError(f"ONNX element type {what} is not supported; DSP supports {', '.join(DTYPE_NAMES)}")
     return name
 
 

@@ -85,9 +85,7 @@ def _value(info: onnx.ValueInfoProto) -> Value:
         dtype = f"unsupported:{onnx.TensorProto.DataType.Name(tt.elem_type).lower()}"
     shape: tuple[Dim, ...] | None = None
     if tt.HasField("shape"):
-        shape = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-        )
+        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
     return Value(info.name, dtype, shape)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core.ir.dtypes import numpy_from_onnx
-from dsp_core.ops.registry import TensorInfo, Trait, op
+from dsp_core.ops.registry import TensorInfo, Trait, op, same_as_first
 
 # ---------------------------------------------------------------------------
 # Sliding-window geometry
@@ -575,7 +575,7 @@ def max_unpool(ctx, x, indices, output_shape=None, *, kernel_shape=None, pads=No
     return y.reshape(shape)
 
 
-@op("LRN", traits=Trait.FUSABLE, shape=lambda attrs, x: [x])
+@op("LRN", traits=Trait.FUSABLE, shape=same_as_first)
 def lrn(ctx, x, *, alpha=0.0001, beta=0.75, bias=1.0, size=None):
     """Local response normalization across channels."""
     xp = ctx.xp

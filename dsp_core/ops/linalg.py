@@ -711,17 +711,16 @@ def attention(
     work = _attention_dtype(q.dtype, softmax_precision)
     # Scaling Q and K by sqrt(scale) each keeps Q K^T in range (as the spec says).
     root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    rnd = lambda a: a.astype(q.dtype).astype(work)
-    raw = rnd(_grouped_matmul(xp, rnd(q.astype(work) * root), rnd(k.astype(work) * root).transpose(0, 1, 3, 2)))
+    raw = _grouped_matmul(xp, q.astype(work) * root, (k.astype(work) * root).transpose(0, 1, 3, 2))
     capped = softcap * xp.tanh(raw / softcap) if softcap > 0 else raw
     bias = _attention_bias(
         xp, attn_mask, nonpad_kv_seqlen, past_len, (q.shape[2], k.shape[2]),
         (is_causal, left_window_size, right_window_size), work,
     )
-    scores = capped if bias is None else rnd(capped + bias)
+    scores = capped if bias is None else capped + bias
     fully_masked = None if bias is None else xp.all(bias == -np.inf, axis=-1, keepdims=True)
     probs = _masked_softmax(xp, scores, fully_masked)
-    y = _grouped_matmul(xp, rnd(probs), v.astype(work)).astype(q.dtype)
+    y = _grouped_matmul(xp, probs, v.astype(work)).astype(q.dtype)
     qk_output = None
     if ctx.n_outputs > 3:
         qk_output = (raw, capped, scores, probs)[qk_matmul_output_mode].astype(q.dtype)

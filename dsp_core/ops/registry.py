@@ -208,9 +208,7 @@ def _ensure_loaded() -> None:
 # returns one TensorInfo per output.
 
 
-def broadcast_dims(
-    a: tuple[int | str | None, ...], b: tuple[int | str | None, ...]
-) -> tuple[int | str | None, ...]:
+def broadcast_dims(a: tuple[int | str | None, ...], b: tuple[int | str | None, ...]) -> tuple[int | str | None, ...]:
     """Numpy-style broadcast of two (possibly symbolic) shapes."""
     n = max(len(a), len(b))
     a = (1,) * (n - len(a)) + a

@@ -16,7 +16,7 @@ import numpy as np
 
 from dsp_core.errors import GraphError, InputError, UnsupportedOpError
 from dsp_core.ir import dtypes
-from dsp_core.ir.graph import Graph, Node
+from dsp_core.ir.graph import Dim, Graph, Node
 from dsp_core.ops.registry import KernelContext, OpDef, Trait, lookup
 from dsp_core.plan.plan import External, ExternalClass, Plan, Slot, ValueInfo
 
@@ -93,6 +93,8 @@ class _Builder:
     def _external(self, name: str, cls: ExternalClass, array: np.ndarray | None = None) -> int:
         info = self.graph.info(name)
         k = len(self.externals)
+        dtype: str | None
+        shape: tuple[Dim, ...] | None
         if array is not None:
             dtype, shape = dtypes.normalize(array.dtype), tuple(array.shape)
             self.constants[k] = array
@@ -147,18 +149,18 @@ class _Builder:
                     traits=opdef.traits,
                 )
             )
-        outputs = []
+        out_refs: list[int] = []
         for name in self.out_names:
             if name not in self.refs:
                 raise GraphError(f"output {name!r} is not computed by graph {self.graph.name!r}")
-            outputs.append(self.refs[name])
+            out_refs.append(self.refs[name])
         plan = Plan(
             slots=tuple(slots),
             externals=tuple(self.externals),
             values=tuple(self.values),
-            outputs=tuple(outputs),
+            outputs=tuple(out_refs),
             output_names=self.out_names,
-            release=liveness(slots, len(self.values), outputs),
+            release=liveness(slots, len(self.values), out_refs),
             constants=self.constants,
             graph_name=self.graph.name,
         )

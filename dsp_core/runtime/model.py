@@ -42,9 +42,7 @@ class Executor:
     def __init__(self, plan: Plan, part: Partition) -> None:
         self.plan = plan
         self.partition = part
-        self.segments: list[CompiledSegment] = [
-            part.backends[seg.backend].compile(plan, seg) for seg in part.segments
-        ]
+        self.segments: list[CompiledSegment] = [part.backends[seg.backend].compile(plan, seg) for seg in part.segments]
         template: list[Any] = [None] * plan.n_flat
         for k, array in plan.constants.items():
             template[plan.flat(plan.external_ref(k))] = array
@@ -145,8 +143,10 @@ class CompiledModel:
                 entry = self._executors.get(names)
                 if entry is None:
                     built = compile_plan(self.graph, names)
-                    entry = built if isinstance(built, Declined) else Executor(
-                        built, partition(built, self.registry, self.mode, self.strict)
+                    entry = (
+                        built
+                        if isinstance(built, Declined)
+                        else Executor(built, partition(built, self.registry, self.mode, self.strict))
                     )
                     self._executors[names] = entry
         return entry

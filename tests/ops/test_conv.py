@@ -104,7 +104,8 @@ def test_resize_linear_identity_and_nearest_repeat() -> None:
     resize = lookup("Resize").kernel
     same = resize(_ctx(19), x, None, np.array([1, 1, 1, 1], np.float32), mode="linear")
     np.testing.assert_array_equal(same, x)
-    up = resize(_ctx(19), x, None, np.array([1, 1, 2, 2], np.float32), mode="nearest", nearest_mode="floor", coordinate_transformation_mode="asymmetric")
+    scales = np.array([1, 1, 2, 2], np.float32)
+    up = resize(_ctx(19), x, None, scales, nearest_mode="floor", coordinate_transformation_mode="asymmetric")
     np.testing.assert_array_equal(up, x.repeat(2, axis=2).repeat(2, axis=3))
 
 

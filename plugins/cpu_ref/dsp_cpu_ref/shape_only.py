@@ -51,7 +51,9 @@ class ShapeOnlySegment(CompiledSegment):
             try:
                 if rule is not None and any(is_abstract(a) for a in args) and not opdef.has(Trait.SHAPE_ONLY_OUTPUT):
                     infos = rule(dict(slot.attrs), *[_info(a) for a in args])
-                    result: Any = [abstract(dtypes.to_numpy(i.dtype or "float32"), _concrete(i, slot.name)) for i in infos]
+                    result: Any = [
+                        abstract(dtypes.to_numpy(i.dtype or "float32"), _concrete(i, slot.name)) for i in infos
+                    ]
                     result = result[0] if opdef.single_output else tuple(result)
                 else:
                     result = kernel(*args)
@@ -60,7 +62,9 @@ class ShapeOnlySegment(CompiledSegment):
             except DSPError:
                 raise
             except Exception as exc:
-                raise ShapeError(f'shape inference failed at {slot.op} node "{slot.name}": {type(exc).__name__}: {exc}') from exc
+                raise ShapeError(
+                    f'shape inference failed at {slot.op} node "{slot.name}": {type(exc).__name__}: {exc}'
+                ) from exc
             if outs.__class__ is int:
                 values[outs] = result
             else:
