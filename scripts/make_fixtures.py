@@ -23,6 +23,7 @@ Every exported model is run by onnxruntime (and by onnx's ReferenceEvaluator)
 on every golden feed and compared with torch; the script fails loudly when the
 max abs difference exceeds ``--tol`` (1e-4).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,6 @@ import os
 import sys
 import time
 import warnings
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,17 @@ VOCAB = 1000
 # forever. std 0.3 gives varied greedy tokens with clear top-1/top-2 margins.
 INIT_RANGE = 0.3
 MIN_MARGIN = 1e-3  # fail if a greedy choice is closer than this to a tie
+
+# Versions the committed fixtures were made with (tests/fixtures/README.md).
+# Other versions may export different graphs; the script warns, then goes on.
+PINNED = {
+    "torch": "2.13.0+cpu",
+    "transformers": "5.24.0",
+    "onnx": "1.23.2",
+    "onnxscript": "0.7.2",
+    "onnxruntime": "1.32.0",
+    "numpy": "2.4.6",
+}
 
 _T0 = time.time()
 
@@ -298,13 +309,11 @@ class Checker:
             if not worst < tol:
                 raise AssertionError(f"{self.path.name} [{tag}] {what}: max abs diff {worst:.3g} >= {tol}")
 
-
     def greedy(self, prompt: np.ndarray, n: int, model) -> list[int]:
         """Greedy decoding through the onnx model (ort, else the reference)."""
         n_layers, kv_heads, head_dim = kv_dims(model)
         names = input_names(n_layers)
-        run = (lambda f: self.sess.run(self.out_names, f)) if self.sess else (
-            lambda f: self.ref.run(self.out_names, f))
+        run = (lambda f: self.sess.run(self.out_names, f)) if self.sess else (lambda f: self.ref.run(self.out_names, f))
         ids = prompt.astype(np.int64)
         past = [np.zeros((1, kv_heads, 0, head_dim), np.float32) for _ in range(2 * n_layers)]
         total, tokens = 0, []
@@ -468,7 +477,9 @@ class MLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
-def export_simple(model, example, path: Path, opset: int, in_name: str, out_name: str, external: bool):
+def export_with_external_data(model, example, path: Path, opset: int, in_name: str, out_name: str):
+    """Export with the dynamo exporter and save every initializer to
+    ``<path>.data`` (one file, size_threshold=0) next to the .onnx."""
     with torch.no_grad():
         prog = torch.onnx.export(
             model,
@@ -482,27 +493,23 @@ def export_simple(model, example, path: Path, opset: int, in_name: str, out_name
             optimize=True,
         )
     proto = prog.model_proto
+    strip_metadata(proto)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if external:
-        strip_metadata(proto)
-        data_name = path.name + ".data"
-        if (path.parent / data_name).exists():
-            (path.parent / data_name).unlink()
-        onnx.save_model(
-            proto,
-            str(path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=data_name,
-            size_threshold=0,
-        )
-        reloaded = onnx.load(str(path), load_external_data=False)
-        n_ext = sum(i.data_location == onnx.TensorProto.EXTERNAL for i in reloaded.graph.initializer)
-        if n_ext == 0:
-            raise RuntimeError(f"{path.name}: expected external initializers, found none")
-        onnx.checker.check_model(str(path), full_check=True)
-    else:
-        save_inline(proto, path)
+    data_name = path.name + ".data"
+    (path.parent / data_name).unlink(missing_ok=True)  # onnx appends otherwise
+    onnx.save_model(
+        proto,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data_name,
+        size_threshold=0,
+    )
+    reloaded = onnx.load(str(path), load_external_data=False)
+    n_ext = sum(i.data_location == onnx.TensorProto.EXTERNAL for i in reloaded.graph.initializer)
+    if n_ext == 0:
+        raise RuntimeError(f"{path.name}: expected external initializers, found none")
+    onnx.checker.check_model(str(path), full_check=True)
     return onnx.load(str(path))
 
 
@@ -580,8 +587,12 @@ def make_cnn(out_dir: Path, tol: float, report: dict):
     chk = Checker(path)
     chk.check(feeds, expected, tol, "batch2")
     np.savez_compressed(out_dir / "cnn.golden.npz", input=feeds["input"], logits=expected["logits"])
-    report["cnn"] = {"opset": opset_of(proto), "nodes": len(proto.graph.node), "ops": op_types(proto),
-                     "max_diff": chk.max_diff}
+    report["cnn"] = {
+        "opset": opset_of(proto),
+        "nodes": len(proto.graph.node),
+        "ops": op_types(proto),
+        "max_diff": chk.max_diff,
+    }
     log(f"cnn: ops {op_types(proto)}, max diff {chk.max_diff}")
 
 
@@ -591,15 +602,19 @@ def make_mlp(out_dir: Path, tol: float, report: dict):
     model = MLP().eval()
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(11))
     path = out_dir / "external_data" / "mlp.onnx"
-    proto = export_simple(model, x, path, 17, "x", "y", external=True)
+    proto = export_with_external_data(model, x, path, 17, "x", "y")
     with torch.no_grad():
         y = model(x)
     feeds, expected = {"x": to_np(x)}, {"y": to_np(y)}
     chk = Checker(path)
     chk.check(feeds, expected, tol, "batch3")
     np.savez_compressed(path.parent / "mlp.golden.npz", x=feeds["x"], y=expected["y"])
-    report["external_data/mlp"] = {"opset": opset_of(proto), "nodes": len(proto.graph.node),
-                                   "ops": op_types(proto), "max_diff": chk.max_diff}
+    report["external_data/mlp"] = {
+        "opset": opset_of(proto),
+        "nodes": len(proto.graph.node),
+        "ops": op_types(proto),
+        "max_diff": chk.max_diff,
+    }
     log(f"mlp: ops {op_types(proto)}, max diff {chk.max_diff}")
 
 
@@ -623,6 +638,9 @@ def main(argv=None) -> int:
         "numpy": np.__version__,
     }
     log(f"versions: {versions}")
+    for pkg, want in PINNED.items():
+        if versions[pkg] != want:
+            log(f"WARNING: {pkg} {versions[pkg]} differs from {want} used for the committed fixtures")
     report: dict = {"versions": versions}
 
     jobs = {

@@ -239,9 +239,7 @@ def _quant_dtype(zero_point: Array | None, output_dtype: int) -> np.dtype[Any]:
     else:
         dtype = np.dtype(np.uint8)
     if dtype.kind not in "iu" or dtype.itemsize > 2:
-        raise DTypeError(
-            f"QuantizeLinear to {dtype} is not supported; DSP quantizes to int8, uint8, int16, uint16"
-        )
+        raise DTypeError(f"QuantizeLinear to {dtype} is not supported; DSP quantizes to int8, uint8, int16, uint16")
     return dtype
 
 
@@ -477,9 +475,7 @@ def group_normalization(
 
 
 @op("InstanceNormalization", traits=Trait.NONE, since=6, shape=same_as_first)
-def instance_normalization(
-    ctx: KernelContext, x: Array, scale: Array, b: Array, *, epsilon: float = 1e-5
-) -> Array:
+def instance_normalization(ctx: KernelContext, x: Array, scale: Array, b: Array, *, epsilon: float = 1e-5) -> Array:
     """Normalize each (n, c) slice of (N, C, ...) x over its spatial dims, then scale and B."""
     return _group_norm(ctx.xp, x, x.shape[1], scale, b, epsilon, _work_dtype(x.dtype))
 
@@ -508,17 +504,15 @@ def batch_normalization(
     xp = ctx.xp
     work = _work_dtype(x.dtype)
     xw = x.astype(work)
-    if not spatial:  # per-activation statistics of shape (C, D1, ...)
-        def per_channel(v: Array) -> Array:
-            return v.astype(work)[None]
-    else:
-        def per_channel(v: Array) -> Array:
-            return _channel(v.astype(work), x.ndim)
+
+    def per_channel(v: Array) -> Array:
+        # spatial=0 (before opset 9): statistics per activation, shaped (C, D1, ...)
+        return _channel(v.astype(work), x.ndim) if spatial else v.astype(work)[None]
+
     mean, var = per_channel(input_mean), per_channel(input_var)
     running_mean, running_var = input_mean, input_var
     if training_mode:
-        axes = (0,) + tuple(range(2, x.ndim))
-        mean, var = _moments(xp, xw, axes)
+        mean, var = _moments(xp, xw, (0,) + tuple(range(2, x.ndim)))
         running_mean = (input_mean * momentum + mean.reshape(-1) * (1 - momentum)).astype(input_mean.dtype)
         running_var = (input_var * momentum + var.reshape(-1) * (1 - momentum)).astype(input_var.dtype)
     y = (xw - mean) / xp.sqrt(var + epsilon) * per_channel(scale) + per_channel(b)
@@ -651,10 +645,12 @@ def _attention_dtype(dtype: Any, softmax_precision: int | None) -> np.dtype[Any]
     return _work_dtype(*wide)
 
 
-def _attention_rule(attrs: dict[str, Any], q: TensorInfo, k: TensorInfo, v: TensorInfo, *rest: TensorInfo) -> list[TensorInfo]:
+def _attention_rule(
+    attrs: dict[str, Any], q: TensorInfo, k: TensorInfo, v: TensorInfo, *rest: TensorInfo
+) -> list[TensorInfo]:
     """Shape rule of Attention: Y, present_key, present_value, qk_matmul_output."""
     if q.shape is None or k.shape is None or v.shape is None:
-        return [TensorInfo(q.dtype, None), TensorInfo(k.dtype, None), TensorInfo(v.dtype, None), TensorInfo(q.dtype, None)]
+        return [TensorInfo(t.dtype, None) for t in (q, k, v, q)]
     past = rest[1] if len(rest) > 1 and rest[1] is not None else None
     past_len = past.shape[2] if past is not None and past.shape is not None else 0
     total = k.shape[-2 if len(k.shape) == 4 else 1]
@@ -702,7 +698,8 @@ def attention(
     xp = ctx.xp
     packed = q.ndim == 3
     if packed:
-        q, k, v = _split_heads(q, q_num_heads or 0), _split_heads(k, kv_num_heads or 0), _split_heads(v, kv_num_heads or 0)
+        q = _split_heads(q, q_num_heads or 0)
+        k, v = _split_heads(k, kv_num_heads or 0), _split_heads(v, kv_num_heads or 0)
     past_len = 0
     if past_key is not None and past_value is not None:
         past_len = past_key.shape[2]
@@ -714,8 +711,13 @@ def attention(
     raw = _grouped_matmul(xp, q.astype(work) * root, (k.astype(work) * root).transpose(0, 1, 3, 2))
     capped = softcap * xp.tanh(raw / softcap) if softcap > 0 else raw
     bias = _attention_bias(
-        xp, attn_mask, nonpad_kv_seqlen, past_len, (q.shape[2], k.shape[2]),
-        (is_causal, left_window_size, right_window_size), work,
+        xp,
+        attn_mask,
+        nonpad_kv_seqlen,
+        past_len,
+        (q.shape[2], k.shape[2]),
+        (is_causal, left_window_size, right_window_size),
+        work,
     )
     scores = capped if bias is None else capped + bias
     fully_masked = None if bias is None else xp.all(bias == -np.inf, axis=-1, keepdims=True)
@@ -766,7 +768,9 @@ def rotary_embedding(
     return _merge_heads(y) if packed else y
 
 
-def _linear_attention_rule(attrs: dict[str, Any], q: TensorInfo, k: TensorInfo, v: TensorInfo, *rest: TensorInfo) -> list[TensorInfo]:
+def _linear_attention_rule(
+    attrs: dict[str, Any], q: TensorInfo, k: TensorInfo, v: TensorInfo, *rest: TensorInfo
+) -> list[TensorInfo]:
     """Shape rule of LinearAttention: output (B, T, Hq*dv) and state (B, Hkv, dk, dv)."""
     hq, hkv = attrs.get("q_num_heads"), attrs.get("kv_num_heads")
     if q.shape is None or v.shape is None or k.shape is None or not hq or not hkv:
