@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 
-def dsp(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dsp_core.cli", *args], capture_output=True, text=True, timeout=120)
+def dsp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsp_core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,10 @@ def test_backends_list_json() -> None:
     ref = next(b for b in table["backends"] if b["name"] == "slot_by_slot")
     assert ref["available"] and ref["distribution"] == "dsp-cpu-ref" and ref["auto_position"] == 1
     assert table["auto"] == ["slot_by_slot"]
-    assert {f["entry_point"] for f in table["failures"]} == {"test_broken_import", "test_broken_hook"}
+    assert {f["entry_point"] for f in table["failures"]} == {"test_broken_import"}
+    enabled = json.loads(dsp("backends", "list", "--json", env={"DSP_TEST_BACKENDS": "1"}).stdout)
+    assert {f["entry_point"] for f in enabled["failures"]} == {"test_broken_import", "test_broken_hook"}
+    assert enabled["auto"] == ["test_eltwise", "test_null", "slot_by_slot"]
 
 
 def test_backends_list_table() -> None:

@@ -20,8 +20,8 @@ def test_cpu_ref_registers_through_entry_points() -> None:
     assert ref["slot_by_slot"].availability().ok
 
 
-def test_broken_plugins_are_recorded_and_isolated() -> None:
-    reg = discover()
+def test_broken_plugins_are_recorded_and_isolated(test_backends) -> None:
+    reg = test_backends
     failures = {f.entry_point: f for f in reg.failures}
     assert failures["test_broken_import"].stage == "import"
     assert "fails on purpose" in failures["test_broken_import"].error

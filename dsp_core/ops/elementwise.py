@@ -13,6 +13,7 @@ from collections.abc import Callable
 from functools import reduce
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from dsp_core.ir import dtypes
@@ -31,7 +32,8 @@ Array = Any
 # A pure elementwise computation: a fusing backend may take it, and it writes every element.
 _EW = Trait.ELEMENTWISE | Trait.FUSABLE | Trait.FULLY_WRITING
 
-_HALF_FLOATS = frozenset({"float16", "bfloat16"})
+# Compared by dtype identity: ``dtype.name`` is a slow Python property on the hot path.
+_HALF_FLOATS = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
 
 
 # ---------------------------------------------------------------------------
@@ -40,7 +42,7 @@ _HALF_FLOATS = frozenset({"float16", "bfloat16"})
 
 def _widen(xp: Any, *arrays: Array) -> list[Array]:
     """The arrays with half-precision floats cast to float32 (others unchanged)."""
-    return [a.astype(xp.float32) if a.dtype.name in _HALF_FLOATS else a for a in arrays]
+    return [a.astype(xp.float32) if a.dtype in _HALF_FLOATS else a for a in arrays]
 
 
 def _narrow(y: Array, like: Array) -> Array:
@@ -95,6 +97,17 @@ def _sigmoid(xp: Any, x: Array) -> Array:
 # Unary math: one xp ufunc each, registered by a factory.
 
 
+def _plain_ufunc(ufunc: str) -> Any:
+    """Specializer: with every input dtype known and none half-precision, the bare ufunc."""
+
+    def specialize(ctx: KernelContext, in_dtypes: tuple[str | None, ...]) -> Any:
+        if all(d is not None and d not in ("float16", "bfloat16") for d in in_dtypes):
+            return getattr(ctx.xp, ufunc)
+        return None
+
+    return specialize
+
+
 def _register_unary(name: str, ufunc: str, *, since: int, predicate: bool = False) -> None:
     """Register ``name`` as the xp ufunc ``ufunc`` applied elementwise."""
 
@@ -105,7 +118,7 @@ def _register_unary(name: str, ufunc: str, *, since: int, predicate: bool = Fals
     kernel.__name__ = kernel.__qualname__ = name.lower()
     kernel.__doc__ = f"ONNX {name}: elementwise xp.{ufunc}."
     shape = _bool_like_first if predicate else same_as_first
-    op(name, traits=_EW, shape=shape, since=since)(kernel)
+    op(name, traits=_EW, shape=shape, since=since, specialize=_plain_ufunc(ufunc))(kernel)
 
 
 # name: (xp ufunc, first opset implemented); opset-1 versions had `consumed_inputs`.
@@ -177,7 +190,7 @@ def _register_binary(name: str, ufunc: str, *, since: int, kind: str) -> None:
     kernel.__name__ = kernel.__qualname__ = name.lower()
     kernel.__doc__ = f"ONNX {name}: elementwise xp.{ufunc} with numpy broadcasting."
     shape = broadcast_bool_rule if kind == "predicate" else broadcast_rule
-    op(name, traits=_EW, shape=shape, since=since)(kernel)
+    op(name, traits=_EW, shape=shape, since=since, specialize=_plain_ufunc(ufunc))(kernel)
 
 
 # name: (xp ufunc, first opset implemented, kind); opsets before 7 had legacy broadcasting.

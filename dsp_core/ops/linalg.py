@@ -18,7 +18,7 @@ import numpy as np
 
 from dsp_core.errors import DTypeError, ShapeError
 from dsp_core.ir.dtypes import numpy_from_onnx
-from dsp_core.ops.registry import KernelContext, TensorInfo, Trait, op, same_as_first
+from dsp_core.ops.registry import KernelContext, TensorInfo, Trait, broadcast_dims, op, same_as_first
 
 Array = Any
 Dims = tuple[int | str | None, ...]
@@ -72,8 +72,6 @@ def _merge_heads(x: Array) -> Array:
 
 def _matmul_dims(a: Dims, b: Dims) -> Dims:
     """The shape of numpy's matmul of shapes ``a`` and ``b`` (1-D operands promoted)."""
-    from dsp_core.ops.registry import broadcast_dims
-
     if len(a) == 1 and len(b) == 1:
         return ()
     if len(a) == 1:
@@ -834,3 +832,38 @@ def linear_attention(
     y = xp.concatenate(outputs, axis=2)  # (B, Hq, T, dv)
     state_dtype = past_state.dtype if past_state is not None else query.dtype
     return _merge_heads(y).astype(query.dtype), state.astype(state_dtype)
+
+
+# ---------------------------------------------------------------------------
+# FlexAttention (ai.onnx.preview): attention with user subgraphs on scores and probs
+
+
+def _apply_mod(ctx: KernelContext, name: str, x: Array) -> Array:
+    """Run the modifier subgraph attribute ``name`` on ``x``; ``x`` itself when it is absent."""
+    runner = ctx.subgraphs.get(name)
+    if runner is None:
+        return x
+    (formal,) = [v.name for v in runner.graph.inputs]
+    return ctx.xp.asarray(runner({formal: x})[0]).astype(x.dtype, copy=False)
+
+
+@op("FlexAttention", domain="ai.onnx.preview", traits=Trait.ATTENTION | Trait.CONTROL_FLOW, shape=same_as_first)
+def flex_attention(
+    ctx: KernelContext,
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float | None = None,
+    softmax_precision: int | None = None,
+    score_mod: Any = None,
+    prob_mod: Any = None,
+) -> Array:
+    """softmax(score_mod(Q K^T * scale)), then prob_mod, times V; GQA over rank-4 inputs."""
+    xp = ctx.xp
+    work = numpy_from_onnx(softmax_precision) if softmax_precision else _work_dtype(q.dtype)
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    scores = _grouped_matmul(xp, q.astype(work) * root, (k.astype(work) * root).transpose(0, 1, 3, 2))
+    probs = _masked_softmax(xp, _apply_mod(ctx, "score_mod", scores), None)
+    probs = _apply_mod(ctx, "prob_mod", probs)
+    return _grouped_matmul(xp, probs, v.astype(work)).astype(v.dtype)

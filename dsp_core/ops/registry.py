@@ -71,6 +71,10 @@ class KernelContext:
 
 ShapeRule = Callable[..., Sequence[TensorInfo]]
 Kernel = Callable[..., Any]
+# specialize(ctx, input dtype names) -> a faster callable taking the inputs, or None.
+# Called once per slot at plan compile time, when the inputs' dtypes are known, so a
+# kernel's per-call dtype dispatch (half-precision widening, ...) can be decided once.
+Specializer = Callable[[KernelContext, tuple[str | None, ...]], Callable[..., Any] | None]
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class OpDef:
     until: int | None  # last opset version implemented (None: all later ones)
     shape_rule: ShapeRule | None
     doc: str
+    specialize: Specializer | None = None
 
     @property
     def single_output(self) -> bool:
@@ -126,6 +131,7 @@ def op(
     since: int = 1,
     until: int | None = None,
     shape: ShapeRule | None = None,
+    specialize: Specializer | None = None,
 ) -> Callable[[Kernel], Kernel]:
     """Register ``kernel`` as the reference implementation of op ``name``.
 
@@ -150,6 +156,7 @@ def op(
             until=until,
             shape_rule=shape,
             doc=(kernel.__doc__ or "").strip().splitlines()[0] if kernel.__doc__ else "",
+            specialize=specialize,
         )
         return kernel
 
@@ -205,7 +212,8 @@ def _ensure_loaded() -> None:
 
 # ---------------------------------------------------------------------------
 # Shape rules shared by many ops. A rule takes (attrs: dict, *inputs: TensorInfo) and
-# returns one TensorInfo per output.
+# returns one TensorInfo per output, or None when it cannot tell from shapes and
+# attributes alone (e.g. axes given as an input): the caller then runs the kernel.
 
 
 def broadcast_dims(a: tuple[int | str | None, ...], b: tuple[int | str | None, ...]) -> tuple[int | str | None, ...]:

@@ -10,6 +10,11 @@ had an *attribute* with the same name as a later *input* (Reduce* ``axes``, Slic
 
 Shape-like inputs (shapes, axes, starts, pads, ...) go through :func:`_ints`, which
 reads them to the host as Python ints (a device-to-host copy on cupy).
+
+Shape rules are given only where shapes and attributes always decide the output shape: a
+rule sees no values, and SHAPE_INFERENCE_ONLY uses a rule instead of the kernel whenever
+there is one, so Squeeze, Unsqueeze and Reduce* (axes as an input in current opsets) have
+none; their kernels run on the abstract inputs there.
 """
 
 from __future__ import annotations
@@ -231,23 +236,14 @@ def flatten(ctx: KernelContext, x: Array, *, axis: int = 1) -> Array:
     return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
 
 
-def _squeeze_dims(shape: Dims, axes: list[int]) -> Dims | None:
+def _squeeze_dims(shape: Sequence[int], axes: list[int]) -> tuple[int, ...]:
     if not axes:
-        if not all(isinstance(d, int) for d in shape):
-            return None  # which dims are 1 is not known
         return tuple(d for d in shape if d != 1)
     drop = {_axis(a, len(shape)) for a in axes}
     return tuple(d for i, d in enumerate(shape) if i not in drop)
 
 
-def _squeeze_rule(attrs: dict[str, Any], data: TensorInfo, axes: TensorInfo | None = None) -> list[TensorInfo]:
-    """Shape rule of Squeeze when the axes are an attribute (or absent)."""
-    if data.shape is None or axes is not None:
-        return _unknown(data.dtype)
-    return [TensorInfo(data.dtype, _squeeze_dims(data.shape, list(attrs.get("axes") or [])))]
-
-
-@op("Squeeze", traits=_VALUE_SHAPE, shape=_squeeze_rule)
+@op("Squeeze", traits=_VALUE_SHAPE)
 def squeeze(ctx: KernelContext, data: Array, axes_input: Array = None, *, axes: Any = None) -> Array:
     """``data`` without the listed size-1 axes (all size-1 axes when none are listed)."""
     return data.reshape(_squeeze_dims(data.shape, _ints(_first_given(axes_input, axes))))
@@ -260,14 +256,7 @@ def _unsqueeze_dims(shape: Dims, axes: list[int]) -> Dims:
     return tuple(1 if i in inserted else next(rest) for i in range(rank))
 
 
-def _unsqueeze_rule(attrs: dict[str, Any], data: TensorInfo, axes: TensorInfo | None = None) -> list[TensorInfo]:
-    """Shape rule of Unsqueeze when the axes are an attribute."""
-    if data.shape is None or axes is not None:
-        return _unknown(data.dtype)
-    return [TensorInfo(data.dtype, _unsqueeze_dims(data.shape, list(attrs.get("axes") or [])))]
-
-
-@op("Unsqueeze", traits=_VALUE_SHAPE, shape=_unsqueeze_rule)
+@op("Unsqueeze", traits=_VALUE_SHAPE)
 def unsqueeze(ctx: KernelContext, data: Array, axes_input: Array = None, *, axes: Any = None) -> Array:
     """``data`` with size-1 axes inserted at the listed output positions."""
     return data.reshape(_unsqueeze_dims(data.shape, _ints(_first_given(axes_input, axes))))
@@ -699,19 +688,6 @@ def _reduced_dims(shape: Dims, axes: Iterable[int], keepdims: int) -> Dims:
     return tuple(1 if i in gone else d for i, d in enumerate(shape) if keepdims or i not in gone)
 
 
-def _reduce_rule(attrs: dict[str, Any], data: TensorInfo, axes: TensorInfo | None = None) -> list[TensorInfo]:
-    """Shape rule of Reduce*: known when the axes are an attribute (or absent)."""
-    keepdims = attrs.get("keepdims", 1)
-    if data.shape is None:
-        return _unknown(data.dtype)
-    if axes is not None:  # axes given as an input: only the rank may be known
-        return [TensorInfo(data.dtype, (None,) * len(data.shape) if keepdims else None)]
-    chosen = _reduce_axes(len(data.shape), list(attrs.get("axes") or []), attrs.get("noop_with_empty_axes", 0))
-    if chosen is None:
-        return [data]
-    return [TensorInfo(data.dtype, _reduced_dims(data.shape, chosen, keepdims))]
-
-
 ReduceFn = Callable[[Any, Array, tuple[int, ...]], Array]
 
 
@@ -763,7 +739,7 @@ def _register_reduce(name: str, what: str, fn: ReduceFn, empty: Callable[[Any, A
 
     kernel.__name__ = kernel.__qualname__ = name.lower()
     kernel.__doc__ = f"{what} over ``axes`` (all when absent), keeping them when keepdims."
-    op(name, traits=Trait.REDUCTION | _VALUE_SHAPE, shape=_reduce_rule)(kernel)
+    op(name, traits=Trait.REDUCTION | _VALUE_SHAPE)(kernel)
 
 
 _register_reduce("ReduceSum", "Sum", lambda xp, x, ax: xp.sum(x, axis=ax, keepdims=True))

@@ -17,7 +17,7 @@ import numpy as np
 from dsp_core.errors import GraphError, InputError, UnsupportedOpError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Dim, Graph, Node
-from dsp_core.ops.registry import KernelContext, OpDef, Trait, lookup
+from dsp_core.ops.registry import KernelContext, OpDef, TensorInfo, Trait, lookup
 from dsp_core.plan.plan import External, ExternalClass, Plan, Slot, ValueInfo
 
 
@@ -128,6 +128,7 @@ class _Builder:
             if v.name not in self.graph.initializers:
                 self._ref(v.name)
         slots: list[Slot] = []
+        opdefs_by_slot: list[OpDef] = []
         for node, opdef in zip(nodes, opdefs):
             if node.op_type == "Constant" and node.domain == "":
                 self._fold_constant(node, opdef)
@@ -149,6 +150,8 @@ class _Builder:
                     traits=opdef.traits,
                 )
             )
+            opdefs_by_slot.append(opdef)
+        self._infer_static(slots, opdefs_by_slot)
         out_refs: list[int] = []
         for name in self.out_names:
             if name not in self.refs:
@@ -166,6 +169,37 @@ class _Builder:
         )
         plan.content_hash = content_hash(plan)
         return plan
+
+    def _infer_static(self, slots: list[Slot], opdefs: list[OpDef]) -> None:
+        """Fill dtypes and shapes the graph did not declare, from the ops' shape rules."""
+        for slot, opdef in zip(slots, opdefs):
+            missing = [
+                v
+                for v in slot.outputs
+                if v is not None and (self.values[v].dtype is None or self.values[v].shape is None)
+            ]
+            if not missing or opdef.shape_rule is None:
+                continue
+            infos = [TensorInfo(*self._info(r)) if r is not None else None for r in slot.inputs]
+            if any(i is not None and i.dtype is None for i in infos):
+                continue
+            try:
+                rule_out = list(opdef.shape_rule(dict(slot.attrs), *infos))
+            except Exception:  # noqa: BLE001  (a rule that cannot conclude leaves the value unknown)
+                continue
+            for v, info in zip(slot.outputs, rule_out):
+                if v is None or info is None:
+                    continue
+                old = self.values[v]
+                self.values[v] = ValueInfo(
+                    old.name, old.dtype or info.dtype, old.shape if old.shape is not None else info.shape
+                )
+
+    def _info(self, ref: int) -> tuple[str | None, tuple[Dim, ...] | None]:
+        if ref < 0:
+            ext = self.externals[-ref - 1]
+            return (ext.dtype, ext.shape)
+        return (self.values[ref].dtype, self.values[ref].shape)
 
     def _fold_constant(self, node: Node, opdef: OpDef) -> None:
         import numpy

@@ -49,11 +49,11 @@ class ShapeOnlySegment(CompiledSegment):
             rule = opdef.shape_rule
             slot = self._plan.slots[s]
             try:
+                infos = None
                 if rule is not None and any(is_abstract(a) for a in args) and not opdef.has(Trait.SHAPE_ONLY_OUTPUT):
-                    infos = rule(dict(slot.attrs), *[_info(a) for a in args])
-                    result: Any = [
-                        abstract(dtypes.to_numpy(i.dtype or "float32"), _concrete(i, slot.name)) for i in infos
-                    ]
+                    infos = rule(dict(slot.attrs), *[_info(a) for a in args])  # None: "cannot tell"
+                if infos is not None and all(_is_concrete(i) for i in infos):
+                    result: Any = [abstract(dtypes.to_numpy(i.dtype or "float32"), i.shape) for i in infos]
                     result = result[0] if opdef.single_output else tuple(result)
                 else:
                     result = kernel(*args)
@@ -81,10 +81,11 @@ def _info(x: Any) -> TensorInfo:
     return TensorInfo(dtypes.normalize(arr.dtype), tuple(arr.shape))
 
 
-def _concrete(info: TensorInfo, node: str) -> tuple[int, ...]:
-    if info.shape is None or not all(isinstance(d, int) for d in info.shape):
-        raise ShapeError(f'node "{node}": its shape rule gave a non-concrete shape {info.shape}')
-    return tuple(int(d) for d in info.shape)  # type: ignore[arg-type]
+def _is_concrete(info: TensorInfo | None) -> bool:
+    """True when a rule's answer has a dtype and only integer dims (else the kernel decides)."""
+    return info is not None and info.dtype is not None and info.shape is not None and all(
+        isinstance(d, int) for d in info.shape
+    )
 
 
 def _abstracted(result: Any, single: bool) -> Any:
