@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PLUGINS := plugins/cpu_ref
@@ -35,7 +35,7 @@ bench: $(STAMP)
 
 # Regenerates tests/fixtures (needs torch; uses its own venv, not needed by tests).
 fixtures:
-	test -x .fixture-venv/bin/python || ($(PYTHON) -m venv .fixture-venv && .fixture-venv/bin/pip install torch==2.13.0 transformers onnx==1.23.2 onnxscript onnxruntime==1.32.0 numpy)
+	test -x .fixture-venv/bin/python || ($(PYTHON) -m venv .fixture-venv && .fixture-venv/bin/pip install torch==2.13.0 transformers==5.24.0 onnx==1.23.2 onnxscript==0.7.2 onnxruntime==1.32.0 numpy)
 	.fixture-venv/bin/python scripts/make_fixtures.py --out tests/fixtures
 
 clean:

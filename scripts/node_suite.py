@@ -54,12 +54,20 @@ def compare(expected: np.ndarray, got: Any, rtol: float, atol: float) -> None:
         np.testing.assert_array_equal(got, expected)
 
 
+def _arrays(values: list[Any]) -> list[Any]:
+    """Stored inputs/outputs as numpy (some cases store TensorProtos, e.g. Cast's)."""
+    from onnx import TensorProto, numpy_helper
+
+    return [numpy_helper.to_array(v) if isinstance(v, TensorProto) else v for v in values]
+
+
 def run_case(case: Any) -> None:
     """Run one case through dsp_core.onnx_backend; raise on any difference."""
     from dsp_core import onnx_backend
 
     rep = onnx_backend.prepare(case.model)
     for inputs, outputs in case.data_sets:
+        inputs, outputs = _arrays(inputs), _arrays(outputs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = rep.run(inputs)

@@ -67,3 +67,11 @@ def test_fused_exports_use_the_fused_ops() -> None:
     assert "Attention" in ops
     ops = {n.op_type for n in dsp.compile(FIXTURES / "gpt2_sdpa23.onnx").graph.nodes}
     assert "Attention" in ops
+
+
+def test_batch2_right_padded_prefill(decoder) -> None:
+    name, model, golden = decoder
+    feeds = {n: golden[f"batch2.{n}"] for n in model.input_names}
+    outs = model.run(feeds)
+    for out in model.output_names:
+        np.testing.assert_allclose(outs[out], golden[f"batch2.{out}"], rtol=1e-4, atol=1e-4, err_msg=f"{name} {out}")

@@ -637,6 +637,13 @@ def _grouped_matmul(xp: Any, x: Array, y: Array) -> Array:
     return out.reshape(b, hq, s, out.shape[-1])
 
 
+def _scaled_scores(xp: Any, q: Array, k: Array, scale: float | None, work: Any) -> Array:
+    """Q K^T * scale (default 1/sqrt(head_size)) in ``work`` precision, GQA-aware."""
+    # Scaling Q and K by sqrt(scale) each keeps Q K^T in range, as the spec says.
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    return _grouped_matmul(xp, q.astype(work) * root, (k.astype(work) * root).transpose(0, 1, 3, 2))
+
+
 def _attention_dtype(dtype: Any, softmax_precision: int | None) -> np.dtype[Any]:
     """The compute dtype: float32, or float64 when the input or softmax_precision asks for it."""
     wide = [dtype] + ([numpy_from_onnx(softmax_precision)] if softmax_precision else [])
@@ -704,9 +711,7 @@ def attention(
         k = xp.concatenate([past_key, k], axis=2)
         v = xp.concatenate([past_value, v], axis=2)
     work = _attention_dtype(q.dtype, softmax_precision)
-    # Scaling Q and K by sqrt(scale) each keeps Q K^T in range (as the spec says).
-    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    raw = _grouped_matmul(xp, q.astype(work) * root, (k.astype(work) * root).transpose(0, 1, 3, 2))
+    raw = _scaled_scores(xp, q, k, scale, work)
     capped = softcap * xp.tanh(raw / softcap) if softcap > 0 else raw
     bias = _attention_bias(
         xp,
@@ -862,8 +867,7 @@ def flex_attention(
     """softmax(score_mod(Q K^T * scale)), then prob_mod, times V; GQA over rank-4 inputs."""
     xp = ctx.xp
     work = numpy_from_onnx(softmax_precision) if softmax_precision else _work_dtype(q.dtype)
-    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    scores = _grouped_matmul(xp, q.astype(work) * root, (k.astype(work) * root).transpose(0, 1, 3, 2))
+    scores = _scaled_scores(xp, q, k, scale, work)
     probs = _masked_softmax(xp, _apply_mod(ctx, "score_mod", scores), None)
     probs = _apply_mod(ctx, "prob_mod", probs)
     return _grouped_matmul(xp, probs, v.astype(work)).astype(v.dtype)
