@@ -20,8 +20,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-gpu-test: $(STAMP)
-	$(BIN)/python -m pytest -q -m gpu
+# On a GPU machine. With GPU_PYTHON=python3 it uses that interpreter as it is (the GPU
+# image has no network: install the project there with scripts/gpu_setup.sh first).
+GPU_PYTHON ?=
+gpu-test:
+ifeq ($(GPU_PYTHON),)
+	$(MAKE) $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu
+else
+	$(GPU_PYTHON) -m pytest -q tests/gpu
+endif
 
 lint: $(STAMP)
 	$(BIN)/ruff check dsp_core plugins tests benchmarks scripts examples
