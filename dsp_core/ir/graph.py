@@ -25,6 +25,7 @@ class Value:
     name: str
     dtype: str | None = None
     shape: Shape | None = None
+    kind: str = "tensor"  # "tensor", "sequence" (a Python list of tensors) or "optional"
 
     def describe(self) -> str:
         """'name: float32[batch, 16]' for messages and tables."""

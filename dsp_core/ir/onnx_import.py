@@ -76,6 +76,10 @@ def _with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _value(info: onnx.ValueInfoProto) -> Value:
     t = info.type
+    if t.HasField("sequence_type"):
+        return Value(info.name, None, None, kind="sequence")
+    if t.HasField("optional_type"):
+        return Value(info.name, None, None, kind="optional")
     if not t.HasField("tensor_type"):
         return Value(info.name, None, None)
     tt = t.tensor_type

@@ -34,6 +34,7 @@ class FeedSpec:
     flat: int
     dtype: np.dtype[Any] | None
     shape: tuple[int | str | None, ...] | None
+    kind: str = "tensor"
 
 
 class Executor:
@@ -127,14 +128,14 @@ class CompiledModel:
             results = run_graph(self.graph, {s.name: a for s, a in zip(self._feeds, staged)}, names)
         else:
             results = entry.run([(s.flat, a) for s, a in zip(self._feeds, staged)])
-        return {name: np.asarray(r) for name, r in zip(names, results)}
+        return {name: _as_output(r) for name, r in zip(names, results)}
 
     def run_legacy(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run on the legacy interpreter (the baseline every plan is measured against)."""
         names = check_outputs(self.graph, outputs)
         staged = self._stage(feeds)
         results = run_graph(self.graph, {s.name: a for s, a in zip(self._feeds, staged)}, names)
-        return {name: np.asarray(r) for name, r in zip(names, results)}
+        return {name: _as_output(r) for name, r in zip(names, results)}
 
     def _prepare(self, names: tuple[str, ...]) -> Executor | Declined:
         entry = self._executors.get(names)
@@ -170,14 +171,23 @@ class CompiledModel:
         return staged
 
 
+def _as_output(value: Any) -> Any:
+    """An output as numpy: arrays (and 0-d results) as ndarray, sequences as lists, None kept."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [np.asarray(v) for v in value]
+    return np.asarray(value)
+
+
 def _feed_specs(graph: Graph) -> list[FeedSpec]:
     specs = []
     for v in graph.inputs:
         if v.name in graph.initializers:
             continue
-        specs.append(FeedSpec(v.name, -1, _np_dtype(v), v.shape))
+        specs.append(FeedSpec(v.name, -1, _np_dtype(v), v.shape, v.kind))
     # Flat indexes are per plan; externals of every plan start with the graph inputs in order.
-    return [FeedSpec(s.name, 1 + k, s.dtype, s.shape) for k, s in enumerate(specs)]
+    return [FeedSpec(s.name, 1 + k, s.dtype, s.shape, s.kind) for k, s in enumerate(specs)]
 
 
 def _np_dtype(v: Value) -> np.dtype[Any] | None:
@@ -187,6 +197,12 @@ def _np_dtype(v: Value) -> np.dtype[Any] | None:
 
 
 def _check_feed(spec: FeedSpec, value: Any, symbols: dict[str, tuple[int, str]]) -> Any:
+    if spec.kind == "sequence":
+        if not isinstance(value, (list, tuple)):
+            raise InputError(f"input {spec.name!r} is a sequence: feed a list of arrays, not {type(value).__name__}")
+        return [np.asarray(v) for v in value]
+    if spec.kind == "optional" and value is None:
+        return None
     try:
         arr = value if isinstance(value, np.ndarray) else np.asarray(value)
     except Exception as exc:  # noqa: BLE001
