@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -33,6 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `dsp ops list | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush is quiet)
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
     run.add_argument("--json", action="store_true", help="print JSON")
     run.set_defaults(func=cmd_run)
+
+    ops = sub.add_parser("ops", help="the op table").add_subparsers(title="ops commands")
+    ol = ops.add_parser("list", help="every op: domain, opset range, traits, which installed backends take it")
+    ol.add_argument("--json", action="store_true", help="print JSON")
+    ol.set_defaults(func=cmd_ops_list)
 
     plan = sub.add_parser("plan", help="inspect the compiled plan").add_subparsers(title="plan commands")
     show = plan.add_parser("show", help="slot table: op, inputs, outputs, shapes, traits, releases")
@@ -114,6 +123,62 @@ def cmd_backends_list(args: argparse.Namespace) -> int:
     print(f"\nAUTO resolves to: {' -> '.join(table['auto']) or '(nothing)'}")
     for f in table["failures"]:
         print(f"failed plugin {f['entry_point']} ({f['distribution']}, at {f['stage']}): {f['error']}")
+    return 0
+
+
+# -- ops --------------------------------------------------------------------------------
+def ops_table() -> dict[str, Any]:
+    """What `dsp ops list` shows: every op, its opsets and traits, and each backend's answer."""
+    from dsp_core.backends.base import SlotView
+    from dsp_core.backends.discovery import discover
+    from dsp_core.ops.registry import Trait, all_ops
+
+    backends = discover().backends
+    rows = []
+    for opdef in all_ops():
+        view = SlotView(0, opdef.name, opdef.domain, opdef.traits, {}, (), ())
+        support = {}
+        for b in backends:
+            if not b.availability().ok:
+                support[b.name] = f"unavailable: {b.availability().reason}"
+                continue
+            decline = b.supports(view)
+            support[b.name] = True if decline is None else str(decline)
+        rows.append(
+            {
+                "op": opdef.name,
+                "domain": opdef.domain or "ai.onnx",
+                "since": opdef.since,
+                "until": opdef.until,
+                "inputs": list(opdef.inputs),
+                "outputs": list(opdef.outputs),
+                "traits": [t.name for t in Trait if t.name and t.value and opdef.traits & t],
+                "has_shape_rule": opdef.shape_rule is not None,
+                "backends": support,
+            }
+        )
+    return {"ops": rows, "backends": [b.name for b in backends]}
+
+
+def _support_mark(answer: bool | str) -> str:
+    if answer is True:
+        return "yes"
+    return "n/a" if str(answer).startswith("unavailable") else "no"
+
+
+def cmd_ops_list(args: argparse.Namespace) -> int:
+    """`dsp ops list`."""
+    table = ops_table()
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    rows = [["op", "domain", "opsets", "traits", *table["backends"]]]
+    for r in table["ops"]:
+        opsets = f"{r['since']}..{r['until'] if r['until'] is not None else ''}"
+        marks = [_support_mark(r["backends"][b]) for b in table["backends"]]
+        rows.append([r["op"], r["domain"], opsets, ",".join(t.lower() for t in r["traits"]) or "-", *marks])
+    _print_table(rows)
+    print(f"\n{len(table['ops'])} ops")
     return 0
 
 

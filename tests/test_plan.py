@@ -89,7 +89,7 @@ def test_shape_inference_follows_value_dependent_shapes() -> None:
     assert out.shape == (6, 4)
 
 
-def test_control_flow_is_declined_with_reason_and_runs_legacy() -> None:
+def _if_model():
     then_g = helper.make_graph(
         [helper.make_node("Identity", ["a"], ["t"])],
         "then",
@@ -106,7 +106,7 @@ def test_control_flow_is_declined_with_reason_and_runs_legacy() -> None:
         helper.make_node("Relu", ["x"], ["a"]),
         helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g, name="the_if"),
     ]
-    model = helper.make_model(
+    return helper.make_model(
         helper.make_graph(
             nodes,
             "cf",
@@ -118,13 +118,36 @@ def test_control_flow_is_declined_with_reason_and_runs_legacy() -> None:
         ),
         opset_imports=[helper.make_opsetid("", 18)],
     )
-    graph = import_model(model)
-    declined = compile_plan(graph)
-    assert isinstance(declined, Declined) and "If" in str(declined) and "the_if" in str(declined)
-    m = dsp.compile(model)
-    assert m.declined is not None and m.resolved_backends() == ["legacy"]
+
+
+def test_control_flow_runs_inside_the_plan_as_regions() -> None:
+    plan = compile_plan(import_model(_if_model()))
+    assert not isinstance(plan, Declined)
+    assert [s.op for s in plan.slots] == ["Relu", "If"]
+    region = plan.regions[1]
+    assert region.kind == "If" and set(region.subplans) == {"then_branch", "else_branch"}
+    assert region.outer == ("a",)
+    # the enclosing value the branches read is an input of the If slot, so liveness keeps it
+    assert plan.slots[1].inputs[-1] == plan.slots[0].outputs[0]
+    assert plan.release[1] == (plan.slots[0].outputs[0],)
+    sub = region.subplans["else_branch"]
+    assert [e.cls.value for e in sub.externals] == ["outer"] and [s.op for s in sub.slots] == ["Neg"]
+    m = dsp.compile(_if_model())
+    assert m.declined is None and m.resolved_backends() == ["slot_by_slot"]
     x = np.array([1.0, -2.0], np.float32)
     np.testing.assert_array_equal(m.run({"x": x, "c": np.array(True)})["y"], [1.0, 0.0])
+    np.testing.assert_array_equal(m.run({"x": x, "c": np.array(False)})["y"], [-1.0, -0.0])
+
+
+def test_declined_graph_runs_on_legacy_with_visible_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsp_core.runtime import model as model_mod
+
+    monkeypatch.setattr(model_mod, "compile_plan", lambda graph, names: Declined("forced for the test", "the_if"))
+    m = dsp.compile(_if_model())
+    assert m.declined is not None and "forced for the test" in str(m.declined)
+    assert m.resolved_backends() == ["legacy"] and m.plan() is None
+    assert m.explain()["declined"] == "forced for the test (at the_if)"
+    x = np.array([1.0, -2.0], np.float32)
     np.testing.assert_array_equal(m.run({"x": x, "c": np.array(False)})["y"], [-1.0, -0.0])
 
 

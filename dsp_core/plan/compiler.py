@@ -18,7 +18,7 @@ from dsp_core.errors import GraphError, InputError, UnsupportedOpError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Dim, Graph, Node
 from dsp_core.ops.registry import KernelContext, OpDef, TensorInfo, Trait, lookup
-from dsp_core.plan.plan import External, ExternalClass, Plan, Slot, ValueInfo
+from dsp_core.plan.plan import External, ExternalClass, Plan, Region, Slot, ValueInfo
 
 
 @dataclass(frozen=True)
@@ -65,26 +65,44 @@ def check_outputs(graph: Graph, outputs: Sequence[str] | None) -> tuple[str, ...
 
 
 def compile_plan(graph: Graph, outputs: Sequence[str] | None = None) -> Plan | Declined:
-    """Compile ``graph`` for ``outputs`` into a Plan, or return why it declines."""
+    """Compile ``graph`` for ``outputs`` into a Plan, or return why it declines.
+
+    Subgraphs (If/Loop/Scan bodies, ...) are compiled into sub-plans recorded as the
+    plan's regions; a subgraph that cannot be compiled declines the whole graph.
+    """
     out_names = check_outputs(graph, outputs)
+    return _compile(graph, out_names, outer=())
+
+
+def _compile(graph: Graph, out_names: tuple[str, ...], outer: tuple[str, ...]) -> Plan | Declined:
     nodes = required_nodes(graph, out_names)
     opdefs: list[OpDef] = []
-    for node in nodes:
+    regions: dict[int, tuple[dict[str, Plan], tuple[str, ...]]] = {}  # node position -> sub-plans
+    for pos, node in enumerate(nodes):
         opset = graph.opsets.get(node.domain, graph.opsets.get("", 1))
         try:
             opdef = lookup(node.op_type, node.domain, opset)
         except UnsupportedOpError as exc:
             raise UnsupportedOpError(f"{node.label()}: {exc}") from None
-        if opdef.has(Trait.CONTROL_FLOW) or any(True for _ in Graph.subgraphs_of(node)):
-            return Declined(f"control-flow op {node.op_type} runs its subgraphs in the legacy interpreter", node.name)
+        subs = list(Graph.subgraphs_of(node))
+        if subs:
+            reads = tuple(sorted({name for _, _, sub in subs for name in sub.outer_names}))
+            subplans: dict[str, Plan] = {}
+            for _, attr, sub in subs:
+                subplan = _compile(sub, tuple(sub.output_names), outer=tuple(sorted(sub.outer_names)))
+                if isinstance(subplan, Declined):
+                    return Declined(f"subgraph {attr!r} of {node.label()}: {subplan.reason}", node.name)
+                subplans[attr] = subplan
+            regions[pos] = (subplans, reads)
         opdefs.append(opdef)
-    return _Builder(graph, out_names).build(nodes, opdefs)
+    return _Builder(graph, out_names, outer).build(nodes, opdefs, regions)
 
 
 class _Builder:
-    def __init__(self, graph: Graph, out_names: tuple[str, ...]) -> None:
+    def __init__(self, graph: Graph, out_names: tuple[str, ...], outer: tuple[str, ...]) -> None:
         self.graph = graph
         self.out_names = out_names
+        self.outer = outer
         self.externals: list[External] = []
         self.constants: dict[int, np.ndarray] = {}
         self.refs: dict[str, int] = {}  # graph name -> wiring ref
@@ -121,20 +139,30 @@ class _Builder:
         self.refs[name] = len(self.values) - 1
         return self.refs[name]
 
-    def build(self, nodes: list[Node], opdefs: list[OpDef]) -> Plan:
+    def build(
+        self, nodes: list[Node], opdefs: list[OpDef], subs: dict[int, tuple[dict[str, Plan], tuple[str, ...]]]
+    ) -> Plan:
         # Every graph input is an external, even when no requested output reads it, so
-        # feeds are validated the same way whatever the requested outputs.
+        # feeds are validated the same way whatever the requested outputs; then the
+        # enclosing values a sub-plan reads.
         for v in self.graph.inputs:
             if v.name not in self.graph.initializers:
                 self._ref(v.name)
+        for name in self.outer:
+            if name not in self.refs:
+                self._external(name, ExternalClass.OUTER)
         slots: list[Slot] = []
         opdefs_by_slot: list[OpDef] = []
-        for node, opdef in zip(nodes, opdefs):
+        regions: dict[int, Region] = {}
+        for pos, (node, opdef) in enumerate(zip(nodes, opdefs)):
             if node.op_type == "Constant" and node.domain == "":
                 self._fold_constant(node, opdef)
                 continue
-            inputs = tuple(self._ref(name) for name in node.inputs)
             _check_arity(node, opdef)
+            subplans, reads = subs.get(pos, ({}, ()))
+            inputs = tuple(self._ref(name) for name in [*node.inputs, *reads])
+            if subplans:
+                regions[len(slots)] = Region(len(slots), node.op_type, subplans, reads)
             outputs = tuple(self._value(name) if name else None for name in node.outputs)
             opset = self.graph.opsets.get(node.domain, self.graph.opsets.get("", 1))
             slots.append(
@@ -166,6 +194,7 @@ class _Builder:
             release=liveness(slots, len(self.values), out_refs),
             constants=self.constants,
             graph_name=self.graph.name,
+            regions=regions,
         )
         plan.content_hash = content_hash(plan)
         return plan
@@ -215,7 +244,7 @@ def _check_arity(node: Node, opdef: OpDef) -> None:
     if n < lo or (hi >= 0 and n > hi):
         want = f"{lo}" if lo == hi else f"{lo}..{'any' if hi < 0 else hi}"
         raise GraphError(f"{node.label()} has {n} inputs; {node.op_type} takes {want}")
-    unknown = set(node.attrs) - set(opdef.attrs)
+    unknown = {k for k, v in node.attrs.items() if not isinstance(v, Graph)} - set(opdef.attrs)
     if unknown:
         raise GraphError(
             f"{node.label()} has attribute(s) {', '.join(sorted(unknown))} that {node.op_type} does not define"
@@ -226,6 +255,8 @@ def _frozen_attrs(node: Node, opdef: OpDef) -> dict[str, Any]:
     """The node's attributes; arrays are made read-only so no kernel can change them."""
     attrs: dict[str, Any] = {}
     for key, val in node.attrs.items():
+        if isinstance(val, Graph):
+            continue  # compiled into a sub-plan (Plan.regions)
         if isinstance(val, np.ndarray):
             val = val.copy()
             val.flags.writeable = False
@@ -267,4 +298,8 @@ def content_hash(plan: Plan) -> str:
             h.update(key.encode())
             h.update(val.tobytes() if isinstance(val, np.ndarray) else repr(val).encode())
     h.update(repr(plan.outputs).encode())
+    for slot, region in sorted(plan.regions.items()):
+        h.update(f"R{slot}|{region.kind}|{region.outer}".encode())
+        for attr, sub in sorted(region.subplans.items()):
+            h.update(f"{attr}={sub.content_hash}".encode())
     return h.hexdigest()

@@ -27,6 +27,7 @@ class ExternalClass(enum.Enum):
     CONSTANT = "constant"  # weights: fixed for the life of the plan
     VARIABLE = "variable"  # mutable state the caller owns (KV caches)
     PLACEHOLDER = "placeholder"  # fed at every call
+    OUTER = "outer"  # a sub-plan's read of its enclosing plan's value (If/Loop/Scan bodies)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,21 @@ class ValueInfo:
     shape: tuple[Dim, ...] | None
 
 
+@dataclass(frozen=True)
+class Region:
+    """A control-flow slot's subgraphs, compiled into sub-plans (plan metadata).
+
+    The slot's inputs are its node's inputs followed by one input per name in ``outer``:
+    the enclosing values its sub-plans read, wired like any input so liveness keeps
+    them alive until the slot has run.
+    """
+
+    slot: int
+    kind: str  # the op: "If", "Loop", "Scan", ...
+    subplans: dict[str, Plan]  # attribute name -> sub-plan
+    outer: tuple[str, ...]  # names of the implicit inputs, in slot-input order
+
+
 @dataclass
 class Plan:
     """A compiled, backend-neutral program for one graph and one set of requested outputs."""
@@ -76,6 +92,7 @@ class Plan:
     constants: dict[int, np.ndarray] = field(default_factory=dict)  # external index -> array
     content_hash: str = ""
     graph_name: str = "graph"
+    regions: dict[int, Region] = field(default_factory=dict)  # slot index -> its sub-plans
 
     # -- addressing ---------------------------------------------------------------
     @property
@@ -129,6 +146,8 @@ class Plan:
         return {
             "slots": len(self.slots),
             "values": len(self.values),
+            "regions": {r.slot: {"op": r.kind, "subplans": {a: len(p.slots) for a, p in r.subplans.items()}}
+                        for r in self.regions.values()},
             "externals": by_cls,
             "constant_bytes": int(sum(a.nbytes for a in self.constants.values())),
             "content_hash": self.content_hash,

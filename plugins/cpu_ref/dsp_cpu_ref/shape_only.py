@@ -83,8 +83,11 @@ def _info(x: Any) -> TensorInfo:
 
 def _is_concrete(info: TensorInfo | None) -> bool:
     """True when a rule's answer has a dtype and only integer dims (else the kernel decides)."""
-    return info is not None and info.dtype is not None and info.shape is not None and all(
-        isinstance(d, int) for d in info.shape
+    return (
+        info is not None
+        and info.dtype is not None
+        and info.shape is not None
+        and all(isinstance(d, int) for d in info.shape)
     )
 
 

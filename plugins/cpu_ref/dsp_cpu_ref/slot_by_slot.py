@@ -18,7 +18,6 @@ is ever placed in it), and a failing line maps back to its slot for the error me
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,8 @@ import numpy as np
 from dsp_core.backends.base import Backend, CompiledSegment
 from dsp_core.errors import DSPError, KernelError
 from dsp_core.ops.registry import KernelContext, lookup
-from dsp_core.plan.plan import Plan, Segment
+from dsp_core.ir.graph import Value
+from dsp_core.plan.plan import ExternalClass, Plan, Segment
 
 Step = tuple[Any, tuple[int, ...], Any, tuple[int, ...]]
 
@@ -39,7 +39,9 @@ def bind_steps(plan: Plan, segment: Segment, xp: Any = np, specialize: bool = Tr
         opdef = lookup(slot.op, slot.domain)
         ctx = KernelContext(xp, slot.opset, len(slot.inputs), len(slot.outputs), slot.name)
         kernel = None
-        if specialize and opdef.specialize is not None and not slot.attrs:
+        if s in plan.regions:
+            kernel = _region_kernel(plan, s, opdef.kernel, xp)
+        elif specialize and opdef.specialize is not None and not slot.attrs:
             kernel = opdef.specialize(ctx, tuple(plan.ref_info(r)[0] for r in slot.inputs))
         if kernel is None:
             kernel = functools.partial(opdef.kernel, ctx, **slot.attrs)
@@ -107,4 +109,83 @@ class SlotBySlotSegment(CompiledSegment):
         return KernelError(f'{slot.op} node "{slot.name}" (slot {slot.index}) failed: {type(exc).__name__}: {exc}')
 
 
-__all__ = ["SlotBySlotSegment", "bind_steps", "generate", "sys"]
+class SubPlanRunner:
+    """A sub-plan (an If branch, a Loop or Scan body) compiled once, run per iteration.
+
+    ``bind(outer)`` gives the callable a control-flow kernel receives in
+    ``ctx.subgraphs``: it takes the body's formal inputs by name and returns its outputs.
+    """
+
+    def __init__(self, plan: Plan, xp: Any) -> None:
+        self.plan = plan
+        steps = bind_steps(plan, Segment(0, "slot_by_slot", "SLOT_BY_SLOT", tuple(range(len(plan.slots)))), xp)
+        self._run, _ = generate(steps, f"{plan.graph_name}")
+        template: list[Any] = [None] * plan.n_flat
+        for k, array in plan.constants.items():
+            template[plan.flat(plan.external_ref(k))] = xp.asarray(array)
+        self._template = template
+        self._formal = {
+            e.name: plan.flat(plan.external_ref(k))
+            for k, e in enumerate(plan.externals)
+            if e.cls in (ExternalClass.PLACEHOLDER, ExternalClass.VARIABLE)
+        }
+        self._outer = [
+            (e.name, plan.flat(plan.external_ref(k)))
+            for k, e in enumerate(plan.externals)
+            if e.cls is ExternalClass.OUTER
+        ]
+        self._outputs = [plan.flat(r) for r in plan.outputs]
+        self.graph = _Signature(
+            [Value(e.name, e.dtype, e.shape) for e in plan.externals if e.name in self._formal],
+            [Value(name, *plan.ref_info(r)) for name, r in zip(plan.output_names, plan.outputs)],
+        )
+
+    def bind(self, outer: dict[str, Any]) -> Any:
+        """The body as a callable with the enclosing values fixed."""
+        base = self._template.copy()
+        for name, flat in self._outer:
+            base[flat] = outer[name]
+
+        def run(feeds: dict[str, Any]) -> list[Any]:
+            values = base.copy()
+            for name, value in feeds.items():
+                values[self._formal[name]] = value
+            self._run(values)
+            return [values[i] for i in self._outputs]
+
+        run.graph = self.graph  # type: ignore[attr-defined]
+        return run
+
+
+class _Signature:
+    """What a control-flow kernel may read of its body: formal inputs and outputs."""
+
+    def __init__(self, inputs: list[Value], outputs: list[Value]) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+
+
+def _region_kernel(plan: Plan, s: int, kernel: Any, xp: Any) -> Any:
+    """The kernel of a control-flow slot: its sub-plans bound to the slot's implicit inputs."""
+    slot = plan.slots[s]
+    region = plan.regions[s]
+    runners = {attr: SubPlanRunner(sub, xp) for attr, sub in region.subplans.items()}
+    n_explicit = len(slot.inputs) - len(region.outer)
+    attrs = dict(slot.attrs)
+
+    def call(*args: Any) -> Any:
+        outer = dict(zip(region.outer, args[n_explicit:]))
+        ctx = KernelContext(
+            xp,
+            slot.opset,
+            n_explicit,
+            len(slot.outputs),
+            slot.name,
+            subgraphs={attr: r.bind(outer) for attr, r in runners.items()},
+        )
+        return kernel(ctx, *args[:n_explicit], **attrs)
+
+    return call
+
+
+__all__ = ["SlotBySlotSegment", "SubPlanRunner", "bind_steps", "generate"]
