@@ -120,3 +120,17 @@ def test_errors_exit_2_with_one_line(model_path: Path, tmp_path: Path, args: lis
     err = [line for line in out.stderr.splitlines() if line.startswith("dsp: error:")]
     assert len(err) == 1 and message in err[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_ops_list_json() -> None:
+    out = dsp("ops", "list", "--json", env={"DSP_TEST_BACKENDS": "1"})
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)
+    ops = {(r["domain"], r["op"]): r for r in table["ops"]}
+    assert len(ops) > 190
+    add, matmul, shape = ops[("ai.onnx", "Add")], ops[("ai.onnx", "MatMul")], ops[("ai.onnx", "Shape")]
+    assert "ELEMENTWISE" in add["traits"] and "SHAPE_ONLY_OUTPUT" in shape["traits"]
+    assert add["backends"]["slot_by_slot"] is True and add["backends"]["test_eltwise"] is True
+    assert "not elementwise" in matmul["backends"]["test_eltwise"]
+    assert ops[("ai.onnx", "If")]["traits"] == ["CONTROL_FLOW"]
+    assert "unavailable" in add["backends"]["test_bad_probe"]
