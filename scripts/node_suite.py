@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,17 @@ def op_types(model: Any) -> set[str]:
     return {n.op_type for n in model.graph.node}
 
 
+def _is_float(dtype: np.dtype[Any]) -> bool:
+    """True for numpy's floats and complexes and ml_dtypes' (bfloat16, float8, float4)."""
+    if dtype.kind in "fc":
+        return True
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:
+        return False
+    return True
+
+
 def compare(expected: np.ndarray, got: Any, rtol: float, atol: float) -> None:
     """Raise AssertionError when ``got`` differs from ``expected`` (dtype, shape, values)."""
     got = np.asarray(got)
@@ -48,7 +60,7 @@ def compare(expected: np.ndarray, got: Any, rtol: float, atol: float) -> None:
         raise AssertionError(f"dtype {got.dtype} != expected {expected.dtype}")
     if expected.shape != got.shape:
         raise AssertionError(f"shape {got.shape} != expected {expected.shape}")
-    if expected.dtype.kind in "fc" or expected.dtype.name == "bfloat16":
+    if _is_float(expected.dtype):
         np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), rtol=rtol, atol=atol)
     else:
         np.testing.assert_array_equal(got, expected)
@@ -75,10 +87,14 @@ def run_case(case: Any) -> None:
             raise AssertionError(f"{len(got)} outputs, expected {len(outputs)}")
         for exp, g in zip(outputs, got):
             if isinstance(exp, list):  # sequence output
-                if len(exp) != len(g):
-                    raise AssertionError(f"sequence of {len(g)}, expected {len(exp)}")
+                if not isinstance(g, list) or len(exp) != len(g):
+                    got_kind = f"sequence of {len(g)}" if isinstance(g, list) else type(g).__name__
+                    raise AssertionError(f"{got_kind}, expected a sequence of {len(exp)}")
                 for e, x in zip(exp, g):
                     compare(np.asarray(e), x, case.rtol, case.atol)
+            elif exp is None or g is None:  # an empty optional on either side
+                if exp is not g:
+                    raise AssertionError(f"{type(g).__name__}, expected {type(exp).__name__}")
             else:
                 compare(np.asarray(exp), g, case.rtol, case.atol)
 

@@ -1,7 +1,10 @@
 """The dtypes DSP knows, and their mapping to numpy and to ONNX's TensorProto enum.
 
-A dtype is named by its numpy string ("float32", "bfloat16", ...). bfloat16 comes from
-``ml_dtypes``, which registers it as a numpy dtype.
+A dtype is named by its numpy string ("float32", "bfloat16", "float8_e4m3fn", ...).
+bfloat16 and the low-precision types come from ``ml_dtypes``, which registers them as
+numpy dtypes. The low-precision ones (float8, float4, 4- and 2-bit integers) are
+storage-only: DSP stores, casts, quantizes and dequantizes them, and compute ops do not
+claim them (see ``STORAGE_ONLY_DTYPES``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,16 @@ _TABLE: dict[str, tuple[np.dtype[Any], int]] = {
     "uint32": (np.dtype(np.uint32), 12),
     "uint64": (np.dtype(np.uint64), 13),
     "bfloat16": (np.dtype(ml_dtypes.bfloat16), 16),
+    "float8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), 17),
+    "float8_e4m3fnuz": (np.dtype(ml_dtypes.float8_e4m3fnuz), 18),
+    "float8_e5m2": (np.dtype(ml_dtypes.float8_e5m2), 19),
+    "float8_e5m2fnuz": (np.dtype(ml_dtypes.float8_e5m2fnuz), 20),
+    "uint4": (np.dtype(ml_dtypes.uint4), 21),
+    "int4": (np.dtype(ml_dtypes.int4), 22),
+    "float4_e2m1fn": (np.dtype(ml_dtypes.float4_e2m1fn), 23),
+    "float8_e8m0fnu": (np.dtype(ml_dtypes.float8_e8m0fnu), 24),
+    "uint2": (np.dtype(ml_dtypes.uint2), 25),
+    "int2": (np.dtype(ml_dtypes.int2), 26),
 }
 
 DTYPE_NAMES: tuple[str, ...] = tuple(_TABLE)
@@ -36,6 +49,10 @@ _BY_NUMPY: dict[np.dtype[Any], str] = {dt: name for name, (dt, _) in _TABLE.item
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+# Low-precision dtypes DSP only stores, casts, quantizes and dequantizes; no compute op claims them.
+FLOAT8_DTYPES = frozenset({"float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"})
+LOW_BIT_INT_DTYPES = frozenset({"int4", "uint4", "int2", "uint2"})
+STORAGE_ONLY_DTYPES = FLOAT8_DTYPES | LOW_BIT_INT_DTYPES | {"float8_e8m0fnu", "float4_e2m1fn"}
 
 # ONNX TensorProto codes that DSP does not compute with, for clear messages.
 _UNSUPPORTED_ONNX = {
@@ -43,16 +60,6 @@ _UNSUPPORTED_ONNX = {
     8: "string",
     14: "complex64",
     15: "complex128",
-    17: "float8e4m3fn",
-    18: "float8e4m3fnuz",
-    19: "float8e5m2",
-    20: "float8e5m2fnuz",
-    21: "uint4",
-    22: "int4",
-    23: "float4e2m1",
-    24: "float8e8m0",
-    25: "uint2",
-    26: "int2",
 }
 
 

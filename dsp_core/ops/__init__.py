@@ -9,8 +9,10 @@ from dsp_core.ops import (  # noqa: F401  (registration by import)
     elementwise,
     linalg,
     losses,
+    ml,
     random,
     recurrent,
+    sequence,
     tensor,
 )
 from dsp_core.ops.registry import OpDef, Trait, all_ops, has_op, lookup, op

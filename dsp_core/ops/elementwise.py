@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from dsp_core.ir import dtypes
+from dsp_core.ops import lowbit
 from dsp_core.ops.registry import (
     KernelContext,
     TensorInfo,
@@ -516,15 +517,16 @@ def _cast_like_rule(attrs: dict[str, Any], *inputs: TensorInfo) -> list[TensorIn
 
 @op("Cast", traits=_EW, shape=_cast_rule, since=6)
 def cast(ctx: KernelContext, x: Array, *, to: int, saturate: int = 1, round_mode: str = "up") -> Array:
-    """ONNX Cast to a DSP dtype; saturate and round_mode only concern float8 targets."""
-    return x.astype(dtypes.numpy_from_onnx(to), copy=False)
+    """ONNX Cast to a DSP dtype; saturate concerns float8 targets, round_mode float8e8m0."""
+    target = dtypes.numpy_from_onnx(to)
+    return lowbit.convert(ctx.xp, x, target, saturate=bool(saturate), round_mode=round_mode)
 
 
 @op("CastLike", traits=_EW, shape=_cast_like_rule, since=15)
 def cast_like(ctx: KernelContext, x: Array, like: Array, *, saturate: int = 1, round_mode: str = "up") -> Array:
     """ONNX CastLike: Cast to the dtype of the second input."""
-    dtypes.normalize(like.dtype)  # raises DTypeError for a dtype DSP does not compute with
-    return x.astype(like.dtype, copy=False)
+    dtypes.normalize(like.dtype)  # raises DTypeError for a dtype DSP does not know
+    return lowbit.convert(ctx.xp, x, like.dtype, saturate=bool(saturate), round_mode=round_mode)
 
 
 @op("BitCast", traits=Trait.ELEMENTWISE, shape=_cast_rule, since=26)

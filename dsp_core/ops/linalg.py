@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from dsp_core.errors import DTypeError, ShapeError
-from dsp_core.ir.dtypes import numpy_from_onnx
+from dsp_core.ir.dtypes import FLOAT8_DTYPES, numpy_from_onnx, to_numpy
+from dsp_core.ops import lowbit
 from dsp_core.ops.registry import KernelContext, TensorInfo, Trait, broadcast_dims, op, same_as_first
 
 Array = Any
@@ -181,8 +183,8 @@ def matmul_integer(
 
 def _saturate(xp: Any, q: Array, dtype: np.dtype[Any]) -> Array:
     """Round-half-to-even values (float64) clipped to the range of integer ``dtype``."""
-    info = np.iinfo(dtype)
-    return xp.clip(q, info.min, info.max).astype(dtype)
+    info = ml_dtypes.iinfo(dtype)  # numpy's iinfo does not know int4, int2, ...
+    return lowbit.convert(xp, xp.clip(q, info.min, info.max), dtype)
 
 
 def _qlinear_matmul_rule(attrs: dict[str, Any], a: TensorInfo, *rest: TensorInfo) -> list[TensorInfo]:
@@ -213,19 +215,25 @@ def qlinear_matmul(
 
 def _per_axis(xp: Any, p: Array, shape: tuple[int, ...], axis: int, block_size: int) -> Array:
     """A scale or zero point shaped to broadcast against x: per tensor, per axis or blocked."""
-    if p.ndim == 0:
-        return p
+    if p.size == 1:  # per tensor, whatever the axis (a 1-D x has no axis 1)
+        return p.reshape(())
     axis = _axis(axis, len(shape))
     if block_size > 0:
         p = xp.repeat(p, block_size, axis=axis)
         index = [slice(None)] * p.ndim
         index[axis] = slice(0, shape[axis])
         return p[tuple(index)]
-    if p.size == 1:
-        return p.reshape(())
     new_shape = [1] * len(shape)
     new_shape[axis] = -1
     return p.reshape(new_shape)
+
+
+# The dtypes QuantizeLinear produces and DequantizeLinear reads (the latter int32 too).
+_INT_QUANT_NAMES = ("int8", "uint8", "int16", "uint16", "int4", "uint4", "int2", "uint2")
+_FLOAT_QUANT_NAMES = (*sorted(FLOAT8_DTYPES), "float4_e2m1fn")
+_QUANT_NAMES = _INT_QUANT_NAMES + _FLOAT_QUANT_NAMES
+_FLOAT_QUANT_DTYPES = frozenset(to_numpy(name) for name in _FLOAT_QUANT_NAMES)
+_QUANT_DTYPES = _FLOAT_QUANT_DTYPES | {to_numpy(name) for name in _INT_QUANT_NAMES}
 
 
 def _quant_dtype(zero_point: Array | None, output_dtype: int) -> np.dtype[Any]:
@@ -236,8 +244,8 @@ def _quant_dtype(zero_point: Array | None, output_dtype: int) -> np.dtype[Any]:
         dtype = numpy_from_onnx(output_dtype)
     else:
         dtype = np.dtype(np.uint8)
-    if dtype.kind not in "iu" or dtype.itemsize > 2:
-        raise DTypeError(f"QuantizeLinear to {dtype} is not supported; DSP quantizes to int8, uint8, int16, uint16")
+    if dtype not in _QUANT_DTYPES:
+        raise DTypeError(f"QuantizeLinear to {dtype} is not supported; DSP quantizes to {', '.join(_QUANT_NAMES)}")
     return dtype
 
 
@@ -265,14 +273,23 @@ def quantize_linear(
     output_dtype: int = 0,
     precision: int = 0,
 ) -> Array:
-    """y = saturate(round_half_even(x / y_scale) + y_zero_point), per tensor, axis or block."""
+    """y = saturate(round_half_even(x / y_scale) + y_zero_point), per tensor, axis or block.
+
+    Float targets (float8, float4) round by the cast itself; ``saturate`` says whether
+    float8 overflow clamps or becomes inf/NaN. Integer targets clamp to their range.
+    """
     xp = ctx.xp
     out = _quant_dtype(y_zero_point, output_dtype)
     scale = _per_axis(xp, y_scale, x.shape, axis, block_size)
     work = numpy_from_onnx(precision) if precision else np.dtype(scale.dtype)
-    q = xp.rint(x.astype(work) / scale.astype(work)).astype(np.float64)
+    q = x.astype(work) / scale.astype(work)
+    if out in _FLOAT_QUANT_DTYPES:
+        if y_zero_point is not None:
+            q = q + _per_axis(xp, lowbit.convert(xp, y_zero_point, work), x.shape, axis, block_size)
+        return lowbit.convert(xp, q, out, saturate=bool(saturate))
+    q = xp.rint(q).astype(np.float64)
     if y_zero_point is not None:
-        q = q + _per_axis(xp, y_zero_point, x.shape, axis, block_size).astype(np.float64)
+        q = q + _per_axis(xp, lowbit.convert(xp, y_zero_point, np.float64), x.shape, axis, block_size)
     return _saturate(xp, q, out)
 
 
@@ -295,13 +312,17 @@ def dequantize_linear(
 ) -> Array:
     """y = (x - x_zero_point) * x_scale, per tensor, axis or block."""
     xp = ctx.xp
-    if x.dtype.kind not in "iu":
-        raise DTypeError(f"DequantizeLinear of {x.dtype} is not supported; DSP dequantizes integer tensors")
+    if x.dtype.kind not in "iu" and x.dtype not in _QUANT_DTYPES:
+        raise DTypeError(
+            f"DequantizeLinear of {x.dtype} is not supported; DSP dequantizes integers and {', '.join(_QUANT_NAMES)}"
+        )
     out = numpy_from_onnx(output_dtype) if output_dtype else np.dtype(x_scale.dtype)
     work = _work_dtype(x_scale.dtype)
-    dx = x.astype(np.int64)
+    # Integers subtract exactly in int64; float8 and float4 values are exact in float32.
+    wide = work if x.dtype in _FLOAT_QUANT_DTYPES else np.dtype(np.int64)
+    dx = lowbit.convert(xp, x, wide)
     if x_zero_point is not None:
-        dx = dx - _per_axis(xp, x_zero_point, x.shape, axis, block_size).astype(np.int64)
+        dx = dx - _per_axis(xp, lowbit.convert(xp, x_zero_point, wide), x.shape, axis, block_size)
     scale = _per_axis(xp, x_scale, x.shape, axis, block_size)
     return (dx.astype(work) * scale.astype(work)).astype(out)
 

@@ -8,7 +8,7 @@ compiler declines runs on the legacy interpreter; ``model.declined`` says why.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +18,13 @@ from dsp_core.backends.auction import Partition, explain, partition
 from dsp_core.backends.base import CompiledSegment, Registry
 from dsp_core.backends.discovery import discover
 from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core import config
+from dsp_core.cache.memory import CacheStats, LivePlan, PlanCache, ShapeSignature, available_host_bytes
 from dsp_core.errors import InputError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph, Value
 from dsp_core.plan.compiler import Declined, check_outputs, compile_plan
-from dsp_core.plan.plan import Plan
+from dsp_core.plan.plan import ExternalClass, Plan
 from dsp_core.runtime.legacy import run_graph
 
 
@@ -61,25 +63,71 @@ class Executor:
 
 
 class CompiledModel:
-    """A graph compiled for one execution mode; ``run`` feeds it and returns outputs."""
+    """A graph compiled for one execution mode; ``run`` feeds it and returns outputs.
+
+    Plans: one base plan per requested output set (compiled once), and one *live plan*
+    per shape signature, kept in an LRU cache with pins and budgets (dsp_core.cache).
+    """
 
     def __init__(
         self,
-        graph: Graph,
+        graph: Graph | None,
         mode: GraphExecutionMode = GraphExecutionMode.AUTO,
         strict: bool = False,
         registry: Registry | None = None,
+        *,
+        plan: Plan | None = None,
+        load_graph: Callable[[], Graph] | None = None,
+        cache_capacity: int | None = None,
+        stats: CacheStats | None = None,
     ) -> None:
-        self.graph = graph
+        if graph is None and (plan is None or load_graph is None):
+            raise ValueError("CompiledModel needs a graph, or a plan and a way to load the graph")
+        self._graph = graph
+        self._load_graph = load_graph
         self.mode = mode
         self.strict = strict
         self.registry = registry if registry is not None else discover()
-        self._feeds = _feed_specs(graph)
+        self.stats = stats if stats is not None else CacheStats()
         self._executors: dict[tuple[str, ...], Executor | Declined] = {}
         self._lock = threading.Lock()
-        self._prepare(check_outputs(graph, None))  # compile eagerly: errors surface at compile()
+        if plan is not None:  # from the disk cache: the graph is loaded only if ever needed
+            self._default_outputs = plan.output_names
+            self._feeds = _feed_specs_of_plan(plan)
+            self._executors[plan.output_names] = self._executor(plan)
+        else:
+            assert graph is not None
+            self._default_outputs = tuple(graph.output_names)
+            self._feeds = _feed_specs(graph)
+            self._prepare(self._default_outputs)  # compile eagerly: errors surface at compile()
+        self._feed_names = frozenset(s.name for s in self._feeds)
+        self._feed_name_tuple = tuple(s.name for s in self._feeds)
+        self._mode_name = mode.name
+        self.cache = PlanCache(
+            self._capacity(cache_capacity),
+            int(config.get("plan_cache_budget") * available_host_bytes()),
+            self.stats,
+            explain_misses=config.get("explain_cache_misses"),
+        )
+
+    def _capacity(self, explicit: int | None) -> int:
+        """Live plans kept: explicit, else DSP_PLAN_CACHE_CAPACITY, else 64 with a GPU backend, 4 on CPU."""
+        capacity = config.get("plan_cache_capacity", explicit)
+        if capacity:
+            return int(capacity)
+        entry = self._executors.get(self._default_outputs)
+        gpu = isinstance(entry, Executor) and any(b.platform != "cpu" for b in entry.partition.backends.values())
+        return 64 if gpu else 4
 
     # -- introspection ----------------------------------------------------------------
+    @property
+    def graph(self) -> Graph:
+        """The model's graph (loaded on first use when the plan came from the disk cache)."""
+        if self._graph is None:
+            assert self._load_graph is not None
+            self._graph = self._load_graph()
+        return self._graph
+
     @property
     def input_names(self) -> list[str]:
         """Names the caller feeds."""
@@ -88,22 +136,22 @@ class CompiledModel:
     @property
     def output_names(self) -> list[str]:
         """The graph's outputs (what ``run`` returns by default)."""
-        return self.graph.output_names
+        return list(self._default_outputs)
 
     @property
     def declined(self) -> Declined | None:
         """Why the plan compiler declined the graph (default outputs), or None."""
-        entry = self._prepare(check_outputs(self.graph, None))
+        entry = self._prepare(self._default_outputs)
         return entry if isinstance(entry, Declined) else None
 
     def plan(self, outputs: Sequence[str] | None = None) -> Plan | None:
         """The plan for ``outputs`` (None if the graph was declined)."""
-        entry = self._prepare(check_outputs(self.graph, outputs))
+        entry = self._prepare(self._names(outputs))
         return entry.plan if isinstance(entry, Executor) else None
 
     def partition(self, outputs: Sequence[str] | None = None) -> Partition | None:
         """The auction's result for ``outputs`` (None if declined)."""
-        entry = self._prepare(check_outputs(self.graph, outputs))
+        entry = self._prepare(self._names(outputs))
         return entry.partition if isinstance(entry, Executor) else None
 
     def resolved_backends(self) -> list[str]:
@@ -113,29 +161,68 @@ class CompiledModel:
 
     def explain(self, outputs: Sequence[str] | None = None) -> dict[str, Any]:
         """The auction record (or the decline reason) as a JSON-able dict."""
-        entry = self._prepare(check_outputs(self.graph, outputs))
+        entry = self._prepare(self._names(outputs))
         if isinstance(entry, Declined):
             return {"mode": self.mode.name, "declined": str(entry), "segments": []}
         return explain(entry.plan, entry.partition)
 
+    def explain_miss(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> list[str]:
+        """Why these feeds would miss the plan cache: differences from the nearest cached signature."""
+        names = self._names(outputs)
+        entry = self._prepare(names)
+        if isinstance(entry, Declined):
+            return ["the graph was declined: it runs on the legacy interpreter, uncached"]
+        signature = self._signature(names, entry, self._stage(feeds))
+        if signature in self.cache:
+            return []
+        nearest = [signature.differences(s) for s in self.cache.signatures()]
+        return min(nearest, key=len) if nearest else ["the cache is empty"]
+
     # -- running ----------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run on ``feeds`` (name -> array); returns every requested output by name."""
-        names = check_outputs(self.graph, outputs)
+        names = self._default_outputs if outputs is None else self._names(outputs)
         staged = self._stage(feeds)
         entry = self._prepare(names)
         if isinstance(entry, Declined):
             results = run_graph(self.graph, {s.name: a for s, a in zip(self._feeds, staged)}, names)
-        else:
-            results = entry.run([(s.flat, a) for s, a in zip(self._feeds, staged)])
+            return {name: _as_output(r) for name, r in zip(names, results)}
+        live = self.live_plan(names, entry, staged)
+        try:
+            results = live.executor.run([(s.flat, a) for s, a in zip(self._feeds, staged)])
+        finally:
+            self.cache.release(live)
         return {name: _as_output(r) for name, r in zip(names, results)}
+
+    def live_plan(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> LivePlan:
+        """The live plan of this call's shape signature (pinned: release it after the run)."""
+        signature = self._signature(names, entry, staged)
+        live = self.cache.acquire(signature)
+        if live is None:
+            nbytes = sum(getattr(a, "nbytes", 0) for a in staged)
+            live = self.cache.insert(LivePlan(signature, entry, nbytes=nbytes))
+        return live
+
+    def _signature(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> ShapeSignature:
+        feeds = tuple([(a.shape, a.dtype.str) if a.__class__ is np.ndarray else _other_feed_key(a) for a in staged])
+        return ShapeSignature(names, self._feed_name_tuple, feeds, self._mode_name, entry.plan.content_hash)
 
     def run_legacy(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run on the legacy interpreter (the baseline every plan is measured against)."""
-        names = check_outputs(self.graph, outputs)
+        names = self._names(outputs)
         staged = self._stage(feeds)
         results = run_graph(self.graph, {s.name: a for s, a in zip(self._feeds, staged)}, names)
         return {name: _as_output(r) for name, r in zip(names, results)}
+
+    def _names(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
+        if outputs is None:
+            return self._default_outputs
+        if tuple(outputs) in self._executors:
+            return tuple(outputs)
+        return check_outputs(self.graph, outputs)
+
+    def _executor(self, plan: Plan) -> Executor:
+        return Executor(plan, partition(plan, self.registry, self.mode, self.strict))
 
     def _prepare(self, names: tuple[str, ...]) -> Executor | Declined:
         entry = self._executors.get(names)
@@ -144,11 +231,7 @@ class CompiledModel:
                 entry = self._executors.get(names)
                 if entry is None:
                     built = compile_plan(self.graph, names)
-                    entry = (
-                        built
-                        if isinstance(built, Declined)
-                        else Executor(built, partition(built, self.registry, self.mode, self.strict))
-                    )
+                    entry = built if isinstance(built, Declined) else self._executor(built)
                     self._executors[names] = entry
         return entry
 
@@ -156,19 +239,43 @@ class CompiledModel:
         """Check feeds against the graph's inputs: names, dtypes, ranks, dims."""
         if not isinstance(feeds, Mapping):
             raise InputError(f"feeds must be a dict of input name -> array, got {type(feeds).__name__}")
+        if len(feeds) != len(self._feeds) or any(name not in self._feed_names for name in feeds):
+            self._check_names(feeds)
+        staged: list[Any] = []
+        symbols: dict[str, tuple[int, str]] = {}
+        for spec in self._feeds:
+            staged.append(_check_feed(spec, feeds[spec.name], symbols))
+        return staged
+
+    def _check_names(self, feeds: Mapping[str, Any]) -> None:
         expected = {s.name for s in self._feeds}
         unknown = [name for name in feeds if name not in expected]
         if unknown:
             raise InputError(
                 f"unknown input {unknown[0]!r}; the model's inputs are {', '.join(sorted(expected)) or '(none)'}"
             )
-        staged: list[Any] = []
-        symbols: dict[str, tuple[int, str]] = {}
         for spec in self._feeds:
             if spec.name not in feeds:
                 raise InputError(f"missing input {spec.name!r}; the model needs {', '.join(self.input_names)}")
-            staged.append(_check_feed(spec, feeds[spec.name], symbols))
-        return staged
+
+
+def _other_feed_key(value: Any) -> tuple[tuple[int, ...], str]:
+    """Signature entry of a feed that is not a plain ndarray (a sequence, None, a subclass)."""
+    if isinstance(value, np.ndarray):
+        return (value.shape, value.dtype.str)
+    if isinstance(value, list):
+        return ((len(value),), "sequence:" + ",".join(f"{v.dtype.str}{v.shape}" for v in value))
+    return ((), type(value).__name__)
+
+
+def _feed_specs_of_plan(plan: Plan) -> list[FeedSpec]:
+    """Feed specs from a plan's non-constant externals (they come first, in graph input order)."""
+    specs = []
+    for k, ext in enumerate(plan.externals):
+        if ext.cls in (ExternalClass.PLACEHOLDER, ExternalClass.VARIABLE):
+            dtype = None if ext.dtype is None or ext.dtype.startswith("unsupported:") else dtypes.to_numpy(ext.dtype)
+            specs.append(FeedSpec(ext.name, plan.flat(plan.external_ref(k)), dtype, ext.shape))
+    return specs
 
 
 def _as_output(value: Any) -> Any:
@@ -201,8 +308,8 @@ def _check_feed(spec: FeedSpec, value: Any, symbols: dict[str, tuple[int, str]])
         if not isinstance(value, (list, tuple)):
             raise InputError(f"input {spec.name!r} is a sequence: feed a list of arrays, not {type(value).__name__}")
         return [np.asarray(v) for v in value]
-    if spec.kind == "optional" and value is None:
-        return None
+    if spec.kind == "optional" and (value is None or isinstance(value, (list, tuple))):
+        return None if value is None else [np.asarray(v) for v in value]  # empty, or holding a sequence
     try:
         arr = value if isinstance(value, np.ndarray) else np.asarray(value)
     except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,140 @@
+"""Every option of DSP, in one table: property name, DSP_* variable, type, default, one line of doc.
+
+Precedence: an explicit argument > the environment > the default. A value outside an
+option's allowed set raises ConfigError naming the option and what is allowed.
+
+    from dsp_core import config
+    config.get("explain_cache_misses")            # from DSP_EXPLAIN_CACHE_MISSES, else False
+    config.get("plan_cache_capacity", explicit=8)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dsp_core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configurable option."""
+
+    name: str
+    env: str
+    type: str  # "bool", "int", "float", "str", "path", "choice"
+    default: Any
+    doc: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("mode", "DSP_MODE", "str", "auto", "Default execution mode of dsp.compile (a GraphExecutionMode name)."),
+    Option("strict", "DSP_STRICT", "bool", False, "Fail instead of falling back to the reference backend."),
+    Option(
+        "plan_cache_capacity",
+        "DSP_PLAN_CACHE_CAPACITY",
+        "int",
+        0,
+        "Live plans kept per model; 0 = automatic (64 with a GPU backend active, 4 on CPU).",
+        minimum=0,
+    ),
+    Option(
+        "plan_cache_budget",
+        "DSP_PLAN_CACHE_BUDGET",
+        "float",
+        0.25,
+        "Fraction of free host (or device) memory the live plans of a model may hold.",
+        minimum=0.0,
+        maximum=1.0,
+    ),
+    Option(
+        "explain_cache_misses",
+        "DSP_EXPLAIN_CACHE_MISSES",
+        "bool",
+        False,
+        "Log which signature part differed from the nearest cached plan on every miss.",
+    ),
+    Option("disk_cache", "DSP_DISK_CACHE", "bool", True, "Keep compiled plans on disk between processes."),
+    Option(
+        "cache_dir", "DSP_CACHE_DIR", "path", "", "Disk cache directory; empty = $XDG_CACHE_HOME/dsp or ~/.cache/dsp."
+    ),
+    Option(
+        "cache_max_bytes",
+        "DSP_CACHE_MAX_BYTES",
+        "int",
+        1 << 30,
+        "Disk cache size bound; least recently used entries are evicted beyond it.",
+        minimum=0,
+    ),
+    Option(
+        "cache_override_dir",
+        "DSP_CACHE_OVERRIDE_DIR",
+        "path",
+        "",
+        "Pre-seeded plan entries: looked up first, never written, never evicted.",
+    ),
+    Option("force_recompile", "DSP_FORCE_RECOMPILE", "bool", False, "Ignore cached plans (they are still written)."),
+)
+
+_BY_NAME = {o.name: o for o in OPTIONS}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def option(name: str) -> Option:
+    """The Option called ``name``."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ConfigError(f"unknown option {name!r}; options are {', '.join(sorted(_BY_NAME))}") from None
+
+
+def _parse(opt: Option, raw: Any, where: str) -> Any:
+    def bad(allowed: str) -> ConfigError:
+        return ConfigError(f"{where} = {raw!r} is invalid for option {opt.name}: expected {allowed}")
+
+    parsers: dict[str, Callable[[Any], Any]] = {"int": int, "float": float}
+    if opt.type == "bool":
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise bad("one of 1/0, true/false, yes/no, on/off")
+    if opt.type in parsers:
+        try:
+            value = parsers[opt.type](raw)
+        except (TypeError, ValueError):
+            raise bad(f"a number ({opt.type})") from None
+        if (opt.minimum is not None and value < opt.minimum) or (opt.maximum is not None and value > opt.maximum):
+            raise bad(f"a value in [{opt.minimum}, {opt.maximum if opt.maximum is not None else 'inf'}]")
+        return value
+    if opt.type == "choice" and str(raw) not in opt.choices:
+        raise bad(f"one of {', '.join(opt.choices)}")
+    return str(raw)
+
+
+def get(name: str, explicit: Any = None) -> Any:
+    """The value of option ``name``: ``explicit`` if given, else its DSP_* variable, else the default."""
+    opt = option(name)
+    if explicit is not None:
+        return _parse(opt, explicit, f"argument {name}")
+    raw = os.environ.get(opt.env)
+    if raw is not None:
+        return _parse(opt, raw, opt.env)
+    return opt.default
+
+
+def source(name: str, explicit: Any = None) -> str:
+    """Where the value of ``name`` comes from: 'argument', 'environment' or 'default'."""
+    opt = option(name)
+    if explicit is not None:
+        return "argument"
+    return "environment" if opt.env in os.environ else "default"
