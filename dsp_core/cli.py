@@ -1,4 +1,4 @@
-"""The ``dsp`` command: backends, run, plan show / explain.
+"""The ``dsp`` command: backends, run, ops, plan show / explain, cache.
 
 Every DSPError becomes one line on stderr and exit status 2; no traceback.
 """
@@ -82,6 +82,21 @@ def _parser() -> argparse.ArgumentParser:
     expl.add_argument("--strict", action="store_true", help="fail instead of falling back")
     expl.add_argument("--json", action="store_true")
     expl.set_defaults(func=cmd_plan_explain)
+
+    cache = sub.add_parser("cache", help="the on-disk plan cache (DSP_CACHE_DIR)").add_subparsers(
+        title="cache commands"
+    )
+    for name, func, text in (
+        ("ls", cmd_cache_ls, "every entry: key, object, size, last use, fingerprint ok"),
+        ("info", cmd_cache_info, "directory, size and bound, entry and quarantine counts, fingerprint"),
+        ("clear", cmd_cache_clear, "remove every entry (quarantine/ too with --all)"),
+        ("verify", cmd_cache_verify, "check every entry in full; quarantine bad ones (exit 1 if any)"),
+    ):
+        cmd = cache.add_parser(name, help=text)
+        cmd.add_argument("--json", action="store_true", help="print JSON")
+        cmd.set_defaults(func=func)
+        if name == "clear":
+            cmd.add_argument("--all", action="store_true", help="also empty quarantine/")
     return p
 
 
@@ -137,7 +152,7 @@ def ops_table() -> dict[str, Any]:
     rows = []
     for opdef in all_ops():
         view = SlotView(0, opdef.name, opdef.domain, opdef.traits, {}, (), ())
-        support = {}
+        support: dict[str, bool | str] = {}
         for b in backends:
             if not b.availability().ok:
                 support[b.name] = f"unavailable: {b.availability().reason}"
@@ -395,6 +410,71 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
             print(f"    slot {d['slot']} {d['op']}: {d['backend']} declined ({d['reason']}: {d['detail']})")
     print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")
     return 0
+
+
+# -- cache ------------------------------------------------------------------------------
+def _disk_cache() -> Any:
+    from dsp_core.cache.disk import DiskCache
+
+    return DiskCache.from_config()
+
+
+def cmd_cache_ls(args: argparse.Namespace) -> int:
+    """`dsp cache ls`."""
+    rows = _disk_cache().ls()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [["key", "source", "object", "size", "last used", "status"]]
+    for r in rows:
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["mtime"])) if r["mtime"] else "-"
+        size = str(r["size"]) if r["size"] is not None else "-"
+        table.append([r["key"], r["source"], r["object"] or "-", size, used, _trunc(r["status"], 60)])
+    _print_table(table)
+    print(f"\n{len(rows)} entries")
+    return 0
+
+
+def cmd_cache_info(args: argparse.Namespace) -> int:
+    """`dsp cache info`."""
+    info = _disk_cache().info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"dir          {info['dir']}{'' if info['enabled'] else '  (disabled: DSP_DISK_CACHE=0)'}")
+    print(f"override dir {info['override_dir'] or '-'}")
+    print(f"size         {info['size'] / 2**20:.2f} MiB of {info['max_bytes'] / 2**20:.0f} MiB")
+    print(f"entries      {info['count']} objects, {info['refs']} refs, {info['quarantine_count']} quarantined")
+    print(f"recompile    {'forced (DSP_FORCE_RECOMPILE)' if info['force_recompile'] else 'when missing or invalid'}")
+    print(f"fingerprint  {info['fingerprint']}")
+    return 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    """`dsp cache clear`."""
+    cache = _disk_cache()
+    removed = cache.clear(include_quarantine=args.all)
+    if args.json:
+        print(json.dumps({"dir": str(cache.root), "removed": removed, "quarantine_cleared": args.all}))
+    else:
+        print(f"removed {removed} files from {cache.root}{' (quarantine included)' if args.all else ''}")
+    return 0
+
+
+def cmd_cache_verify(args: argparse.Namespace) -> int:
+    """`dsp cache verify`: exit status 1 when a bad entry was found."""
+    report = _disk_cache().verify()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"{report['objects_ok']} objects and {report['refs_ok']} refs ok; {report['quarantined']} quarantined; "
+            f"{report['dangling_refs_removed']} dangling refs removed; override: {report['override_ok']} ok, "
+            f"{report['override_bad']} bad"
+        )
+        for prob in report["problems"]:
+            print(f"bad: {prob['path']}: {prob['reason']}")
+    return 1 if report["problems"] else 0
 
 
 def _trunc(text: str, width: int = 48) -> str:

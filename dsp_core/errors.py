@@ -51,5 +51,9 @@ class PlanDeclinedError(DSPError):
     """The plan compiler declined a graph (raised only when a strict plan was asked for)."""
 
 
+class PlanFormatError(DSPError):
+    """A serialized plan (DSP1) is malformed or corrupt, or no longer matches this build."""
+
+
 class ConfigError(DSPError):
     """An option was given a value outside its allowed set."""

@@ -14,7 +14,7 @@ from dsp_core.errors import BackendError, BackendUnavailableError, ConfigError
 def test_cpu_ref_registers_through_entry_points() -> None:
     reg = discover()
     ref = {b.name: b for b in reg.backends if b.distribution == "dsp-cpu-ref"}
-    assert set(ref) == {"slot_by_slot", "shape_inference_only"}
+    assert set(ref) == {"slot_by_slot", "emulated_replay", "shape_inference_only"}
     assert ref["slot_by_slot"].mode is GraphExecutionMode.SLOT_BY_SLOT
     assert ref["slot_by_slot"].version == "0.1.0"
     assert ref["slot_by_slot"].availability().ok

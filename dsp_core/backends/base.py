@@ -94,13 +94,36 @@ class SlotView:
     output_dtypes: tuple[str | None, ...]
 
 
-class CompiledSegment:
-    """A segment made ready to run by a backend.
+class ReplayStatus(enum.Enum):
+    """What a replay reports back to the core."""
 
-    ``run(values)`` executes the segment's slots in order, reading inputs from and
-    writing outputs into the executor's flat value list (index 0 holds None for missing
-    optional inputs, then the plan's external inputs, then the slots' output values),
-    and clearing values at their last use.
+    OK = "ok"
+    STALE_BUFFER = "stale_buffer"  # a buffer the recording reads was replaced: re-stage, re-dispatch once
+
+
+class CaptureFailed(BackendError):
+    """A capture could not be made; the segment runs eagerly for good (FAILED)."""
+
+
+class CaptureOutOfMemory(BackendError):
+    """A capture ran out of memory; the segment is OOM_DEFERRED and retried later."""
+
+
+class CompiledSegment:
+    """A segment made ready to run by a backend; the core drives its lifecycle.
+
+    Every method works on the executor's flat value list ``values``: index 0 holds None
+    (a missing optional input), then the plan's externals, then the slots' values.
+
+    - ``run(values)``: execute the slots eagerly (SLOT_BY_SLOT semantics); always available.
+    - ``warm(values)``: the first run after freezing; buffers materialise (default: ``run``).
+    - ``prepare(values)``: plan the buffers a capture will bake in (the lifecycle's compile).
+    - ``capture(values)``: record the segment against the buffers now in ``values``.
+    - ``replay(values)``: run the recording; writes the segment's outputs into ``values``.
+    - ``refresh(values, changed)``: patch the recording's arguments in place; False = recapture.
+    - ``release()``: free buffers and recordings.
+
+    Public methods are the base class's; a backend overrides the underscored ones.
     """
 
     def __init__(self, backend: Backend, segment: Segment) -> None:
@@ -108,11 +131,57 @@ class CompiledSegment:
         self.segment = segment
 
     def run(self, values: list[Any]) -> None:
-        """Execute the segment once."""
+        """Execute the segment once, eagerly."""
         raise NotImplementedError
+
+    def warm(self, values: list[Any]) -> None:
+        """The warm-up run after freezing."""
+        self._warm(values)
+
+    def _warm(self, values: list[Any]) -> None:
+        self.run(values)
+
+    def prepare(self, values: list[Any]) -> None:
+        """Plan and allocate what the capture will use."""
+        self._prepare(values)
+
+    def _prepare(self, values: list[Any]) -> None:
+        raise CaptureFailed(f"backend {self.backend.name} does not capture")
+
+    def capture(self, values: list[Any]) -> None:
+        """Record the segment against the buffers in ``values``."""
+        self._capture(values)
+
+    def _capture(self, values: list[Any]) -> None:
+        raise CaptureFailed(f"backend {self.backend.name} does not capture")
+
+    def replay(self, values: list[Any]) -> ReplayStatus:
+        """Run the recording; its outputs land in ``values``."""
+        return self._replay(values)
+
+    def _replay(self, values: list[Any]) -> ReplayStatus:
+        raise CaptureFailed(f"backend {self.backend.name} does not replay")
+
+    def refresh(self, values: list[Any], changed: list[int]) -> bool:
+        """Patch the recording for the inputs at flat indexes ``changed``; False means recapture."""
+        if not self.backend.contract.can_update_in_place:
+            return False
+        return self._refresh(values, changed)
+
+    def _refresh(self, values: list[Any], changed: list[int]) -> bool:
+        return False
 
     def release(self) -> None:
         """Free whatever the segment holds (buffers, recordings)."""
+        self._release()
+
+    def _release(self) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of buffers this segment holds (for the plan cache's memory budget)."""
+        return 0
 
 
 class Backend:
@@ -123,6 +192,8 @@ class Backend:
     platform: ClassVar[str]  # "cpu", "cuda", ...
     contract: ClassVar[ModeContract]
     profile: ClassVar[CaptureProfile] = CaptureProfile()
+    # True for backends that capture and replay (their segments go through the lifecycle).
+    captures: ClassVar[bool] = False
     # Set by discovery: which distribution registered this backend, and its version.
     distribution: str = "unknown"
     version: str = "unknown"

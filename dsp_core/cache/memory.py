@@ -60,7 +60,8 @@ class LivePlan:
     """A plan made live for one shape signature: what runs, how often, how big, who holds it."""
 
     signature: ShapeSignature
-    executor: Any  # runtime.model.Executor (shared by signatures of one base plan when shape-agnostic)
+    executor: Any  # runtime.model.Executor: the base plan's partition and eager segments (shared)
+    runtime: Any = None  # runtime.plan_runtime.PlanRuntime: this signature's lifecycle
     nbytes: int = 0  # estimated bytes this signature holds beyond the shared base plan
     pins: int = 0
     runs: int = 0
@@ -167,7 +168,9 @@ class PlanCache:
             if len(self._plans) <= self.capacity and self.nbytes <= self.budget_bytes:
                 return
             if self._plans[sig].pins == 0:
-                del self._plans[sig]
+                evicted = self._plans.pop(sig)
+                if evicted.runtime is not None:
+                    evicted.runtime.release()
                 self.stats.evictions += 1
 
     def clear(self) -> None:

@@ -389,7 +389,7 @@ def conv_transpose(
     return y.astype(x.dtype)
 
 
-@op("Col2Im", since=18)
+@op("Col2Im", traits=Trait.VALUE_DEPENDENT_SHAPE, since=18)
 def col2im(ctx, x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
     """Rearrange column blocks (N, C*prod(block), L) back into an image, summing overlaps."""
     image, kernel = [int(v) for v in image_shape.tolist()], [int(v) for v in block_shape.tolist()]
@@ -556,7 +556,7 @@ def global_lp_pool(ctx, x, *, p=2):
     return (xf.sum(axis=tuple(range(2, x.ndim)), keepdims=True) ** (1.0 / p)).astype(x.dtype)
 
 
-@op("MaxUnpool", since=9)
+@op("MaxUnpool", traits=Trait.VALUE_DEPENDENT_SHAPE, since=9)
 def max_unpool(ctx, x, indices, output_shape=None, *, kernel_shape=None, pads=None, strides=None):
     """Scatter pooled values back to the positions their indices name; zeros elsewhere."""
     xp = ctx.xp

@@ -298,8 +298,8 @@ def content_hash(plan: Plan) -> str:
             h.update(key.encode())
             h.update(val.tobytes() if isinstance(val, np.ndarray) else repr(val).encode())
     h.update(repr(plan.outputs).encode())
-    for slot, region in sorted(plan.regions.items()):
-        h.update(f"R{slot}|{region.kind}|{region.outer}".encode())
+    for index, region in sorted(plan.regions.items()):
+        h.update(f"R{index}|{region.kind}|{region.outer}".encode())
         for attr, sub in sorted(region.subplans.items()):
             h.update(f"{attr}={sub.content_hash}".encode())
     return h.hexdigest()

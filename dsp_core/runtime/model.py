@@ -26,6 +26,7 @@ from dsp_core.ir.graph import Graph, Value
 from dsp_core.plan.compiler import Declined, check_outputs, compile_plan
 from dsp_core.plan.plan import ExternalClass, Plan
 from dsp_core.runtime.legacy import run_graph
+from dsp_core.runtime.plan_runtime import PlanRuntime
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class CompiledModel:
             self._default_outputs = tuple(graph.output_names)
             self._feeds = _feed_specs(graph)
             self._prepare(self._default_outputs)  # compile eagerly: errors surface at compile()
+        self.variables: set[str] = set()
+        self.last_live: LivePlan | None = None
         self._feed_names = frozenset(s.name for s in self._feeds)
         self._feed_name_tuple = tuple(s.name for s in self._feeds)
         self._mode_name = mode.name
@@ -188,8 +191,9 @@ class CompiledModel:
             results = run_graph(self.graph, {s.name: a for s, a in zip(self._feeds, staged)}, names)
             return {name: _as_output(r) for name, r in zip(names, results)}
         live = self.live_plan(names, entry, staged)
+        self.last_live = live
         try:
-            results = live.executor.run([(s.flat, a) for s, a in zip(self._feeds, staged)])
+            results = live.runtime.execute([(s.flat, a) for s, a in zip(self._feeds, staged)])
         finally:
             self.cache.release(live)
         return {name: _as_output(r) for name, r in zip(names, results)}
@@ -200,7 +204,12 @@ class CompiledModel:
         live = self.cache.acquire(signature)
         if live is None:
             nbytes = sum(getattr(a, "nbytes", 0) for a in staged)
-            live = self.cache.insert(LivePlan(signature, entry, nbytes=nbytes))
+            shapes = [
+                (s.flat, a.shape, a.dtype) if hasattr(a, "shape") else (s.flat, (), None)
+                for s, a in zip(self._feeds, staged)
+            ]
+            runtime = PlanRuntime(entry, shapes, self.variables)
+            live = self.cache.insert(LivePlan(signature, entry, runtime, nbytes=nbytes))
         return live
 
     def _signature(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> ShapeSignature:

@@ -1,8 +1,13 @@
-"""dsp-cpu-ref: DSP's reference backends (numpy): SLOT_BY_SLOT and SHAPE_INFERENCE_ONLY.
+"""dsp-cpu-ref: DSP's reference backends (numpy): SLOT_BY_SLOT, EMULATED_REPLAY and SHAPE_INFERENCE_ONLY.
 
 Registered through the ``dsp.backends`` entry point like any third-party backend.
 """
 
-from dsp_cpu_ref.plugin import ShapeInferenceBackend, SlotBySlotBackend, dsp_register_backends
+from dsp_cpu_ref.plugin import (
+    EmulatedReplayBackend,
+    ShapeInferenceBackend,
+    SlotBySlotBackend,
+    dsp_register_backends,
+)
 
-__all__ = ["ShapeInferenceBackend", "SlotBySlotBackend", "dsp_register_backends"]
+__all__ = ["EmulatedReplayBackend", "ShapeInferenceBackend", "SlotBySlotBackend", "dsp_register_backends"]

@@ -7,6 +7,7 @@ from dsp_core.backends.base import Backend, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.ir.dtypes import DTYPE_NAMES
 from dsp_core.plan.plan import Plan, Segment
+from dsp_cpu_ref.emulated import EmulatedSegment
 from dsp_cpu_ref.shape_only import ShapeOnlySegment
 from dsp_cpu_ref.slot_by_slot import SlotBySlotSegment
 
@@ -32,6 +33,26 @@ class SlotBySlotBackend(Backend):
         return SlotBySlotSegment(self, plan, segment)
 
 
+class EmulatedReplayBackend(Backend):
+    """The capture/replay lifecycle on the CPU: fixed buffers, recorded steps, identity keys."""
+
+    name = "emulated_replay"
+    mode = GraphExecutionMode.EMULATED_REPLAY
+    platform = "cpu"
+    captures = True
+    contract = ModeContract(
+        deterministic=True,
+        needs_stable_addresses=True,
+        can_update_in_place=False,  # like a plain CUDA graph: drift means recapture
+        tf32=False,
+        dtypes=frozenset(DTYPE_NAMES),
+        tolerance=0.0,
+    )
+
+    def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
+        return EmulatedSegment(self, plan, segment)
+
+
 class ShapeInferenceBackend(Backend):
     """Propagates dtypes and shapes through the plan without computing values."""
 
@@ -47,4 +68,4 @@ class ShapeInferenceBackend(Backend):
 @hookimpl
 def dsp_register_backends() -> list[Backend]:
     """cpu_ref's backends."""
-    return [SlotBySlotBackend(), ShapeInferenceBackend()]
+    return [SlotBySlotBackend(), EmulatedReplayBackend(), ShapeInferenceBackend()]

@@ -1,0 +1,762 @@
+"""The on-disk plan cache: content-addressed entries, validated on every read, quarantined when bad.
+
+Layout under the cache directory (docs/cache.md has the whole story)::
+
+    objects/<fnv1a64 of payload, 16 hex>.dsp1   DSPC header + payload (a serialized DSP1 plan)
+    refs/<key>                                  JSON: which object the key names, and its checksum
+    quarantine/<dir>-<name>.<stamp>             a bad entry moved aside, with <...>.reason beside it
+
+Payloads are opaque bytes here; the plan serializer owns their format.
+
+Several processes may share one directory without a lock, because every change is a
+single atomic rename of a complete file:
+
+* an object's name is the hash of its payload, so two writers of one entry write the
+  same bytes to the same name, and whichever ``os.replace`` lands last leaves an
+  identical, whole file;
+* the object is written before the ref that names it, so a ref appears only after its
+  object does; refs are replaced atomically, so a reader sees an old or a new ref, whole;
+* a reader holds an open file descriptor, so an object evicted or replaced under it
+  still reads completely; an object gone before it is opened is a miss, never an error;
+* a reader quarantines only the very inode it judged bad (it re-checks the inode just
+  before moving it), so a good file that a concurrent writer renamed into place is
+  left alone. The window between that check and the rename can, at worst, move aside a
+  good file: the next lookup misses and recompiles; wrong data is never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import re
+import secrets
+import struct
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsp_core.errors import ConfigError
+
+log = logging.getLogger("dsp.cache")
+
+MAGIC = b"DSPC"
+FORMAT_VERSION = 1
+# magic, format version, flags (must be 0), fingerprint length, payload length, blake2b-16 of payload
+_HEADER = struct.Struct("<4sHHIQ16s")
+OBJECT_SUFFIX = ".dsp1"
+REF_FORMAT = "dsp-cache-ref/1"
+DEFAULT_MAX_BYTES = 1 << 30
+QUARANTINE_KEEP = 64  # newest quarantined entries kept; older ones are pruned so quarantine cannot fill a disk
+STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a crashed writer
+_MAX_FINGERPRINT_BYTES = 1 << 16
+_TEMP_PREFIX = ".tmp-"
+_KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+_OBJECT_RE = re.compile(r"[0-9a-f]{16}\.dsp1")
+_SIZE_RE = re.compile(r"(\d+)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_FLAG_VALUES = "1/0, true/false, yes/no, on/off"
+
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def fnv1a64(data: bytes) -> int:
+    """FNV-1a 64-bit hash of ``data`` (offset basis 0xcbf29ce484222325, prime 0x100000001b3)."""
+    h = FNV_OFFSET
+    for byte in data:
+        h = ((h ^ byte) * FNV_PRIME) & _MASK64
+    return h
+
+
+def object_name(payload: bytes) -> str:
+    """File name of the object holding ``payload``: its FNV-1a 64 in 16 hex digits + ``.dsp1``."""
+    return f"{fnv1a64(payload):016x}{OBJECT_SUFFIX}"
+
+
+# -- build fingerprint ------------------------------------------------------------------
+def fingerprint() -> str:
+    """This build's fingerprint: dsp-core version, installed backends (name, version), device arch."""
+    parts = [f"dsp-core={_core_version()}"]
+    parts += [f"backend={b}" for b in _backend_versions()]
+    parts += [f"arch={a}" for a in _device_arch()]
+    return ";".join(parts)
+
+
+def _core_version() -> str:
+    try:
+        from dsp_core import __version__
+
+        return str(__version__)
+    except Exception:  # noqa: BLE001  (a fingerprint never fails; an unknown part just mismatches)
+        return "unknown"
+
+
+def _backend_versions() -> list[str]:
+    try:
+        from dsp_core.backends.discovery import discover
+
+        found = {f"{b.name}:{b.distribution}={b.version}" for b in discover().backends}
+    except Exception:  # noqa: BLE001
+        return ["unknown"]
+    return sorted(found)
+
+
+@functools.lru_cache(maxsize=1)
+def _device_arch() -> tuple[str, ...]:
+    """CPU architecture, then each visible CUDA device's compute capability (when cupy sees one)."""
+    arch = [platform.machine() or "unknown"]
+    try:
+        if importlib.util.find_spec("cupy") is None:
+            return tuple(arch)
+        import cupy  # type: ignore[import-not-found]
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        ccs = sorted({str(cupy.cuda.Device(i).compute_capability) for i in range(count)})
+        arch += [f"sm_{cc}" for cc in ccs]
+    except Exception:  # noqa: BLE001  (no driver, no GPU, broken cupy: the CPU part still stands)
+        pass
+    return tuple(arch)
+
+
+# -- entry format -----------------------------------------------------------------------
+class _Invalid(Exception):
+    """An entry (object or ref) failed validation; ``reason`` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """The header of an object file."""
+
+    version: int
+    fingerprint: str
+    payload_len: int
+    checksum: bytes  # blake2b, 16 bytes, of the payload
+    offset: int  # where the payload begins in the file
+
+
+def checksum(payload: bytes) -> bytes:
+    """The payload checksum stored in headers and refs: blake2b with a 16-byte digest."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def encode_entry(payload: bytes, build_fingerprint: str) -> bytes:
+    """An object file's bytes: header, fingerprint, payload."""
+    fp = build_fingerprint.encode()
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(fp), len(payload), checksum(payload))
+    return head + fp + payload
+
+
+def parse_header(blob: bytes) -> EntryHeader:
+    """Parse the header at the start of ``blob``; raises _Invalid with the reason."""
+    if len(blob) < _HEADER.size:
+        raise _Invalid(f"truncated: {len(blob)} bytes, shorter than the {_HEADER.size}-byte header")
+    magic, version, flags, fp_len, payload_len, digest = _HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise _Invalid(f"bad magic: expected {MAGIC!r}, got {magic!r}")
+    if version != FORMAT_VERSION:
+        raise _Invalid(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
+    if flags:
+        raise _Invalid(f"unknown header flags {flags:#06x} (expected 0)")
+    if fp_len > _MAX_FINGERPRINT_BYTES:
+        raise _Invalid(f"implausible fingerprint length {fp_len} (at most {_MAX_FINGERPRINT_BYTES})")
+    offset = _HEADER.size + fp_len
+    if len(blob) < offset:
+        raise _Invalid(f"truncated: {len(blob)} bytes, the header and fingerprint need {offset}")
+    try:
+        fp = blob[_HEADER.size : offset].decode()
+    except UnicodeDecodeError as exc:
+        raise _Invalid(f"fingerprint is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    return EntryHeader(version, fp, payload_len, digest, offset)
+
+
+def decode_entry(blob: bytes, build_fingerprint: str) -> tuple[bytes, EntryHeader]:
+    """(payload, header) of an object file, validated; raises _Invalid with the reason."""
+    header = parse_header(blob)
+    have = len(blob) - header.offset
+    if have < header.payload_len:
+        raise _Invalid(f"truncated: header says {header.payload_len} payload bytes, file has {have}")
+    if have > header.payload_len:
+        raise _Invalid(f"{have - header.payload_len} trailing bytes after the {header.payload_len}-byte payload")
+    if header.fingerprint != build_fingerprint:
+        raise _Invalid(
+            f"fingerprint mismatch: entry built by {header.fingerprint!r}, this build is {build_fingerprint!r}"
+        )
+    payload = blob[header.offset :]
+    got = checksum(payload)
+    if got != header.checksum:
+        raise _Invalid(f"checksum mismatch: header says {header.checksum.hex()}, payload hashes to {got.hex()}")
+    return payload, header
+
+
+def encode_ref(key: str, name: str, header: EntryHeader) -> bytes:
+    """A ref file's bytes: which object ``key`` names, its checksum, size and fingerprint."""
+    ref = {
+        "format": REF_FORMAT,
+        "key": key,
+        "object": name,
+        "checksum": header.checksum.hex(),
+        "size": header.payload_len,
+        "fingerprint": header.fingerprint,
+    }
+    return json.dumps(ref, sort_keys=True).encode() + b"\n"
+
+
+def parse_ref(raw: bytes, key: str) -> dict[str, Any]:
+    """The fields of a ref file, validated against the key it was found under; raises _Invalid."""
+    try:
+        ref = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Invalid(f"garbage ref: not JSON ({exc})") from None
+    if not isinstance(ref, dict) or ref.get("format") != REF_FORMAT:
+        raise _Invalid(f"garbage ref: expected a JSON object with format {REF_FORMAT!r}")
+    if ref.get("key") != key:
+        raise _Invalid(f"garbage ref: found under key {key!r} but names key {ref.get('key')!r}")
+    if not isinstance(ref.get("object"), str) or not _OBJECT_RE.fullmatch(ref["object"]):
+        raise _Invalid(f"garbage ref: object {ref.get('object')!r} is not 16 hex digits + {OBJECT_SUFFIX}")
+    if not isinstance(ref.get("checksum"), str) or not isinstance(ref.get("fingerprint"), str):
+        raise _Invalid("garbage ref: checksum or fingerprint missing")
+    return ref
+
+
+# -- files ------------------------------------------------------------------------------
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+    tmp = path.with_name(f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (best effort: not every platform can open a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _read_file(path: Path) -> tuple[bytes, int] | None:
+    """(contents, inode) of ``path``, or None when it does not exist."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(), os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _files(directory: Path) -> Iterator[os.DirEntry[str]]:
+    """Regular files in ``directory`` that are not temp files; nothing when it does not exist."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(_TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
+            yield entry
+
+
+def _stat(entry: os.DirEntry[str]) -> os.stat_result | None:
+    """stat of a directory entry, or None when another process removed it meanwhile."""
+    try:
+        return entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _unlink(path: Path | str) -> bool:
+    """Remove a file; False when it was already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _remove_stale_temps(directory: Path, now: float) -> None:
+    """Remove temp files that crashed writers left behind (older than STALE_TEMP_SECONDS)."""
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            st = _stat(entry) if entry.name.startswith(_TEMP_PREFIX) else None
+            if st is not None and now - st.st_mtime > STALE_TEMP_SECONDS:
+                _unlink(entry.path)
+
+
+def _stamp() -> str:
+    """A unique, sortable suffix for a quarantined file: UTC time, microseconds, pid, random."""
+    now = time.time()
+    base = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+    return f"{base}.{int(now % 1 * 1e6):06d}Z-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+# -- configuration ----------------------------------------------------------------------
+def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{name}={env[name]!r}: expected one of {_FLAG_VALUES}")
+
+
+def _env_size(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    match = _SIZE_RE.fullmatch(raw)
+    if match is None or int(match[1]) == 0:
+        raise ConfigError(
+            f"{name}={raw!r}: expected a positive number of bytes, optionally with a K, M, G or T suffix "
+            "(powers of 1024), e.g. 536870912 or 512M"
+        )
+    return int(match[1]) * 1024 ** " kmgt".index((match[2] or " ").lower())
+
+
+def _env_dir(env: Mapping[str, str], name: str, must_exist: bool) -> Path | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name}={raw!r}: expected a directory, found a file there")
+    if must_exist and not path.is_dir():
+        raise ConfigError(f"{name}={raw!r}: directory does not exist (create it, or unset {name})")
+    return path
+
+
+def default_cache_dir(env: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/dsp`` when XDG_CACHE_HOME is an absolute path, else ``~/.cache/dsp``."""
+    xdg = env.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "dsp"
+
+
+# -- the cache --------------------------------------------------------------------------
+@dataclass
+class CacheStats:
+    """Counters of one DiskCache object (this process only)."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    evictions: int = 0
+    quarantines: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a cache directory keeps its parts."""
+
+    root: Path
+
+    @property
+    def objects(self) -> Path:
+        return self.root / "objects"
+
+    @property
+    def refs(self) -> Path:
+        return self.root / "refs"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+
+class _BadFile(Exception):
+    """A file of the cache failed validation: which one, why, and the inode that was judged."""
+
+    def __init__(self, path: Path, reason: str, inode: int) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason, self.inode = path, reason, inode
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(
+            f"cache key {key!r}: expected 1-128 characters of [A-Za-z0-9_.-], not starting with '.' "
+            "(DiskCache.key(...) makes one)"
+        )
+
+
+@dataclass(eq=False)
+class DiskCache:
+    """An on-disk cache of opaque plan payloads, keyed by caller-computed keys (see the module doc)."""
+
+    root: Path
+    override_dir: Path | None = None
+    enabled: bool = True
+    max_bytes: int = DEFAULT_MAX_BYTES
+    force_recompile: bool = False
+    build_fingerprint: str = field(default_factory=fingerprint)
+    stats: CacheStats = field(default_factory=CacheStats)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    listeners: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.override_dir = Path(self.override_dir) if self.override_dir is not None else None
+
+    @property
+    def _layout(self) -> _Layout:
+        return _Layout(self.root)
+
+    @property
+    def _override(self) -> _Layout | None:
+        return _Layout(self.override_dir) if self.override_dir is not None else None
+
+    @classmethod
+    def from_config(cls, env: Mapping[str, str] | None = None) -> DiskCache:
+        """A cache configured by the DSP_* environment variables; ConfigError on a bad value."""
+        env = os.environ if env is None else env
+        return cls(
+            root=_env_dir(env, "DSP_CACHE_DIR", must_exist=False) or default_cache_dir(env),
+            override_dir=_env_dir(env, "DSP_CACHE_OVERRIDE_DIR", must_exist=True),
+            enabled=_env_flag(env, "DSP_DISK_CACHE", default=True),
+            max_bytes=_env_size(env, "DSP_CACHE_MAX_BYTES", DEFAULT_MAX_BYTES),
+            force_recompile=_env_flag(env, "DSP_FORCE_RECOMPILE", default=False),
+        )
+
+    @staticmethod
+    def key(*parts: bytes | str) -> str:
+        """A cache key (32 hex digits) from ``parts``, e.g. model bytes, output names, mode."""
+        h = hashlib.blake2b(digest_size=16, person=b"dsp-cache-key")
+        for part in parts:
+            if isinstance(part, str):
+                tag, data = b"s", part.encode()
+            elif isinstance(part, bytes | bytearray | memoryview):
+                tag, data = b"b", bytes(part)
+            else:
+                raise TypeError(f"DiskCache.key: parts must be bytes or str, got {type(part).__name__}")
+            # Length-prefixed, so ("ab", "c") and ("a", "bc") give different keys.
+            h.update(tag + len(data).to_bytes(8, "little"))
+            h.update(data)
+        return h.hexdigest()
+
+    # -- lookup -------------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        """The payload stored under ``key``: override dir first, then the cache; None on a miss."""
+        _check_key(key)
+        if not self.enabled:
+            return None
+        payload = None
+        if not self.force_recompile:  # forced: every lookup misses, puts still write
+            payload = self._from_override(key)
+            if payload is None:
+                payload = self._from_cache(key)
+        if payload is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+        return payload
+
+    def _from_override(self, key: str) -> bytes | None:
+        if self._override is None:
+            return None
+        try:
+            found = self._load(self._override, key)
+        except _BadFile as bad:  # never moved: the override dir belongs to the user
+            self._emit("override_rejected", bad.path, bad.reason)
+            return None
+        except OSError as exc:
+            self._emit("read_error", self._override.refs / key, f"{type(exc).__name__}: {exc}")
+            return None
+        return found[0] if found else None
+
+    def _from_cache(self, key: str) -> bytes | None:
+        try:
+            found = self._load(self._layout, key)
+        except _BadFile as bad:
+            self._quarantine(bad)
+            return None
+        except OSError as exc:
+            self._emit("read_error", self._layout.refs / key, f"{type(exc).__name__}: {exc}")
+            return None
+        if found is None:
+            return None
+        payload, path = found
+        with contextlib.suppress(OSError):  # LRU: a hit is a use (gone meanwhile: nothing to touch)
+            os.utime(path)
+        return payload
+
+    def _load(self, layout: _Layout, key: str) -> tuple[bytes, Path] | None:
+        """(payload, object path) for ``key`` in ``layout``; None when absent; _BadFile when invalid."""
+        ref_path = layout.refs / key
+        got = self._read_ref(ref_path, key)
+        if got is None:
+            return None
+        ref, ref_inode = got
+        obj_path = layout.objects / ref["object"]
+        found = self._read_object(obj_path)
+        if found is None:  # evicted by another process since the ref was written: a plain miss
+            return None
+        payload, header = found
+        if ref["checksum"] != header.checksum.hex():
+            raise _BadFile(
+                ref_path, f"ref names checksum {ref['checksum']}, object has {header.checksum.hex()}", ref_inode
+            )
+        return payload, obj_path
+
+    def _read_ref(self, path: Path, key: str) -> tuple[dict[str, Any], int] | None:
+        got = _read_file(path)
+        if got is None:
+            return None
+        try:
+            return parse_ref(got[0], key), got[1]
+        except _Invalid as bad:
+            raise _BadFile(path, bad.reason, got[1]) from None
+
+    def _read_object(self, path: Path) -> tuple[bytes, EntryHeader] | None:
+        got = _read_file(path)
+        if got is None:
+            return None
+        try:
+            return decode_entry(got[0], self.build_fingerprint)
+        except _Invalid as bad:
+            raise _BadFile(path, bad.reason, got[1]) from None
+
+    # -- store --------------------------------------------------------------------------
+    def put(self, key: str, payload: bytes) -> Path | None:
+        """Store ``payload`` under ``key`` atomically, then evict LRU objects beyond max_bytes.
+
+        Returns the object's path, or None when the cache is off or the write failed (an
+        event says why; a cache that cannot be written never fails a compile).
+        """
+        _check_key(key)
+        if not self.enabled:
+            return None
+        name = object_name(payload)
+        blob = encode_entry(payload, self.build_fingerprint)
+        header = parse_header(blob)
+        obj_path = self._layout.objects / name
+        try:
+            self._layout.objects.mkdir(parents=True, exist_ok=True)
+            self._layout.refs.mkdir(parents=True, exist_ok=True)
+            # Rewritten even when present: same name means same bytes, and this heals a damaged copy.
+            _atomic_write(obj_path, blob)
+            _atomic_write(self._layout.refs / key, encode_ref(key, name, header))
+        except OSError as exc:
+            self._emit("write_error", obj_path, f"{type(exc).__name__}: {exc}")
+            return None
+        self.stats.writes += 1
+        self._enforce_bound(keep=name)
+        return obj_path
+
+    def _enforce_bound(self, keep: str) -> None:
+        """Evict least-recently-used objects (by mtime) until under max_bytes, never ``keep``."""
+        now = time.time()
+        _remove_stale_temps(self._layout.objects, now)
+        _remove_stale_temps(self._layout.refs, now)
+        objects = self._objects()
+        total = sum(size for _, size, _ in objects)
+        victims = []
+        for path, size, _ in sorted(objects, key=lambda o: o[2]):
+            if total <= self.max_bytes:
+                break
+            if path.name != keep:
+                victims.append(path)
+                total -= size
+        if victims:
+            self.stats.evictions += sum(_unlink(p) for p in victims)
+            self._drop_dangling_refs()
+
+    def _objects(self) -> list[tuple[Path, int, float]]:
+        """(path, size, mtime) of every object file in the cache."""
+        out = []
+        for entry in _files(self._layout.objects):
+            st = _stat(entry)
+            if st is not None:
+                out.append((Path(entry.path), st.st_size, st.st_mtime))
+        return out
+
+    def _drop_dangling_refs(self) -> int:
+        """Remove refs whose object is gone (evicted); unreadable refs are left to get/verify."""
+        dropped = 0
+        for entry in _files(self._layout.refs):
+            got = _read_file(Path(entry.path))
+            try:
+                name = parse_ref(got[0], entry.name)["object"] if got else None
+            except _Invalid:
+                continue
+            # An object is written before its ref, so a missing one was removed, not yet to come.
+            if name is not None and not (self._layout.objects / name).exists():
+                dropped += _unlink(entry.path)
+        return dropped
+
+    # -- quarantine and events ----------------------------------------------------------
+    def _quarantine(self, bad: _BadFile) -> bool:
+        """Move a bad file to quarantine/ with a .reason file beside it; False if it was not ours to move."""
+        qdir = self._layout.quarantine
+        dest = qdir / f"{bad.path.parent.name}-{bad.path.name}.{_stamp()}"
+        try:
+            qdir.mkdir(parents=True, exist_ok=True)
+            # Only the inode that was judged: a concurrent put may have renamed a good file here since.
+            if os.stat(bad.path).st_ino != bad.inode:
+                return False
+            os.replace(bad.path, dest)
+            dest.with_name(dest.name + ".reason").write_text(f"{bad.path}\n{bad.reason}\n")
+        except FileNotFoundError:  # another process quarantined or evicted it first
+            return False
+        except OSError as exc:
+            self._emit("quarantine_failed", bad.path, f"{bad.reason}; could not move it: {exc}")
+            return False
+        self.stats.quarantines += 1
+        level = logging.INFO if bad.reason.startswith("fingerprint mismatch") else logging.WARNING
+        log.log(level, "dsp cache: quarantined %s (%s); it will be recompiled", bad.path, bad.reason)
+        self._emit("quarantine", bad.path, bad.reason, to=str(dest))
+        self._prune_quarantine()
+        return True
+
+    def _prune_quarantine(self) -> None:
+        """Keep the newest QUARANTINE_KEEP quarantined entries (with their .reason files)."""
+        entries = [e for e in _files(self._layout.quarantine) if e.name.endswith(".reason")]
+        dated = sorted((st.st_mtime, Path(e.path)) for e in entries if (st := _stat(e)) is not None)
+        for _, reason in dated[:-QUARANTINE_KEEP]:
+            _unlink(reason)
+            _unlink(reason.with_suffix(""))
+
+    def _emit(self, kind: str, path: Path, reason: str, **extra: str) -> None:
+        """Record an event and pass it to every listener (a failing listener is logged, not raised)."""
+        event = {"kind": kind, "path": str(path), "reason": reason, **extra}
+        self.events.append(event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001  (diagnostics must not break a compile)
+                log.exception("dsp cache: event listener %r failed", listener)
+
+    # -- management (the `dsp cache` commands) ------------------------------------------
+    def ls(self) -> list[dict[str, Any]]:
+        """Every entry (override dir first, then the cache): key, object, size, mtime, fingerprint ok."""
+        rows = []
+        sources = [("override", self._override), ("cache", self._layout)]
+        for source, layout in sources:
+            if layout is not None:
+                rows += [self._describe(layout, key, source) for key in _keys(layout)]
+        return rows
+
+    def _describe(self, layout: _Layout, key: str, source: str) -> dict[str, Any]:
+        """One ls row: reads the ref and the object's header only (verify reads the payloads)."""
+        row: dict[str, Any] = {"key": key, "source": source, "object": None, "size": None, "mtime": None}
+        row.update(fingerprint_ok=None, status="ok")
+        got = _read_file(layout.refs / key)
+        try:
+            ref = parse_ref(got[0], key) if got else None
+        except _Invalid as bad:
+            return {**row, "status": bad.reason}
+        if ref is None:
+            return {**row, "status": "gone"}
+        row["object"] = ref["object"]
+        path = layout.objects / ref["object"]
+        try:
+            st = path.stat()
+            with open(path, "rb") as f:
+                header = parse_header(f.read(_HEADER.size + _MAX_FINGERPRINT_BYTES))
+        except FileNotFoundError:
+            return {**row, "status": "dangling: object gone"}
+        except _Invalid as bad:
+            return {**row, "status": bad.reason}
+        row.update(size=st.st_size, mtime=st.st_mtime, fingerprint_ok=header.fingerprint == self.build_fingerprint)
+        if st.st_size != header.offset + header.payload_len:
+            row["status"] = f"wrong size: {st.st_size} bytes, the header says {header.offset + header.payload_len}"
+        elif not row["fingerprint_ok"]:
+            row["status"] = "fingerprint mismatch"
+        return row
+
+    def info(self) -> dict[str, Any]:
+        """Where the cache is, whether it is on, its size and bound, quarantine count, fingerprint, stats."""
+        objects = self._objects()
+        quarantined = [e for e in _files(self._layout.quarantine) if not e.name.endswith(".reason")]
+        return {
+            "dir": str(self.root),
+            "override_dir": str(self.override_dir) if self.override_dir is not None else None,
+            "enabled": self.enabled,
+            "force_recompile": self.force_recompile,
+            "size": sum(size for _, size, _ in objects),
+            "count": len(objects),
+            "refs": sum(1 for _ in _files(self._layout.refs)),
+            "max_bytes": self.max_bytes,
+            "quarantine_count": len(quarantined),
+            "fingerprint": self.build_fingerprint,
+            "stats": self.stats.as_dict(),
+        }
+
+    def clear(self, include_quarantine: bool = False) -> int:
+        """Remove every object and ref (and quarantine/ when asked); the number of files removed."""
+        dirs = [self._layout.objects, self._layout.refs]
+        if include_quarantine:
+            dirs.append(self._layout.quarantine)
+        removed = 0
+        for directory in dirs:
+            with contextlib.suppress(FileNotFoundError):
+                removed += sum(_unlink(e.path) for e in os.scandir(directory) if e.is_file(follow_symlinks=False))
+        return removed
+
+    def verify(self) -> dict[str, Any]:
+        """Check every entry in full; quarantine bad ones, drop dangling refs; counts and problems."""
+        before = self.stats.quarantines
+        report: dict[str, Any] = {"objects_ok": 0, "refs_ok": 0, "dangling_refs_removed": 0}
+        report.update(override_ok=0, override_bad=0, problems=[])
+        for entry in sorted(_files(self._layout.objects), key=_name):
+            report["objects_ok"] += self._judge(functools.partial(self._read_object, Path(entry.path)), report)
+        for key in _keys(self._layout):
+            report["refs_ok"] += self._judge(functools.partial(self._load, self._layout, key), report)
+        report["dangling_refs_removed"] = self._drop_dangling_refs()
+        if self._override is not None:
+            for key in _keys(self._override):
+                ok = self._judge(functools.partial(self._load, self._override, key), report, self._override)
+                report["override_ok" if ok else "override_bad"] += 1
+        report["quarantined"] = self.stats.quarantines - before
+        return report
+
+    def _judge(self, check: Callable[[], object], report: dict[str, Any], override: _Layout | None = None) -> bool:
+        """Run one check; record a bad file and quarantine it (report it only, in the override dir)."""
+        try:
+            found = check()
+        except _BadFile as bad:
+            report["problems"].append({"path": str(bad.path), "reason": bad.reason, "override": override is not None})
+            if override is not None:
+                self._emit("override_rejected", bad.path, bad.reason)
+            else:
+                self._quarantine(bad)
+            return False
+        if found is None and override is not None:  # the cache's own dangling refs are swept, not reported
+            report["problems"].append({"path": str(override.root), "reason": "a ref names a missing object"})
+        return found is not None
+
+
+def _keys(layout: _Layout) -> list[str]:
+    """Names of the refs in ``layout``, sorted."""
+    return sorted(entry.name for entry in _files(layout.refs))
+
+
+def _name(entry: os.DirEntry[str]) -> str:
+    return entry.name

@@ -1,0 +1,411 @@
+"""The lifecycle of one live plan, driven by the core for every backend alike.
+
+A live plan (one shape signature) starts SLOT_BY_SLOT: every segment runs eagerly. After
+``freeze_after`` executions (or ``freeze()``) it freezes: slots that depend on no fed
+input are computed once and sealed, the segments are cut into units (islands, gaps,
+eager pieces), placeholders are staged into stable buffers and constants snapshotted.
+Islands then go warm-up -> compile -> capture -> replay; identity keys guard every
+replay, and drift is met by an in-place refresh where the backend's contract allows it,
+else by a recapture, each counted. Two consecutive clean steps with every island
+replaying make the plan REPLAYING; with no island able to capture it is REPLAY_BLOCKED.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dsp_core import config
+from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStatus
+from dsp_core.errors import DSPError
+from dsp_core.ops.registry import Trait
+from dsp_core.plan.plan import ExternalClass, Plan, Segment
+from dsp_core.runtime.lifecycle import (
+    PLAN_TRANSITIONS,
+    SLOT_TRANSITIONS,
+    PlanPhase,
+    SegmentPhase,
+    SlotPhase,
+    StateMachine,
+)
+from dsp_core.runtime.staging import ConstantSnapshot, Staging, injected_fault
+from dsp_core.runtime.units import IdentityKeys, Unit, UnitKind, buffer_address, split_units, unit_io
+
+if TYPE_CHECKING:
+    from dsp_core.runtime.model import Executor
+
+log = logging.getLogger("dsp.runtime")
+S = SegmentPhase
+
+# A plan whose islands recaptured in at least this many of the last RECAPTURE_WINDOW
+# steps is flagged as recapturing every step.
+RECAPTURE_WINDOW = 8
+RECAPTURE_FLAG = 6
+
+
+class PlanRuntime:
+    """Phases, units, staging and identity keys of one live plan."""
+
+    def __init__(
+        self, executor: Executor, feed_shapes: list[tuple[int, tuple[int, ...], Any]], variables: set[str]
+    ) -> None:
+        self.executor = executor
+        self.plan: Plan = executor.plan
+        self.machine: StateMachine[PlanPhase] = StateMachine("plan", PlanPhase.SLOT_BY_SLOT, PLAN_TRANSITIONS)
+        self.slot_machines = [
+            StateMachine(f"slot {i}", SlotPhase.BUILDING, SLOT_TRANSITIONS) for i in range(len(self.plan.slots))
+        ]
+        self.feed_shapes = feed_shapes  # (flat, shape, dtype) of each fed input: abstract stand-ins at freeze
+        self.variables = set(variables)
+        self.executions = 0
+        self.freeze_after = int(config.get("freeze_after"))
+        self.freeze_requested = False
+        self.units: list[Unit] = []
+        self.staging = Staging()
+        self.snapshot: ConstantSnapshot | None = None
+        self.template: list[Any] | None = None
+        self.bridges: dict[int, Any] = {}
+        self.bridge_targets: frozenset[int] = frozenset()
+        self.clean_streak = 0
+        self.recent_recaptures: deque[int] = deque(maxlen=RECAPTURE_WINDOW)
+        self.flags: list[str] = []
+        self.lock = threading.Lock()
+        self._names = {k: e.name for k, e in enumerate(self.plan.externals)}
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def phase(self) -> PlanPhase:
+        """The plan phase."""
+        return self.machine.state
+
+    @property
+    def sealed(self) -> frozenset[int]:
+        """Slots sealed as frozen constants."""
+        return frozenset(i for i, m in enumerate(self.slot_machines) if m.state is SlotPhase.SEALED)
+
+    def counters(self) -> dict[str, int]:
+        """Lifecycle counters summed over units."""
+        total: dict[str, int] = {}
+        for unit in self.units:
+            for key, val in unit.counters.__dict__.items():
+                total[key] = total.get(key, 0) + val
+        total["executions"] = self.executions
+        total["staging_copies"] = self.staging.copies
+        return total
+
+    # -- execution -------------------------------------------------------------------------
+    def execute(self, feeds: list[tuple[int, Any]]) -> list[Any]:
+        """Run one step; returns the plan's outputs (owned by the caller)."""
+        with self.lock:
+            self.executions += 1
+            if self.phase is PlanPhase.SLOT_BY_SLOT:
+                if not self._should_freeze():
+                    return self.executor.run(feeds)
+                self._freeze()
+            return self._frozen_step(feeds)
+
+    def _should_freeze(self) -> bool:
+        if config.get("no_freeze"):
+            return False
+        return self.freeze_requested or (self.freeze_after > 0 and self.executions > self.freeze_after)
+
+    def request_freeze(self) -> None:
+        """Freeze at the next execution (or now, if the plan is idle: shapes are known)."""
+        if config.get("no_freeze"):
+            log.warning("DSP_NO_FREEZE is set: freeze() ignored")
+            return
+        with self.lock:
+            if self.phase is PlanPhase.SLOT_BY_SLOT:
+                self._freeze()
+
+    # -- freezing --------------------------------------------------------------------------
+    def _freeze(self) -> None:
+        plan = self.plan
+        sealed = self._detect_sealed()
+        values: list[Any] = list(self.executor.template)
+        for flat, shape, dtype in self.feed_shapes:  # shape-only ops read these; no value is read
+            values[flat] = np.broadcast_to(np.zeros((), dtype=dtype), shape) if dtype is not None else None
+        owner = {s: seg for seg in self.executor.partition.segments for s in seg.slots}
+        for seg in self.executor.partition.segments:
+            mine = tuple(s for s in seg.slots if s in sealed)
+            if mine:
+                backend = self.executor.partition.backends[seg.backend]
+                backend.compile(plan, Segment(seg.index, seg.backend, seg.mode, mine)).run(values)
+        template: list[Any] = list(self.executor.template)
+        for s in sorted(sealed):
+            for v in plan.slots[s].outputs:
+                if v is not None:
+                    template[plan.flat(v)] = values[plan.flat(v)]
+        self.template = template
+        for s in sealed:
+            self.slot_machines[s].move(SlotPhase.SEALED, "frozen constant", self.executions)
+        self.units = self._build_units(sealed, owner)
+        readers = {i for u in self.units if u.kind is UnitKind.ISLAND for i in u.inputs}
+        self.bridge_targets = frozenset(
+            o for u in self.units if u.kind is not UnitKind.ISLAND for o in u.outputs if o in readers
+        )
+        self.snapshot = ConstantSnapshot(plan.constants)
+        self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)
+        if not any(u.kind is UnitKind.ISLAND for u in self.units):
+            self.machine.move(PlanPhase.REPLAY_BLOCKED, "no segment can capture", self.executions)
+
+    def _detect_sealed(self) -> set[int]:
+        """Slots that depend on no fed input (shape-only ops do not taint) and draw no random numbers."""
+        plan = self.plan
+        tainted = {plan.external_ref(k) for k, e in enumerate(plan.externals) if e.cls is not ExternalClass.CONSTANT}
+        tainted |= {plan.external_ref(k) for k, e in enumerate(plan.externals) if e.name in self.variables}
+        sealed: set[int] = set()
+        for slot in plan.slots:
+            reads = [r for r in slot.inputs if r is not None]
+            if slot.traits & Trait.SHAPE_ONLY_OUTPUT:
+                dirty = False
+            else:
+                dirty = bool(slot.traits & Trait.RANDOM) or any(r in tainted for r in reads)
+            if dirty:
+                tainted.update(v for v in slot.outputs if v is not None)
+            else:
+                sealed.add(slot.index)
+        return sealed
+
+    def _build_units(self, sealed: set[int], owner: dict[int, Segment]) -> list[Unit]:
+        units: list[Unit] = []
+        frozen = frozenset(sealed)
+        for seg in self.executor.partition.segments:
+            backend = self.executor.partition.backends[seg.backend]
+            live = Segment(seg.index, seg.backend, seg.mode, tuple(s for s in seg.slots if s not in sealed))
+            for kind, slots in split_units(self.plan, live, backend):
+                piece = Segment(len(units), seg.backend, seg.mode, slots)
+                inputs, outputs, constants = unit_io(self.plan, slots, frozen)
+                unit = Unit(
+                    len(units), kind, piece, backend, backend.compile(self.plan, piece), inputs, outputs, constants
+                )
+                if kind is not UnitKind.ISLAND:
+                    reason = (
+                        "gap: ops its profile cannot capture"
+                        if kind is UnitKind.GAP
+                        else f"backend {backend.name} does not capture: runs eagerly"
+                    )
+                    unit.machine.move(S.FAILED, reason, self.executions)
+                    unit.reason = reason
+                units.append(unit)
+        return units
+
+    # -- frozen steps ----------------------------------------------------------------------
+    def _frozen_step(self, feeds: list[tuple[int, Any]]) -> list[Any]:
+        assert self.template is not None and self.snapshot is not None
+        values = self.template.copy()
+        staged = self._staged_flats
+        for flat, array in feeds:
+            if flat in staged and hasattr(array, "shape"):
+                values[flat] = self.staging.stage(flat, array)
+            else:
+                values[flat] = array  # a variable: read in place, its address is an identity key
+        self.snapshot.check_identity(self.plan.constants, self._names)
+        step_clean = True
+        for unit in self.units:
+            step_clean &= self._run_unit(unit, values)
+        self._after_step(step_clean)
+        return [_owned(values[i]) for i in self.executor.output_flat]
+
+    @property
+    def _staged_flats(self) -> frozenset[int]:
+        """Flat indexes of placeholders (copied into stable buffers); variables are read in place."""
+        cached = self.__dict__.get("_staged_cache")
+        if cached is None or cached[0] != frozenset(self.variables):
+            flats = frozenset(
+                self.plan.flat(self.plan.external_ref(k))
+                for k, e in enumerate(self.plan.externals)
+                if e.cls is ExternalClass.PLACEHOLDER and e.name not in self.variables
+            )
+            cached = (frozenset(self.variables), flats)
+            self.__dict__["_staged_cache"] = cached
+        return cached[1]
+
+    def _run_unit(self, unit: Unit, values: list[Any]) -> bool:
+        """Run one unit according to its phase; True when the step was a clean replay."""
+        if unit.kind is not UnitKind.ISLAND or unit.phase is S.FAILED:
+            unit.compiled.run(values)
+            unit.counters.eager_runs += 1
+            self._bridge(unit, values)
+            return unit.kind is not UnitKind.ISLAND
+        if unit.phase is S.OOM_DEFERRED:
+            return self._retry_after_oom(unit, values)
+        if unit.phase is S.NEEDS_WARMUP:
+            unit.compiled.warm(values)
+            unit.counters.warmups += 1
+            unit.machine.move(S.NEEDS_COMPILE, "warmed up", self.executions)
+            return False
+        if unit.phase is S.REPLAYING:
+            return self._replay(unit, values)
+        return self._compile_and_capture(unit, values)
+
+    def _compile_and_capture(self, unit: Unit, values: list[Any]) -> bool:
+        """NEEDS_COMPILE / CAPTURE_PENDING -> REPLAYING, then the first replay."""
+        try:
+            if unit.phase is S.NEEDS_COMPILE:
+                unit.compiled.prepare(values)
+                unit.counters.compiles += 1
+                unit.machine.move(S.CAPTURE_PENDING, "buffers planned", self.executions)
+            unit.compiled.capture(values)
+            unit.counters.captures += 1
+        except CaptureOutOfMemory as exc:
+            unit.machine.move(S.OOM_DEFERRED, str(exc), self.executions)
+            unit.reason, unit.oom_deferred_at = str(exc), self.executions
+            unit.compiled.run(values)
+            return False
+        except CaptureFailed as exc:
+            unit.machine.move(S.FAILED, str(exc), self.executions)
+            unit.reason = str(exc)
+            unit.compiled.run(values)
+            return False
+        unit.machine.move(S.REPLAYING, "captured", self.executions)
+        generation = unit.keys.generation + 1 if unit.keys is not None else 0
+        unit.keys = IdentityKeys((), self._addresses(unit, values), self._constant_ids(unit, values), 0, generation)
+        self._dispatch(unit, values, redispatched=False)
+        unit.keys.output_shapes = tuple(tuple(getattr(values[o], "shape", ())) for o in unit.outputs)
+        unit.keys.slot_address_hash = hash(tuple(buffer_address(values[o]) for o in unit.outputs))
+        return False
+
+    def _replay(self, unit: Unit, values: list[Any]) -> bool:
+        """Check the identity keys, meet drift, replay."""
+        assert unit.keys is not None
+        now = self._addresses(unit, values)
+        clean = True
+        if now != unit.keys.input_addresses or self._constant_ids(unit, values) != unit.keys.constant_ids:
+            clean = False
+            changed = [i for i, a, b in zip(unit.inputs, now, unit.keys.input_addresses) if a != b]
+            if unit.compiled.refresh(values, changed):
+                unit.counters.refreshes += 1
+                unit.keys.input_addresses = now
+                unit.keys.generation += 1
+            else:
+                return self._recapture(unit, values, f"address drift at inputs {changed}")
+        self._dispatch(unit, values, redispatched=False)
+        return clean
+
+    def _recapture(self, unit: Unit, values: list[Any], reason: str) -> bool:
+        unit.machine.demote(S.NEEDS_WARMUP, reason, self.executions)
+        unit.counters.recaptures += 1
+        self.recent_recaptures.append(self.executions)
+        unit.compiled.warm(values)
+        unit.counters.warmups += 1
+        unit.machine.move(S.NEEDS_COMPILE, "re-warmed after drift", self.executions)
+        self._compile_and_capture(unit, values)
+        return False
+
+    def _dispatch(self, unit: Unit, values: list[Any], redispatched: bool) -> None:
+        """Replay; a STALE_BUFFER status re-stages and re-dispatches once."""
+        status = unit.compiled.replay(values)
+        if injected_fault() == "stale_buffer" and not redispatched:
+            status = ReplayStatus.STALE_BUFFER
+        unit.counters.replays += 1
+        if status is ReplayStatus.STALE_BUFFER:
+            if redispatched:
+                raise DSPError(f"segment {unit.index} ({unit.backend.name}): buffers still stale after re-dispatch")
+            unit.counters.stale_redispatches += 1
+            unit.compiled.capture(values)  # re-record against the buffers in values now
+            unit.counters.captures += 1
+            assert unit.keys is not None
+            unit.keys.input_addresses = self._addresses(unit, values)
+            unit.keys.generation += 1
+            self._dispatch(unit, values, redispatched=True)
+
+    def _retry_after_oom(self, unit: Unit, values: list[Any]) -> bool:
+        every = int(config.get("oom_retry_every"))
+        if (
+            unit.counters.oom_retries < int(config.get("oom_retries"))
+            and self.executions - unit.oom_deferred_at >= every
+        ):
+            unit.counters.oom_retries += 1
+            unit.machine.move(S.NEEDS_COMPILE, "retry after out-of-memory", self.executions)
+            return self._compile_and_capture(unit, values)
+        if unit.counters.oom_retries >= int(config.get("oom_retries")):
+            unit.machine.move(S.FAILED, f"out of memory after {unit.counters.oom_retries} retries", self.executions)
+        unit.compiled.run(values)
+        return False
+
+    def _bridge(self, unit: Unit, values: list[Any]) -> None:
+        """Copy an eager unit's outputs that islands read into stable buffers."""
+        for o in unit.outputs:
+            if o not in self.bridge_targets or not hasattr(values[o], "shape"):
+                continue
+            buf = self.bridges.get(o)
+            if buf is None or buf.shape != values[o].shape or buf.dtype != values[o].dtype:
+                buf = values[o].copy()
+                self.bridges[o] = buf
+            else:
+                buf[...] = values[o]
+            values[o] = buf
+
+    def _addresses(self, unit: Unit, values: list[Any]) -> tuple[int, ...]:
+        return tuple(buffer_address(values[i]) for i in unit.inputs)
+
+    def _constant_ids(self, unit: Unit, values: list[Any]) -> tuple[int, ...]:
+        return tuple(id(values[i]) for i in unit.constants)
+
+    def _after_step(self, clean: bool) -> None:
+        islands = [u for u in self.units if u.kind is UnitKind.ISLAND]
+        if self.phase is PlanPhase.SHAPES_FROZEN:
+            if islands and all(u.phase is S.FAILED for u in islands):
+                self.machine.move(PlanPhase.REPLAY_BLOCKED, "every island failed to capture", self.executions)
+                return
+            ready = any(u.phase is S.REPLAYING for u in islands) and all(
+                u.phase in (S.REPLAYING, S.FAILED) for u in islands
+            )
+            self.clean_streak = self.clean_streak + 1 if (clean and ready) else 0
+            if self.clean_streak >= 2:
+                self.machine.move(
+                    PlanPhase.REPLAYING, "every island replayed twice with stable addresses", self.executions
+                )
+        recent = [e for e in self.recent_recaptures if e > self.executions - RECAPTURE_WINDOW]
+        if len(recent) >= RECAPTURE_FLAG and "recapturing every step" not in self.flags:
+            self.flags.append("recapturing every step")
+            log.warning(
+                "DSP plan %s recaptures nearly every step: addresses drift (feed variables in place?)",
+                self.plan.content_hash[:12],
+            )
+
+    # -- demotion --------------------------------------------------------------------------
+    def demote(self, reason: str) -> None:
+        """Back to SLOT_BY_SLOT (recorded): units released, sealed slots rebuilt on the next freeze."""
+        with self.lock:
+            if self.phase is PlanPhase.SLOT_BY_SLOT:
+                return
+            for unit in self.units:
+                unit.compiled.release()
+            self.units = []
+            self.template = None
+            self.staging.invalidate()
+            self.bridges.clear()
+            for m in self.slot_machines:
+                if m.state is SlotPhase.SEALED:
+                    m.demote(SlotPhase.BUILDING, reason, self.executions)
+            self.machine.demote(PlanPhase.SLOT_BY_SLOT, reason, self.executions)
+            self.executions = 0
+            self.clean_streak = 0
+
+    def release(self) -> None:
+        """Free every unit's buffers and recordings (the plan left the cache)."""
+        for unit in self.units:
+            unit.compiled.release()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by staging, bridges and units."""
+        return (
+            self.staging.nbytes
+            + sum(int(getattr(b, "nbytes", 0)) for b in self.bridges.values())
+            + sum(u.compiled.nbytes for u in self.units)
+        )
+
+
+def _owned(value: Any) -> Any:
+    """A copy of an output that lives in a buffer the next step will overwrite."""
+    if isinstance(value, list):
+        return [_owned(v) for v in value]
+    copy = getattr(value, "copy", None)
+    return copy() if callable(copy) else value

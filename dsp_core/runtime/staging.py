@@ -1,0 +1,116 @@
+"""Staging: feeds are copied into stable buffers so a replay reads fixed addresses.
+
+Placeholders are copied every step into buffers allocated once per live plan (after
+freezing); variables are read in place (their address is part of the identity keys);
+constants are snapshotted at freeze and a replaced weight is rejected.
+
+``DSP_STAGING_FAULT=<fault>`` (allocation, copy, stream_sync) makes the staging path fail
+on purpose, for tests: each raises a StagingError before any replay runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+
+from dsp_core.errors import DSPError
+
+FAULTS = ("allocation", "copy", "stream_sync", "stale_buffer")
+
+
+class StagingError(DSPError):
+    """Feeds could not be staged into the plan's stable buffers; nothing was replayed."""
+
+
+def injected_fault() -> str | None:
+    """The fault DSP_STAGING_FAULT asks for, or None; an unknown name is a StagingError."""
+    fault = os.environ.get("DSP_STAGING_FAULT")
+    if not fault:
+        return None
+    if fault not in FAULTS:
+        raise StagingError(f"DSP_STAGING_FAULT={fault!r} is not a known fault; known: {', '.join(FAULTS)}")
+    return fault
+
+
+class Staging:
+    """Stable buffers for a live plan's placeholders, filled by copy before each step."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, Any] = {}  # flat index -> stable buffer
+        self.copies = 0
+        self.allocations = 0
+
+    def stage(self, flat: int, value: Any) -> Any:
+        """Copy ``value`` into the stable buffer for ``flat`` (allocated on first use)."""
+        fault = injected_fault()
+        buf = self.buffers.get(flat)
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+            if fault == "allocation":
+                raise StagingError(f"staging buffer allocation failed for input at slot {flat} (injected fault)")
+            buf = _empty_like(value)
+            self.buffers[flat] = buf
+            self.allocations += 1
+        if fault == "copy":
+            raise StagingError(f"staging copy failed for input at slot {flat} (injected fault)")
+        buf[...] = value
+        self.copies += 1
+        if fault == "stream_sync":
+            raise StagingError("stream synchronisation after staging failed (injected fault)")
+        return buf
+
+    def invalidate(self) -> None:
+        """Forget every buffer (they are reallocated on the next step)."""
+        self.buffers.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the staging buffers."""
+        return sum(int(getattr(b, "nbytes", 0)) for b in self.buffers.values())
+
+
+def _empty_like(value: Any) -> Any:
+    xp = _namespace(value)
+    return xp.empty(value.shape, dtype=value.dtype)
+
+
+def _namespace(value: Any) -> Any:
+    """numpy for host arrays, the array's own module (cupy) for device arrays."""
+    if isinstance(value, np.ndarray):
+        return np
+    module = type(value).__module__.split(".")[0]
+    return __import__(module)
+
+
+class ConstantSnapshot:
+    """The identity and content digest of every constant at freeze time."""
+
+    def __init__(self, constants: dict[int, Any]) -> None:
+        self.ids = {k: id(a) for k, a in constants.items()}
+        self.digests = {k: _digest(a) for k, a in constants.items()}
+
+    def check_identity(self, constants: dict[int, Any], names: dict[int, str]) -> None:
+        """StagingError naming the constant if an array was replaced since the snapshot."""
+        for k, ident in self.ids.items():
+            if id(constants.get(k)) != ident:
+                raise StagingError(
+                    f"constant {names.get(k, k)!r} was replaced after the plan froze; weights are snapshotted "
+                    "at freeze: compile the model again to use new weights"
+                )
+
+    def check_content(self, constants: dict[int, Any], names: dict[int, str]) -> None:
+        """StagingError naming the constant if its bytes changed since the snapshot."""
+        self.check_identity(constants, names)
+        for k, digest in self.digests.items():
+            if _digest(constants[k]) != digest:
+                raise StagingError(
+                    f"constant {names.get(k, k)!r} was modified in place after the plan froze; "
+                    "compile the model again to use new weights"
+                )
+
+
+def _digest(array: Any) -> bytes:
+    data = np.ascontiguousarray(np.asarray(array))
+    return hashlib.blake2b(data.view(np.uint8).reshape(-1).data if data.size else b"", digest_size=16).digest()
