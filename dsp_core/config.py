@@ -79,14 +79,31 @@ OPTIONS: tuple[Option, ...] = (
         "Pre-seeded plan entries: looked up first, never written, never evicted.",
     ),
     Option("force_recompile", "DSP_FORCE_RECOMPILE", "bool", False, "Ignore cached plans (they are still written)."),
-    Option("freeze_after", "DSP_FREEZE_AFTER", "int", 2,
-           "Freeze a live plan after this many executions of its shape signature (0 = only on freeze()).",
-           minimum=0),
+    Option(
+        "freeze_after",
+        "DSP_FREEZE_AFTER",
+        "int",
+        2,
+        "Freeze a live plan after this many executions of its shape signature (0 = only on freeze()).",
+        minimum=0,
+    ),
     Option("no_freeze", "DSP_NO_FREEZE", "bool", False, "Never freeze plans (a debugging switch)."),
-    Option("oom_retries", "DSP_OOM_RETRIES", "int", 3,
-           "Times a capture that ran out of memory is retried before the segment fails for good.", minimum=0),
-    Option("oom_retry_every", "DSP_OOM_RETRY_EVERY", "int", 16,
-           "Executions between retries of a capture that ran out of memory.", minimum=1),
+    Option(
+        "oom_retries",
+        "DSP_OOM_RETRIES",
+        "int",
+        3,
+        "Times a capture that ran out of memory is retried before the segment fails for good.",
+        minimum=0,
+    ),
+    Option(
+        "oom_retry_every",
+        "DSP_OOM_RETRY_EVERY",
+        "int",
+        16,
+        "Executions between retries of a capture that ran out of memory.",
+        minimum=1,
+    ),
 )
 
 _BY_NAME = {o.name: o for o in OPTIONS}

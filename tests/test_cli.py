@@ -104,7 +104,6 @@ def test_plan_show_and_explain(model_path: Path) -> None:
         (["run", "{model}", "--input", "x={x64}"], "dtype float64 given, model expects float32"),
         (["run", "{model}", "--input", "x={bad_shape}"], "dimension 1 is 5, model expects 3"),
         (["run", "{model}", "--random-inputs", "--mode", "warp"], "unknown execution mode"),
-        (["run", "{model}", "--random-inputs", "--mode", "triton"], "pip install dsp-triton"),
     ],
 )
 def test_errors_exit_2_with_one_line(model_path: Path, tmp_path: Path, args: list[str], message: str) -> None:
@@ -134,3 +133,10 @@ def test_ops_list_json() -> None:
     assert "not elementwise" in matmul["backends"]["test_eltwise"]
     assert ops[("ai.onnx", "If")]["traits"] == ["CONTROL_FLOW"]
     assert "unavailable" in add["backends"]["test_bad_probe"]
+
+
+def test_gpu_mode_on_cpu_machine_is_remapped_loudly(model_path: Path) -> None:
+    out = dsp("run", str(model_path), "--random-inputs", "--mode", "triton", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "remapped to EMULATED_REPLAY" in out.stderr and "pip install dsp-triton" in out.stderr
+    assert json.loads(out.stdout)["backends"] == ["emulated_replay"]

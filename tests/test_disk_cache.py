@@ -203,6 +203,15 @@ def test_reasons_name_the_fault(tmp_path: Path) -> None:
         assert words in cache.events[-1]["reason"], (how, cache.events[-1])
 
 
+def test_caller_can_reject_a_payload_it_cannot_load(tmp_path: Path) -> None:
+    cache = make(tmp_path)
+    cache.put("k", b"loads() chokes on this")
+    assert cache.reject("k", "PlanFormatError: bad section") is True
+    assert cache.get("k") is None and cache.reject("k", "again") is False
+    [moved] = quarantined(cache)
+    assert "PlanFormatError" in moved.with_name(moved.name + ".reason").read_text()
+
+
 def test_dangling_ref_is_a_plain_miss(tmp_path: Path) -> None:
     cache = make(tmp_path)
     cache.put("k", b"payload")

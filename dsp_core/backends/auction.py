@@ -86,12 +86,14 @@ def candidates(registry: Registry, mode: GraphExecutionMode) -> tuple[list[Backe
             f"{provider_hint(M.SLOT_BY_SLOT)} (failures: {_failures(registry)})"
         )
     installed = registry.for_mode(mode)
-    if not installed:
+    if not installed and not (mode in GPU_MODES and not gpu_present(registry)):
         raise BackendUnavailableError(f"no installed backend serves mode {mode.name}; {provider_hint(mode)}")
     usable = [b for b in installed if b.availability().ok]
     if usable:
         return _with_reference(usable, registry), notes
-    reasons = "; ".join(f"{b.name}: {b.availability().reason}" for b in installed)
+    reasons = "; ".join(f"{b.name}: {b.availability().reason}" for b in installed) or (
+        f"not installed ({provider_hint(mode)}) and this machine has no GPU"
+    )
     if mode in GPU_MODES:
         target = M.EMULATED_REPLAY if registry.for_mode(M.EMULATED_REPLAY) else M.SLOT_BY_SLOT
         note = f"mode {mode.name} is unavailable here ({reasons}); remapped to {target.name}"
@@ -100,6 +102,18 @@ def candidates(registry: Registry, mode: GraphExecutionMode) -> tuple[list[Backe
         chain, more = candidates(registry, target)
         return chain, notes + more
     raise BackendUnavailableError(f"mode {mode.name} is installed but unavailable: {reasons}")
+
+
+def gpu_present(registry: Registry) -> bool:
+    """True when an available backend runs on a GPU platform, or CuPy sees a CUDA device."""
+    if any(b.platform != "cpu" and b.availability().ok for b in registry.backends):
+        return True
+    try:
+        import cupy
+
+        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:  # noqa: BLE001  (no cupy, no driver, no device: all mean "no GPU")
+        return False
 
 
 def _with_reference(chain: list[Backend], registry: Registry) -> list[Backend]:

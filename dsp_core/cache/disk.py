@@ -543,6 +543,28 @@ class DiskCache:
         except _Invalid as bad:
             raise _BadFile(path, bad.reason, got[1]) from None
 
+    def reject(self, key: str, reason: str) -> bool:
+        """Quarantine the cache's object for ``key`` when the caller finds its payload unusable.
+
+        For a payload that passed every check here yet fails to load (a serializer bug, say).
+        In the override dir it is only reported. True when something was moved aside.
+        """
+        _check_key(key)
+        if self._override is not None and (self._override.refs / key).exists():
+            self._emit("override_rejected", self._override.refs / key, reason)
+        try:
+            got = self._read_ref(self._layout.refs / key, key)
+        except _BadFile as bad:
+            return self._quarantine(bad)
+        if got is None:
+            return False
+        path = self._layout.objects / got[0]["object"]
+        try:
+            inode = os.stat(path).st_ino
+        except FileNotFoundError:
+            return False
+        return self._quarantine(_BadFile(path, f"rejected by the caller: {reason}", inode))
+
     # -- store --------------------------------------------------------------------------
     def put(self, key: str, payload: bytes) -> Path | None:
         """Store ``payload`` under ``key`` atomically, then evict LRU objects beyond max_bytes.

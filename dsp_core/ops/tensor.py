@@ -194,7 +194,7 @@ def _eye_like_rule(attrs: dict[str, Any], x: TensorInfo) -> list[TensorInfo]:
     return [TensorInfo(dtypes.normalize(dtype) if dtype is not None else x.dtype, x.shape)]
 
 
-@op("EyeLike", traits=_WRITES, shape=_eye_like_rule)
+@op("EyeLike", traits=_WRITES | Trait.SHAPE_ONLY_OUTPUT, shape=_eye_like_rule)
 def eye_like(ctx: KernelContext, x: Array, *, dtype: int | None = None, k: int = 0) -> Array:
     """A 2-D tensor of the input's shape with ones on diagonal ``k``, zeros elsewhere."""
     out_dtype = dtypes.to_numpy(dtypes.normalize(dtype)) if dtype is not None else x.dtype

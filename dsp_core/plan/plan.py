@@ -146,8 +146,10 @@ class Plan:
         return {
             "slots": len(self.slots),
             "values": len(self.values),
-            "regions": {r.slot: {"op": r.kind, "subplans": {a: len(p.slots) for a, p in r.subplans.items()}}
-                        for r in self.regions.values()},
+            "regions": {
+                r.slot: {"op": r.kind, "subplans": {a: len(p.slots) for a, p in r.subplans.items()}}
+                for r in self.regions.values()
+            },
             "externals": by_cls,
             "constant_bytes": int(sum(a.nbytes for a in self.constants.values())),
             "content_hash": self.content_hash,

@@ -26,6 +26,7 @@ from dsp_core.ir.graph import Graph, Value
 from dsp_core.plan.compiler import Declined, check_outputs, compile_plan
 from dsp_core.plan.plan import ExternalClass, Plan
 from dsp_core.runtime.legacy import run_graph
+from dsp_core.runtime.handle import DspHandle
 from dsp_core.runtime.plan_runtime import PlanRuntime
 
 
@@ -103,6 +104,8 @@ class CompiledModel:
             self._prepare(self._default_outputs)  # compile eagerly: errors surface at compile()
         self.variables: set[str] = set()
         self.last_live: LivePlan | None = None
+        self.freeze_on_build = False
+        self.dsp = DspHandle(self)
         self._feed_names = frozenset(s.name for s in self._feeds)
         self._feed_name_tuple = tuple(s.name for s in self._feeds)
         self._mode_name = mode.name
@@ -209,8 +212,22 @@ class CompiledModel:
                 for s, a in zip(self._feeds, staged)
             ]
             runtime = PlanRuntime(entry, shapes, self.variables)
+            runtime.freeze_requested = self.freeze_on_build
             live = self.cache.insert(LivePlan(signature, entry, runtime, nbytes=nbytes))
         return live
+
+    def mark_variable(self, names: Sequence[str]) -> None:
+        """Class inputs as VARIABLE in every live plan; frozen ones are demoted to re-run detection."""
+        self.variables.update(names)
+        for signature in self.cache.signatures():
+            live = self.cache.acquire(signature)
+            if live is None:
+                continue
+            try:
+                live.runtime.variables = set(self.variables)
+                live.runtime.demote(f"inputs marked variable: {', '.join(sorted(names))}")
+            finally:
+                self.cache.release(live)
 
     def _signature(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> ShapeSignature:
         feeds = tuple([(a.shape, a.dtype.str) if a.__class__ is np.ndarray else _other_feed_key(a) for a in staged])
