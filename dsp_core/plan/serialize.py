@@ -485,7 +485,7 @@ class _Reader:
 
     def fail(self, what: str, detail: str, at: int | None = None) -> NoReturn:
         at = self.pos if at is None else at
-        raise PlanFormatError(f"corrupt DSP1 plan: {what} at byte {at} ({self.where}): {detail}")
+        raise PlanFormatError(f"invalid DSP1 plan: {what} at byte {at} ({self.where}): {detail}")
 
     @property
     def remaining(self) -> int:
