@@ -29,18 +29,24 @@ def compile(  # noqa: A001  (the public name the API promises)
     mode: str | GraphExecutionMode = "auto",
     *,
     strict: bool = False,
+    force_recompile: bool | None = None,
 ) -> CompiledModel:
     """Compile a model (path, bytes, onnx.ModelProto or dsp Graph) for ``mode``.
 
     ``mode`` is a GraphExecutionMode or its name in any case ("slot_by_slot", "AUTO").
     ``strict`` makes the auction fail rather than fall back to the reference backend.
+    ONNX models go through the disk cache (DSP_DISK_CACHE, DSP_CACHE_DIR);
+    ``force_recompile`` (or DSP_FORCE_RECOMPILE=1) ignores what it holds.
     """
-    from dsp_core.ir.onnx_import import import_model
+    from dsp_core import config
+    from dsp_core.runtime.loader import compile_cached
 
-    graph = model if isinstance(model, Graph) else import_model(_as_source(model))
+    parsed = GraphExecutionMode.parse(mode)
     if isinstance(model, Graph):
-        graph.validate()
-    return CompiledModel(graph, GraphExecutionMode.parse(mode), strict=strict)
+        model.validate()
+        return CompiledModel(model, parsed, strict=strict)
+    force = config.get("force_recompile", force_recompile)
+    return compile_cached(_as_source(model), parsed, strict, __version__, force_recompile=force)
 
 
 def _as_source(model: Any) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,10 @@ import pytest
 import dsp_core as dsp
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Tests never touch the user's disk cache: one fresh directory per test session (inherited
+# by the CLI subprocesses the tests start).
+os.environ["DSP_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsp-test-cache-")
 
 
 @pytest.fixture

@@ -143,7 +143,7 @@ def test_declined_graph_runs_on_legacy_with_visible_reason(monkeypatch: pytest.M
     from dsp_core.runtime import model as model_mod
 
     monkeypatch.setattr(model_mod, "compile_plan", lambda graph, names: Declined("forced for the test", "the_if"))
-    m = dsp.compile(_if_model())
+    m = dsp.compile(_if_model(), force_recompile=True)  # not the plan a previous test left on disk
     assert m.declined is not None and "forced for the test" in str(m.declined)
     assert m.resolved_backends() == ["legacy"] and m.plan() is None
     assert m.explain()["declined"] == "forced for the test (at the_if)"

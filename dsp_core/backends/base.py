@@ -30,6 +30,7 @@ class ModeContract:
     tf32: bool  # reduced-precision matmul allowed
     dtypes: frozenset[str]  # dtypes it computes with
     tolerance: float  # max relative error vs the reference it promises
+    computes_values: bool = True  # False: outputs carry the right shapes and dtypes only
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,7 @@ class Backend:
                 "tf32": self.contract.tf32,
                 "dtypes": sorted(self.contract.dtypes),
                 "tolerance": self.contract.tolerance,
+                "computes_values": self.contract.computes_values,
             },
         }
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import importlib.util
 import json
 import logging
@@ -42,6 +43,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dsp_core.errors import ConfigError
 
@@ -390,6 +393,10 @@ class _Layout:
     def quarantine(self) -> Path:
         return self.root / "quarantine"
 
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
 
 class _BadFile(Exception):
     """A file of the cache failed validation: which one, why, and the inode that was judged."""
@@ -592,6 +599,57 @@ class DiskCache:
         self._enforce_bound(keep=name)
         return obj_path
 
+    # -- weights ------------------------------------------------------------------------
+    def put_weight(self, digest: str, array: np.ndarray) -> Path | None:
+        """Store a large constant as ``weights/<digest>.npy`` (no pickle), once; None if off or failed.
+
+        Plans keep big constants by reference (their digest); the weights live beside them
+        so a warm start reads them straight from here, memory-mapped, without the model file.
+        """
+        _check_key(digest)
+        if not self.enabled:
+            return None
+        path = self._layout.weights / f"{digest}.npy"
+        if path.exists():
+            return path
+        try:
+            self._layout.weights.mkdir(parents=True, exist_ok=True)
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+            _atomic_write(path, buf.getvalue())
+        except (OSError, ValueError) as exc:
+            self._emit("write_error", path, f"{type(exc).__name__}: {exc}")
+            return None
+        self._enforce_bound(keep=path.name)
+        return path
+
+    def weight(self, digest: str) -> np.ndarray | None:
+        """A stored constant, memory-mapped read-only (override dir first); None if absent or unreadable.
+
+        The caller checks the digest (DSP1's loads does), so a damaged file is never used;
+        it is quarantined through ``reject`` of the plan entry that needed it.
+        """
+        _check_key(digest)
+        if not self.enabled or self.force_recompile:
+            return None
+        layouts = [self._override] if self._override is not None else []
+        for layout in [*layouts, self._layout]:
+            path = layout.weights / f"{digest}.npy"
+            try:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:
+                if layout is self._layout:
+                    with contextlib.suppress(OSError):
+                        self._quarantine(_BadFile(path, f"unreadable weight file: {exc}", os.stat(path).st_ino))
+                continue
+            if layout is self._layout:
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # LRU: a read is a use
+            return array
+        return None
+
     def _enforce_bound(self, keep: str) -> None:
         """Evict least-recently-used objects (by mtime) until under max_bytes, never ``keep``."""
         now = time.time()
@@ -611,12 +669,13 @@ class DiskCache:
             self._drop_dangling_refs()
 
     def _objects(self) -> list[tuple[Path, int, float]]:
-        """(path, size, mtime) of every object file in the cache."""
+        """(path, size, mtime) of every object and weight file in the cache."""
         out = []
-        for entry in _files(self._layout.objects):
-            st = _stat(entry)
-            if st is not None:
-                out.append((Path(entry.path), st.st_size, st.st_mtime))
+        for directory in (self._layout.objects, self._layout.weights):
+            for entry in _files(directory):
+                st = _stat(entry)
+                if st is not None:
+                    out.append((Path(entry.path), st.st_size, st.st_mtime))
         return out
 
     def _drop_dangling_refs(self) -> int:
@@ -725,6 +784,7 @@ class DiskCache:
             "size": sum(size for _, size, _ in objects),
             "count": len(objects),
             "refs": sum(1 for _ in _files(self._layout.refs)),
+            "weights": sum(1 for _ in _files(self._layout.weights)),
             "max_bytes": self.max_bytes,
             "quarantine_count": len(quarantined),
             "fingerprint": self.build_fingerprint,
@@ -733,7 +793,7 @@ class DiskCache:
 
     def clear(self, include_quarantine: bool = False) -> int:
         """Remove every object and ref (and quarantine/ when asked); the number of files removed."""
-        dirs = [self._layout.objects, self._layout.refs]
+        dirs = [self._layout.objects, self._layout.refs, self._layout.weights]
         if include_quarantine:
             dirs.append(self._layout.quarantine)
         removed = 0

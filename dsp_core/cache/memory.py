@@ -174,10 +174,12 @@ class PlanCache:
                 self.stats.evictions += 1
 
     def clear(self) -> None:
-        """Drop every unpinned plan. Call only at explicit boundaries (reload, teardown)."""
+        """Drop every unpinned plan, releasing its runtime. Call only at explicit boundaries (reload, teardown)."""
         with self._lock:
             for sig in [s for s, p in self._plans.items() if p.pins == 0]:
-                del self._plans[sig]
+                dropped = self._plans.pop(sig)
+                if dropped.runtime is not None:  # free buffers and recordings, as eviction does
+                    dropped.runtime.release()
 
     def signatures(self) -> list[ShapeSignature]:
         """Cached signatures, least recent first."""

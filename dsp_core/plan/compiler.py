@@ -288,9 +288,9 @@ def content_hash(plan: Plan) -> str:
     for ext in plan.externals:
         h.update(f"E{ext.name}|{ext.cls.value}|{ext.dtype}|{ext.shape}".encode())
     for k in sorted(plan.constants):
-        arr = np.ascontiguousarray(plan.constants[k])
+        arr = plan.constants[k]
         h.update(f"C{k}|{arr.dtype}|{arr.shape}".encode())
-        h.update(arr.tobytes())
+        h.update(plan.digest_of(k))
     for slot in plan.slots:
         h.update(f"S{slot.op}|{slot.domain}|{slot.opset}|{slot.inputs}|{slot.outputs}".encode())
         for key in sorted(slot.attrs):

@@ -10,6 +10,7 @@ values (see ``Plan.flat``).
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,17 @@ class Plan:
     content_hash: str = ""
     graph_name: str = "graph"
     regions: dict[int, Region] = field(default_factory=dict)  # slot index -> its sub-plans
+    # external index -> constant_digest(constant): computed once, shared by the content
+    # hash, DSP1's by-reference records and the disk cache's weight files.
+    constant_digests: dict[int, bytes] = field(default_factory=dict)
+
+    def digest_of(self, k: int) -> bytes:
+        """The digest of constant ``k`` (computed on first use)."""
+        digest = self.constant_digests.get(k)
+        if digest is None:
+            digest = constant_digest(self.constants[k])
+            self.constant_digests[k] = digest
+        return digest
 
     # -- addressing ---------------------------------------------------------------
     @property
@@ -154,6 +166,13 @@ class Plan:
             "constant_bytes": int(sum(a.nbytes for a in self.constants.values())),
             "content_hash": self.content_hash,
         }
+
+
+def constant_digest(array: np.ndarray) -> bytes:
+    """16 bytes of SHA-256 over an array's C-order bytes (hardware-accelerated, no copy when contiguous)."""
+    data = np.ascontiguousarray(array)
+    buffer: Any = data.reshape(-1).view(np.uint8) if data.size else b""
+    return hashlib.sha256(buffer).digest()[:16]
 
 
 @dataclass(frozen=True)

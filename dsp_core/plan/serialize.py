@@ -30,7 +30,7 @@ from dsp_core.errors import DSPError, DTypeError, PlanFormatError, UnsupportedOp
 from dsp_core.ir import dtypes
 from dsp_core.ops.registry import Trait, has_op, lookup
 from dsp_core.plan.compiler import content_hash
-from dsp_core.plan.plan import Dim, External, ExternalClass, Plan, Region, Slot, ValueInfo
+from dsp_core.plan.plan import Dim, External, ExternalClass, Plan, Region, Slot, ValueInfo, constant_digest
 
 MAGIC = b"DSP1"
 VERSION = 1
@@ -423,7 +423,7 @@ def _constants_section(plan: Plan, inline_limit: int) -> _Writer:
             w.raw(arr.tobytes())
         else:
             w.u8(_Store.REF)
-            w.raw(_blake16(arr.tobytes()))
+            w.raw(plan.digest_of(k))
     return w
 
 
@@ -856,10 +856,13 @@ def _read_value_ids(r: _Reader, what: str, n_values: int) -> tuple[int, ...]:
 class _ConstantReader:
     """Reads the CONSTANTS section: inline arrays, or references fetched with ``resolve``."""
 
-    def __init__(self, r: _Reader, externals: list[External], resolve: Resolver | None) -> None:
+    def __init__(self, r: _Reader, externals: list[External], resolve: Resolver | None,
+                 by_digest: Resolver | None = None) -> None:
         self.r = r
         self.externals = externals
         self.resolve = resolve
+        self.by_digest = by_digest
+        self.digests: dict[int, bytes] = {}  # by-reference constants, verified against their digest
 
     def read(self) -> dict[int, np.ndarray]:
         r = self.r
@@ -871,7 +874,7 @@ class _ConstantReader:
             if not last < k < len(self.externals):
                 r.fail("constant external index", f"{k} is out of range or not increasing", at)
             last = k
-            constants[k] = self._constant(self.externals[k], at)
+            constants[k] = self._constant(self.externals[k], at, k)
         want = {k for k, e in enumerate(self.externals) if e.cls is ExternalClass.CONSTANT}
         if set(constants) != want:
             odd = sorted(want ^ set(constants))
@@ -888,7 +891,7 @@ class _ConstantReader:
             self.r.fail(f"constant {ext.name!r}", f"its external has no concrete shape ({shape})", at)
         return dtypes.to_numpy(ext.dtype), tuple(int(d) for d in shape)  # type: ignore[arg-type]
 
-    def _constant(self, ext: External, at: int) -> np.ndarray:
+    def _constant(self, ext: External, at: int, k: int) -> np.ndarray:
         r = self.r
         dtype, shape = self._layout(ext, at)
         store_at = r.pos
@@ -896,11 +899,17 @@ class _ConstantReader:
         if store == _Store.INLINE:
             return _array_from(r, dtype, shape, r.u64(f"constant {ext.name!r} byte length"), f"constant {ext.name!r}")
         if store == _Store.REF:
-            return self._resolved(ext, dtype, shape, r.raw(_DIGEST, f"constant {ext.name!r} digest"))
+            digest = r.raw(_DIGEST, f"constant {ext.name!r} digest")
+            self.digests[k] = digest
+            return self._resolved(ext, dtype, shape, digest)
         r.fail(f"constant {ext.name!r} storage", f"unknown storage code {store}", store_at)
 
     def _resolved(self, ext: External, dtype: np.dtype[Any], shape: tuple[int, ...], digest: bytes) -> np.ndarray:
         name = ext.name
+        if self.by_digest is not None:
+            found = self.by_digest(digest.hex())
+            if found is not None:
+                return self._checked(name, found, dtype, shape, digest)
         if self.resolve is None:
             raise PlanFormatError(
                 f"DSP1 plan stores constant {name!r} by reference; pass resolve= to loads "
@@ -917,6 +926,10 @@ class _ConstantReader:
                 f"DSP1 plan: constant {name!r} is missing (resolve gave {type(arr).__name__}); "
                 "the model no longer has it: recompile"
             )
+        return self._checked(name, arr, dtype, shape, digest)
+
+    def _checked(self, name: str, arr: np.ndarray, dtype: np.dtype[Any], shape: tuple[int, ...], digest: bytes) -> np.ndarray:
+        """``arr`` if it has the layout and the bytes the plan was written with."""
         if arr.dtype != dtype or arr.shape != shape:
             raise PlanFormatError(
                 f"DSP1 plan: constant {name!r} is {arr.dtype}{list(arr.shape)} in the model, "
@@ -924,7 +937,7 @@ class _ConstantReader:
             )
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr).reshape(shape)
-        if _blake16(arr.tobytes()) != digest:
+        if constant_digest(arr) != digest:
             raise PlanFormatError(
                 f"DSP1 plan: constant {name!r} has different bytes in the model than when "
                 "the plan was written (digest mismatch): recompile"
@@ -935,8 +948,9 @@ class _ConstantReader:
 class _Decoder:
     """Decodes plan records (recursively for regions) and verifies each one whole."""
 
-    def __init__(self, resolve: Resolver | None) -> None:
+    def __init__(self, resolve: Resolver | None, by_digest: Resolver | None = None) -> None:
         self.resolve = resolve
+        self.by_digest = by_digest
 
     def plan(self, r: _Reader, depth: int) -> Plan:
         start = r.pos
@@ -949,7 +963,8 @@ class _Decoder:
         slots = _SlotReader(r.section(Section.SLOTS), ops, len(externals), len(values)).read()
         outputs, names = _read_outputs(r.section(Section.OUTPUTS), len(externals), len(values))
         release = _read_release(r.section(Section.RELEASE), len(slots), len(values))
-        constants = _ConstantReader(r.section(Section.CONSTANTS), externals, self.resolve).read()
+        reader = _ConstantReader(r.section(Section.CONSTANTS), externals, self.resolve, self.by_digest)
+        constants = reader.read()
         regions = self.regions(r.section(Section.REGIONS), slots, depth)
         r.done()
         plan = Plan(
@@ -963,6 +978,7 @@ class _Decoder:
             chash,
             graph_name,
             regions,
+            constant_digests=dict(reader.digests),  # verified once in _resolved: not hashed again
         )
         _verify(r, plan, meta, start)
         return plan
@@ -1031,12 +1047,20 @@ def _read_header(data: bytes, verify_checksum: bool) -> _Reader:
     return payload
 
 
-def loads(data: bytes, *, resolve: Resolver | None = None, _verify_checksum: bool = True) -> Plan:
-    """Parse DSP1 bytes into a Plan; by-reference constants are fetched with ``resolve(name)``."""
+def loads(
+    data: bytes,
+    *,
+    resolve: Resolver | None = None,
+    by_digest: Resolver | None = None,
+    _verify_checksum: bool = True,
+) -> Plan:
+    """Parse DSP1 bytes into a Plan; by-reference constants come from ``by_digest(digest hex)``
+    (e.g. the disk cache's weight files) or ``resolve(name)`` (e.g. the model's initializers),
+    and are checked against their digest either way."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PlanFormatError(f"DSP1 data must be bytes, got {type(data).__name__}")
     data = bytes(data)
     payload = _read_header(data, _verify_checksum)
-    plan = _Decoder(resolve).plan(payload, 0)
+    plan = _Decoder(resolve, by_digest).plan(payload, 0)
     payload.done()
     return plan

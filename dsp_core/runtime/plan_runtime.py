@@ -144,10 +144,10 @@ class PlanRuntime:
         for s in sealed:
             self.slot_machines[s].move(SlotPhase.SEALED, "frozen constant", self.executions)
         self.units = self._build_units(sealed, owner)
+        # Any unit may run eagerly (a gap, an eager piece, an island that failed or waits
+        # after an out-of-memory): what it writes for an island goes through a stable buffer.
         readers = {i for u in self.units if u.kind is UnitKind.ISLAND for i in u.inputs}
-        self.bridge_targets = frozenset(
-            o for u in self.units if u.kind is not UnitKind.ISLAND for o in u.outputs if o in readers
-        )
+        self.bridge_targets = frozenset(o for u in self.units for o in u.outputs if o in readers)
         self.snapshot = ConstantSnapshot(plan.constants)
         self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)
         if not any(u.kind is UnitKind.ISLAND for u in self.units):
@@ -231,7 +231,7 @@ class PlanRuntime:
             unit.compiled.run(values)
             unit.counters.eager_runs += 1
             self._bridge(unit, values)
-            return unit.kind is not UnitKind.ISLAND
+            return True  # running eagerly for good is this unit's steady state
         if unit.phase is S.OOM_DEFERRED:
             return self._retry_after_oom(unit, values)
         if unit.phase is S.NEEDS_WARMUP:
@@ -256,11 +256,13 @@ class PlanRuntime:
             unit.machine.move(S.OOM_DEFERRED, str(exc), self.executions)
             unit.reason, unit.oom_deferred_at = str(exc), self.executions
             unit.compiled.run(values)
+            self._bridge(unit, values)
             return False
         except CaptureFailed as exc:
             unit.machine.move(S.FAILED, str(exc), self.executions)
             unit.reason = str(exc)
             unit.compiled.run(values)
+            self._bridge(unit, values)
             return False
         unit.machine.move(S.REPLAYING, "captured", self.executions)
         generation = unit.keys.generation + 1 if unit.keys is not None else 0
@@ -324,8 +326,10 @@ class PlanRuntime:
             unit.machine.move(S.NEEDS_COMPILE, "retry after out-of-memory", self.executions)
             return self._compile_and_capture(unit, values)
         if unit.counters.oom_retries >= int(config.get("oom_retries")):
-            unit.machine.move(S.FAILED, f"out of memory after {unit.counters.oom_retries} retries", self.executions)
+            unit.reason = f"out of memory after {unit.counters.oom_retries} retries ({unit.reason})"
+            unit.machine.move(S.FAILED, unit.reason, self.executions)
         unit.compiled.run(values)
+        self._bridge(unit, values)
         return False
 
     def _bridge(self, unit: Unit, values: list[Any]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dsp_core import hookimpl
 from dsp_core.backends.base import Backend, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
@@ -59,7 +61,7 @@ class ShapeInferenceBackend(Backend):
     name = "shape_inference_only"
     mode = GraphExecutionMode.SHAPE_INFERENCE_ONLY
     platform = "cpu"
-    contract = _REFERENCE
+    contract = dataclasses.replace(_REFERENCE, computes_values=False)  # outputs are shape/dtype stand-ins
 
     def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
         return ShapeOnlySegment(self, plan, segment)
