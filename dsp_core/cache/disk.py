@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import io
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core.errors import ConfigError
+from dsp_core.plan.plan import constant_digest
 
 log = logging.getLogger("dsp.cache")
 
@@ -626,29 +627,39 @@ class DiskCache:
     def weight(self, digest: str) -> np.ndarray | None:
         """A stored constant, memory-mapped read-only (override dir first); None if absent or unreadable.
 
-        The caller checks the digest (DSP1's loads does), so a damaged file is never used;
-        it is quarantined through ``reject`` of the plan entry that needed it.
+        The bytes are checked against the digest here: a damaged file is quarantined (an
+        override one reported) and never returned.
         """
         _check_key(digest)
         if not self.enabled or self.force_recompile:
             return None
-        layouts = [self._override] if self._override is not None else []
-        for layout in [*layouts, self._layout]:
+        override = self._override
+        candidates = ([(override, True)] if override is not None else []) + [(self._layout, False)]
+        for layout, is_override in candidates:
             path = layout.weights / f"{digest}.npy"
             try:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)
             except FileNotFoundError:
                 continue
             except (OSError, ValueError) as exc:
-                if layout is self._layout:
-                    with contextlib.suppress(OSError):
-                        self._quarantine(_BadFile(path, f"unreadable weight file: {exc}", os.stat(path).st_ino))
+                self._reject_weight(path, f"unreadable weight file: {exc}", is_override)
                 continue
-            if layout is self._layout:
+            if constant_digest(array).hex() != digest:
+                self._reject_weight(path, "weight bytes do not match their digest", is_override)
+                continue
+            if not is_override:
                 with contextlib.suppress(OSError):
                     os.utime(path)  # LRU: a read is a use
             return array
         return None
+
+    def _reject_weight(self, path: Path, reason: str, is_override: bool) -> None:
+        """Quarantine a bad weight file of the cache; only report one of the override dir."""
+        if is_override:
+            self._emit("override_rejected", path, reason)
+            return
+        with contextlib.suppress(OSError):
+            self._quarantine(_BadFile(path, reason, os.stat(path).st_ino))
 
     def _enforce_bound(self, keep: str) -> None:
         """Evict least-recently-used objects (by mtime) until under max_bytes, never ``keep``."""

@@ -18,6 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from dsp_core import diag
+from dsp_core.diag import Category, Level
+
 log = logging.getLogger("dsp.cache")
 
 
@@ -134,10 +137,14 @@ class PlanCache:
                 self.last_miss = self._explain(signature)
                 if self.explain_misses:
                     log.warning("DSP plan cache miss: %s", "; ".join(self.last_miss) or "cache empty")
+                if diag.ON:
+                    diag.emit(Category.CACHE, Level.SUMMARY, "miss", "; ".join(self.last_miss) or "cache empty")
                 return None
             self._plans.move_to_end(signature)
             live.pins += 1
             self.stats.memory_hits += 1
+            if diag.ON:
+                diag.emit(Category.CACHE, Level.DETAILED, "hit", "", self.stats.memory_hits, _plan_id(live))
             return live
 
     def insert(self, live: LivePlan) -> LivePlan:
@@ -154,6 +161,9 @@ class PlanCache:
             live.pins += 1
             self._plans[live.signature] = live
             self.stats.plan_builds += 1
+            if diag.ON:
+                message = _describe(live.signature)
+                diag.emit(Category.CACHE, Level.SUMMARY, "build", message, live.nbytes, _plan_id(live))
             self._evict()
             return live
 
@@ -172,6 +182,8 @@ class PlanCache:
                 if evicted.runtime is not None:
                     evicted.runtime.release()
                 self.stats.evictions += 1
+                if diag.ON:
+                    diag.emit(Category.CACHE, Level.SUMMARY, "evict", _describe(sig), evicted.nbytes, _plan_id(evicted))
 
     def clear(self) -> None:
         """Drop every unpinned plan, releasing its runtime. Call only at explicit boundaries (reload, teardown)."""
@@ -194,3 +206,15 @@ class PlanCache:
             if best is None or len(diff) < len(best):
                 best = diff
         return best or []
+
+
+# -- diagnostics (dsp_core.diag) -------------------------------------------------------------
+def _plan_id(live: LivePlan) -> int:
+    """The diag id of a live plan's runtime (-1 before it has one)."""
+    return int(getattr(live.runtime, "diag_id", -1))
+
+
+def _describe(signature: ShapeSignature) -> str:
+    """A signature in one line, for cache events."""
+    feeds = ", ".join(f"{n}{list(shape)}:{dtype}" for n, (shape, dtype) in zip(signature.feed_names, signature.feeds))
+    return f"plan {signature.plan_hash[:12]} mode {signature.mode}: {feeds}"

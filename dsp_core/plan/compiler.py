@@ -17,7 +17,7 @@ import numpy as np
 from dsp_core.errors import GraphError, InputError, UnsupportedOpError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Dim, Graph, Node
-from dsp_core.ops.registry import KernelContext, OpDef, TensorInfo, Trait, lookup
+from dsp_core.ops.registry import KernelContext, OpDef, TensorInfo, lookup
 from dsp_core.plan.plan import External, ExternalClass, Plan, Region, Slot, ValueInfo
 
 

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsp_core import diag
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.cache.disk import DiskCache
 from dsp_core.cache.memory import CacheStats
@@ -50,6 +51,7 @@ def compile_cached(
 ) -> CompiledModel:
     """Compile ``source`` for ``mode``, through the disk cache when it is on."""
     cache = DiskCache.from_config()
+    diag.watch_disk_cache(cache)  # diag: quarantines, read/write errors -> CACHE events
     stats = CacheStats()
     key = model_key(source, version) if cache.enabled else None
     if key is not None and not force_recompile:
