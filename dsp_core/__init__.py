@@ -18,6 +18,9 @@ from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
 from dsp_core.runtime.model import CompiledModel
 
+from dsp_core import config  # noqa: E402  (after the names the submodules import from here)
+from dsp_core.runtime.loader import compile_cached  # noqa: E402
+
 try:
     __version__ = version("dsp-core")
 except PackageNotFoundError:  # running from a source tree that is not installed
@@ -38,9 +41,6 @@ def compile(  # noqa: A001  (the public name the API promises)
     ONNX models go through the disk cache (DSP_DISK_CACHE, DSP_CACHE_DIR);
     ``force_recompile`` (or DSP_FORCE_RECOMPILE=1) ignores what it holds.
     """
-    from dsp_core import config
-    from dsp_core.runtime.loader import compile_cached
-
     parsed = GraphExecutionMode.parse(mode)
     if isinstance(model, Graph):
         model.validate()

@@ -1,4 +1,4 @@
-"""The ``dsp`` command: backends, run, ops, plan show / explain, cache.
+"""The ``dsp`` command: backends, run, ops, plan show / explain / dot, cache, diag, config.
 
 Every DSPError becomes one line on stderr and exit status 2; no traceback.
 """
@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", default="auto", help="execution mode (default auto)")
     run.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
     run.add_argument("--json", action="store_true", help="print JSON")
+    run.add_argument("--trace", metavar="OUT.json", help="time every slot: write a Perfetto trace, print top ops")
     run.set_defaults(func=cmd_run)
 
     ops = sub.add_parser("ops", help="the op table").add_subparsers(title="ops commands")
@@ -75,7 +76,13 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("model")
     show.add_argument("--mode", default="auto")
     show.add_argument("--json", action="store_true")
+    _add_runs(show, 0, "then show the plan phase, per-slot phases and unit counters")
     show.set_defaults(func=cmd_plan_show)
+    dot = plan.add_parser("dot", help="Graphviz source of the plan, slots coloured by unit (sealed grey)")
+    dot.add_argument("model")
+    dot.add_argument("--mode", default="auto")
+    _add_runs(dot, 3, "so the plan freezes and its units exist")
+    dot.set_defaults(func=cmd_plan_dot)
     expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline")
     expl.add_argument("model")
     expl.add_argument("--mode", default="auto")
@@ -97,7 +104,33 @@ def _parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=func)
         if name == "clear":
             cmd.add_argument("--all", action="store_true", help="also empty quarantine/")
+
+    diag = sub.add_parser("diag", help="diagnostics dumps and flight-recorder files").add_subparsers(
+        title="diag commands"
+    )
+    dshow = diag.add_parser("show", help="render a dump or flight file: error, terminal records, last events")
+    dshow.add_argument("file")
+    dshow.add_argument("--limit", type=int, default=60, help="events shown (0 = all; default 60)")
+    dshow.add_argument("--json", action="store_true", help="print the file's JSON")
+    dshow.set_defaults(func=cmd_diag_show)
+    dreport = diag.add_parser("report", help="counts, recaptures, fallbacks, cache misses, terminal records")
+    dreport.add_argument("file", nargs="?", help="a dump or flight file (default: this process's state)")
+    dreport.add_argument("--json", action="store_true", help="print JSON")
+    dreport.set_defaults(func=cmd_diag_report)
+
+    conf = sub.add_parser("config", help="every option: current value and where it came from")
+    conf.add_argument("--json", action="store_true", help="print JSON")
+    conf.set_defaults(func=cmd_config)
     return p
+
+
+def _add_runs(cmd: argparse.ArgumentParser, default: int, why: str) -> None:
+    cmd.add_argument(
+        "--runs", type=int, default=default, metavar="N", help=f"run N times on random inputs first, {why}"
+    )
+    cmd.add_argument(
+        "--dim", action="append", default=[], metavar="SYMBOL=N", help="size of a symbolic dim (default 1)"
+    )
 
 
 # -- backends ---------------------------------------------------------------------------
@@ -247,6 +280,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     """`dsp run MODEL`."""
     import dsp_core
 
+    if args.trace:
+        _start_trace()
     t0 = time.perf_counter()
     model = dsp_core.compile(args.model, mode=args.mode)
     t_compile = time.perf_counter() - t0
@@ -269,6 +304,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "run_ms": round(t_run * 1e3, 3),
         "outputs": {name: _stats(arr) for name, arr in outs.items()},
     }
+    if args.trace:
+        report["trace"] = _finish_trace(args.trace)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -281,7 +318,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     for name, st in report["outputs"].items():
         rows.append([name, st["dtype"], str(tuple(st["shape"])), _g(st["min"]), _g(st["mean"]), _g(st["max"])])
     _print_table(rows)
+    if args.trace:
+        from dsp_core.diag.trace import render_top_ops
+
+        trace = report["trace"]
+        print(f"\ntrace: {trace['path']} ({trace['events']} events; open it in ui.perfetto.dev); top ops:")
+        print(render_top_ops(trace["top_ops"]))
     return 0
+
+
+def _start_trace() -> None:
+    """Time every slot from now on (TIMING at full level, on top of DSP_DIAGNOSTICS)."""
+    from dsp_core import diag
+
+    diag.configure_from_env()
+    diag.enable_timing()
+
+
+def _finish_trace(path: str) -> dict[str, Any]:
+    """Write the trace of what ran; the top-10 ops by total time."""
+    from dsp_core import diag
+    from dsp_core.diag.trace import top_ops, write_trace
+
+    events = diag.events()
+    write_trace(path, events)
+    return {"path": path, "events": len(events), "top_ops": top_ops(diag.RECORDER.op_totals(), 10)}
 
 
 def _safe(name: str) -> str:
@@ -352,12 +413,37 @@ def _shape_str(shape: Any) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+def lifecycle_table(model: Any, runs: int) -> dict[str, Any]:
+    """The live plan after ``runs`` runs: phase, per-slot phase, units and their counters."""
+    if model.last_live is None:
+        return {"runs": runs, "phase": None, "note": "no live plan: the graph runs on the legacy interpreter"}
+    handle = model.dsp
+    return {
+        "runs": runs,
+        "phase": handle.phase.name,
+        "counters": handle.runtime.counters(),
+        "flags": list(handle.runtime.flags),
+        "slots": [s["phase"] for s in handle.slots],
+        "units": [u.as_dict() for u in handle.segments],
+    }
+
+
+def _exercise(model: Any, runs: int, dims: list[str]) -> None:
+    """Run ``model`` ``runs`` times on random inputs (same shapes, fresh values)."""
+    sizes = _dims(dims)
+    for i in range(runs):
+        model.run(random_feeds(model, sizes, set(), seed=i))
+
+
 def cmd_plan_show(args: argparse.Namespace) -> int:
-    """`dsp plan show MODEL`."""
+    """`dsp plan show MODEL [--runs N]`."""
     import dsp_core
 
     model = dsp_core.compile(args.model, mode=args.mode)
+    _exercise(model, args.runs, args.dim)
     table = plan_table(model)
+    if args.runs:
+        table["lifecycle"] = lifecycle_table(model, args.runs)
     if args.json:
         print(json.dumps(table, indent=2))
         return 0
@@ -369,7 +455,8 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         f"plan {s['content_hash'][:12]}: {s['slots']} slots, {s['values']} values, externals {s['externals']}, "
         f"{s['constant_bytes'] / 1e6:.2f} MB of constants; backends: {', '.join(table['backends'])}"
     )
-    rows = [["slot", "op", "inputs", "outputs", "traits", "releases"]]
+    phases = table.get("lifecycle", {}).get("slots")
+    rows = [["slot", "op", "inputs", "outputs", "traits", "releases", *(["phase"] if phases else [])]]
     for sl in table["slots"]:
         outs = ", ".join(f"{o['name']}:{o['dtype'] or '?'}{o['shape']}" for o in sl["outputs"])
         rows.append(
@@ -380,9 +467,53 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
                 _trunc(outs),
                 ",".join(t.lower() for t in sl["traits"]) or "-",
                 _trunc(", ".join(sl["releases"])) or "-",
+                *([phases[sl["slot"]].lower()] if phases else []),
             ]
         )
     _print_table(rows)
+    if "lifecycle" in table:
+        _print_lifecycle(table["lifecycle"])
+    return 0
+
+
+def _print_lifecycle(life: dict[str, Any]) -> None:
+    if life["phase"] is None:
+        print(f"\nafter {life['runs']} runs: {life['note']}")
+        return
+    sealed = sum(1 for p in life["slots"] if p == "SEALED")
+    print(f"\nafter {life['runs']} runs: plan phase {life['phase']}; {sealed} of {len(life['slots'])} slots sealed")
+    print("counters: " + ", ".join(f"{k} {v}" for k, v in life["counters"].items()))
+    for flag in life["flags"]:
+        print(f"flag: {flag}")
+    rows = [["unit", "kind", "backend", "phase", "slots", "replays", "eager runs", "recaptures", "reason"]]
+    for u in life["units"]:
+        c = u["counters"]
+        span = f"{u['slots'][0]}..{u['slots'][1]}" if u["slots"] else "-"
+        rows.append(
+            [
+                str(u["index"]),
+                u["kind"],
+                u["backend"],
+                u["phase"] or "-",
+                f"{span} ({u['n_slots']})",
+                str(c.get("replays", "-")),
+                str(c.get("eager_runs", "-")),
+                str(c.get("recaptures", "-")),
+                _trunc(u["reason"], 60),
+            ]
+        )
+    _print_table(rows)
+
+
+def cmd_plan_dot(args: argparse.Namespace) -> int:
+    """`dsp plan dot MODEL [--runs N]`: Graphviz source on stdout."""
+    import dsp_core
+
+    model = dsp_core.compile(args.model, mode=args.mode)
+    if model.declined is not None:
+        raise DSPError(f"plan declined: {model.declined}; the graph runs on the legacy interpreter (no plan to draw)")
+    _exercise(model, max(1, args.runs), args.dim)
+    print(model.dsp.to_dot(), end="")
     return 0
 
 
@@ -414,9 +545,12 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
 
 # -- cache ------------------------------------------------------------------------------
 def _disk_cache() -> Any:
+    from dsp_core import diag
     from dsp_core.cache.disk import DiskCache
 
-    return DiskCache.from_config()
+    cache = DiskCache.from_config()
+    diag.watch_disk_cache(cache)
+    return cache
 
 
 def cmd_cache_ls(args: argparse.Namespace) -> int:
@@ -475,6 +609,48 @@ def cmd_cache_verify(args: argparse.Namespace) -> int:
         for prob in report["problems"]:
             print(f"bad: {prob['path']}: {prob['reason']}")
     return 1 if report["problems"] else 0
+
+
+# -- diag -------------------------------------------------------------------------------
+def cmd_diag_show(args: argparse.Namespace) -> int:
+    """`dsp diag show FILE`."""
+    from dsp_core.diag.reports import load, render_dump
+
+    state = load(args.file)
+    print(json.dumps(state, indent=1) if args.json else render_dump(state, args.limit))
+    return 0
+
+
+def cmd_diag_report(args: argparse.Namespace) -> int:
+    """`dsp diag report [FILE]`: a dump or flight file, or this process's diagnostics state."""
+    from dsp_core import diag
+    from dsp_core.diag.reports import build_report, load, render_report
+
+    if args.file:
+        state = load(args.file)
+    else:
+        diag.configure_from_env()
+        state = diag.snapshot()
+    report = build_report(state)
+    print(json.dumps(report, indent=2) if args.json else render_report(report))
+    return 0
+
+
+# -- config -----------------------------------------------------------------------------
+def cmd_config(args: argparse.Namespace) -> int:
+    """`dsp config`: every option, its current value and where that came from."""
+    from dsp_core import config
+
+    rows = config.table()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [["option", "variable", "value", "source", "allowed", "doc"]]
+    for r in rows:
+        value = "(empty)" if r["value"] == "" else str(r["value"])
+        table.append([r["name"], r["env"], value, r["source"], r["allowed"], r["doc"]])
+    _print_table(table)
+    return 0
 
 
 def _trunc(text: str, width: int = 48) -> str:

@@ -104,6 +104,44 @@ OPTIONS: tuple[Option, ...] = (
         "Executions between retries of a capture that ran out of memory.",
         minimum=1,
     ),
+    # -- diagnostics (dsp_core.diag, docs/diagnostics.md) --
+    Option(
+        "diagnostics",
+        "DSP_DIAGNOSTICS",
+        "str",
+        "",
+        "Diagnostic categories to record: a comma list (CACHE,SEGMENT,...) or ALL; empty = off.",
+    ),
+    Option(
+        "diagnostics_level",
+        "DSP_DIAGNOSTICS_LEVEL",
+        "choice",
+        "summary",
+        "How much the enabled categories record (set alone, it enables ALL).",
+        choices=("off", "summary", "detailed", "full"),
+    ),
+    Option(
+        "diagnostics_file",
+        "DSP_DIAGNOSTICS_FILE",
+        "path",
+        "",
+        "Where the diagnostics dump is written at exit (and by diag.dump()); empty = no dump.",
+    ),
+    Option(
+        "flight_recorder",
+        "DSP_FLIGHT_RECORDER",
+        "bool",
+        True,
+        "When a step raises, write its last events to DSP_CACHE_DIR/flight/ and name that file in the error.",
+    ),
+    Option(
+        "flight_events",
+        "DSP_FLIGHT_EVENTS",
+        "int",
+        2000,
+        "Events a flight-recorder file keeps (the most recent).",
+        minimum=1,
+    ),
 )
 
 _BY_NAME = {o.name: o for o in OPTIONS}
@@ -163,3 +201,70 @@ def source(name: str, explicit: Any = None) -> str:
     if explicit is not None:
         return "argument"
     return "environment" if opt.env in os.environ else "default"
+
+
+def table() -> list[dict[str, Any]]:
+    """Every option with its current value and where it came from (what `dsp config` prints)."""
+    return [
+        {
+            "name": o.name,
+            "env": o.env,
+            "type": o.type,
+            "default": o.default,
+            "value": get(o.name),
+            "source": source(o.name),
+            "allowed": _allowed(o),
+            "doc": o.doc,
+        }
+        for o in OPTIONS
+    ]
+
+
+def _allowed(opt: Option) -> str:
+    if opt.choices:
+        return " / ".join(opt.choices)
+    if opt.type == "bool":
+        return "1/0, true/false, yes/no, on/off"
+    if opt.minimum is not None or opt.maximum is not None:
+        low = "-inf" if opt.minimum is None else f"{opt.minimum:g}"
+        high = "inf" if opt.maximum is None else f"{opt.maximum:g}"
+        return f"{opt.type} in [{low}, {high}]"
+    return opt.type
+
+
+def markdown_table() -> str:
+    """docs/config.md, generated from OPTIONS (a test checks the committed file matches)."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated from dsp_core/config.py OPTIONS: python -m dsp_core.config --write-docs docs/config.md -->",
+        "",
+        "Every option of DSP. Precedence: an explicit argument > the environment variable > the default.",
+        "`dsp config` prints the current values and where each came from.",
+        "",
+        "| Option | Variable | Default | Allowed | Description |",
+        "|---|---|---|---|---|",
+    ]
+    for o in OPTIONS:
+        default = "(empty)" if o.default == "" else f"`{o.default if isinstance(o.default, str) else repr(o.default)}`"
+        lines.append(f"| `{o.name}` | `{o.env}` | {default} | {_allowed(o)} | {o.doc.replace('|', '&#124;')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """`python -m dsp_core.config --write-docs docs/config.md` (or print the table with no argument)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dsp_core.config")
+    parser.add_argument("--write-docs", metavar="PATH", help="write the generated markdown table to PATH")
+    args = parser.parse_args(argv)
+    if args.write_docs:
+        with open(args.write_docs, "w") as fh:
+            fh.write(markdown_table())
+    else:
+        print(markdown_table(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsp_core import diag
 from dsp_core.backends.base import Backend, Decline, DeclineReason, Registry, SlotView
 from dsp_core.backends.modes import (
     FALLBACK_CHAINS,
@@ -158,6 +159,8 @@ def partition(plan: Plan, registry: Registry, mode: GraphExecutionMode, strict: 
     result.segments = _segments(plan, owners)
     for seg in result.segments:
         result.bids[seg.index] = {seg.backend: result.backends[seg.backend].cost(seg, plan)}
+    if diag.ON:
+        diag.auction(plan, result)
     return result
 
 

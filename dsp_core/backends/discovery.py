@@ -24,18 +24,13 @@ _lock = threading.Lock()
 _registry: Registry | None = None
 
 
-def _dist_of(entry_point: Any) -> tuple[str, str]:
+def _dist_of(entry_point: Any, known: dict[tuple[str, str], Any]) -> tuple[str, str]:
     """(distribution name, version) that declares ``entry_point``.
 
-    stevedore's entry-point cache drops the distribution, so it is looked up again in
-    importlib.metadata by (name, value).
+    stevedore's entry-point cache drops the distribution, so it is looked up in ``known``
+    (importlib.metadata's entry points of the group, read once per discovery).
     """
-    dist = getattr(entry_point, "dist", None)
-    if dist is None:
-        for ep in importlib.metadata.entry_points(group=NAMESPACE):
-            if ep.name == entry_point.name and ep.value == entry_point.value:
-                dist = ep.dist
-                break
+    dist = getattr(entry_point, "dist", None) or known.get((entry_point.name, entry_point.value))
     if dist is None:
         return ("unknown", "unknown")
     return (dist.metadata["Name"] or dist.name, dist.version)
@@ -52,9 +47,10 @@ def discover(refresh: bool = False) -> Registry:
 
 def _load() -> Registry:
     registry = Registry()
+    known = {(ep.name, ep.value): ep.dist for ep in importlib.metadata.entry_points(group=NAMESPACE)}
 
     def on_failure(manager: Any, entry_point: Any, exc: BaseException) -> None:
-        dist, _ = _dist_of(entry_point)
+        dist, _ = _dist_of(entry_point, known)
         registry.failures.append(LoadFailure(entry_point.name, dist, f"{type(exc).__name__}: {exc}", "import"))
         log.info("dsp.backends: plugin %s failed to load: %s", entry_point.name, exc)
 
@@ -66,7 +62,7 @@ def _load() -> Registry:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     for ext in sorted(manager.extensions, key=lambda e: e.name):
-        dist, version = _dist_of(ext.entry_point)
+        dist, version = _dist_of(ext.entry_point, known)
         try:
             pm.register(ext.plugin, name=ext.name)
             pm.check_pending()

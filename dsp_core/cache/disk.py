@@ -638,7 +638,9 @@ class DiskCache:
         for layout, is_override in candidates:
             path = layout.weights / f"{digest}.npy"
             try:
-                array = np.load(path, mmap_mode="r", allow_pickle=False)
+                # A plain read-only ndarray over the mapping: np.memmap results would make
+                # every kernel output a memmap subclass, which is slow.
+                array = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
             except FileNotFoundError:
                 continue
             except (OSError, ValueError) as exc:

@@ -198,6 +198,11 @@ class PlanCache:
         with self._lock:
             return list(self._plans)
 
+    def live_plans(self) -> list[LivePlan]:
+        """Cached live plans, least recent first (not pinned: for reports only)."""
+        with self._lock:
+            return list(self._plans.values())
+
     def _explain(self, signature: ShapeSignature) -> list[str]:
         """Differences from the nearest cached signature (fewest differing parts)."""
         best: list[str] | None = None

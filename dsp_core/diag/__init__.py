@@ -103,7 +103,9 @@ def configure_from_env() -> None:
 def _categories(categories: str | Iterable[Category | str]) -> frozenset[Category]:
     if isinstance(categories, str):
         return parse_categories(categories, "categories")
-    return frozenset(c if isinstance(c, Category) else next(iter(parse_categories(c, "categories"))) for c in categories)
+    return frozenset(
+        c if isinstance(c, Category) else next(iter(parse_categories(c, "categories"))) for c in categories
+    )
 
 
 def _refresh_flags() -> None:
@@ -192,13 +194,27 @@ def device_span(segment: int, slot: int, op: str, node: str, start_ns: int, dura
     """
     if Level.FULL > _levels[Category.TIMING]:
         return
-    RECORDER.add(
-        Event(start_ns, -(device + 1), Category.TIMING, Level.FULL, -1, segment, slot, op, node, duration_ns)
-    )
+    RECORDER.add(Event(start_ns, -(device + 1), Category.TIMING, Level.FULL, -1, segment, slot, op, node, duration_ns))
+
+
+def auction(plan: Any, result: Any) -> None:
+    """An auction's result (a Partition): one AUCTION event per segment, one per fallback."""
+    tag = f"plan {plan.content_hash[:12]}"
+    winner = {}
+    for seg in result.segments:
+        winner.update(dict.fromkeys(seg.slots, seg.backend))
+        span = f"slots {seg.slots[0]}..{seg.slots[-1]}" if seg.slots else "no slots"
+        message = f"{tag}: {span} -> {seg.backend} ({seg.mode})"
+        emit(Category.AUCTION, Level.SUMMARY, "segment", message, len(seg.slots), segment=seg.index)
+    for slot, declines in sorted(result.declines.items()):
+        for name, decline in declines:
+            message = f"{tag}: {plan.slots[slot].op} slot {slot}: {name} declined ({decline}) -> {winner.get(slot)}"
+            emit(Category.AUCTION, Level.SUMMARY, "fallback", message, 1, slot=slot)
 
 
 def watch_disk_cache(cache: Any) -> None:
     """Subscribe to a DiskCache's events (quarantines, evictions, ...): recorded under CACHE."""
+    configure_from_env()  # the disk cache is read before any model exists
     if _disk_event not in cache.listeners:
         cache.listeners.append(_disk_event)
 
@@ -260,7 +276,7 @@ def dump(path: str | os.PathLike[str] | None = None) -> Path:
 
 def report(plan_ids: Iterable[int] | None = None) -> dict[str, Any]:
     """Counts, recaptures, fallbacks, cache misses with explanations, terminal records (see diag.report)."""
-    from dsp_core.diag.report import build_report
+    from dsp_core.diag.reports import build_report
 
     return build_report(snapshot(), plan_ids)
 

@@ -92,7 +92,5 @@ def render_top_ops(rows: list[dict[str, Any]]) -> str:
     """The top-ops table as text."""
     lines = [f"{'op':<24} {'calls':>7} {'total ms':>10} {'mean us':>10} {'share':>7}"]
     for r in rows:
-        lines.append(
-            f"{r['op']:<24} {r['calls']:>7} {r['total_ms']:>10.3f} {r['mean_us']:>10.2f} {r['share']:>6.1%}"
-        )
+        lines.append(f"{r['op']:<24} {r['calls']:>7} {r['total_ms']:>10.3f} {r['mean_us']:>10.2f} {r['share']:>6.1%}")
     return "\n".join(lines)

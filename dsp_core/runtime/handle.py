@@ -182,6 +182,13 @@ class DspHandle:
             "cache": self._model.stats.as_dict(),
         }
 
+    def diag_report(self) -> dict[str, Any]:
+        """dsp_core.diag's report narrowed to this model's live plans (counts stay process-wide)."""
+        from dsp_core import diag
+
+        ids = [int(getattr(p.runtime, "diag_id", -1)) for p in self._model.cache.live_plans()]
+        return diag.report(plan_ids=ids)
+
     def to_dot(self) -> str:
         """Graphviz source of the plan, slots coloured by unit (sealed slots grey)."""
         runtime = self.runtime

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from dsp_core import diag
 from dsp_core.errors import DSPError
 
 
@@ -74,6 +75,22 @@ SLOT_TRANSITIONS: dict[enum.Enum, frozenset[enum.Enum]] = {
     L.SEALED: frozenset(),
 }
 
+# How far along each state is, for demotions: a demotion must go to a lower rank.
+# Terminal failure states have no rank: nothing demotes out of them.
+RANKS: dict[enum.Enum, int] = {
+    P.SLOT_BY_SLOT: 0,
+    P.SHAPES_FROZEN: 1,
+    P.REPLAYING: 2,
+    P.REPLAY_BLOCKED: 2,
+    S.NEEDS_WARMUP: 0,
+    S.NEEDS_COMPILE: 1,
+    S.CAPTURE_PENDING: 2,
+    S.OOM_DEFERRED: 2,
+    S.REPLAYING: 3,
+    L.BUILDING: 0,
+    L.SEALED: 1,
+}
+
 E = TypeVar("E", bound=enum.Enum)
 
 
@@ -92,11 +109,18 @@ class Transition:
 class StateMachine(Generic[E]):
     """A state, its transition table and the history of every move."""
 
-    def __init__(self, what: str, initial: E, table: dict[enum.Enum, frozenset[enum.Enum]]) -> None:
+    def __init__(
+        self,
+        what: str,
+        initial: E,
+        table: dict[enum.Enum, frozenset[enum.Enum]],
+        owner: tuple[int, int, int] = (-1, -1, -1),
+    ) -> None:
         self.what = what
         self.state: E = initial
         self._table = table
         self.history: list[Transition] = []
+        self.owner = owner  # diag: (plan id, segment, slot) the moves are reported under; -1 = none
 
     def can(self, target: E) -> bool:
         """True when ``target`` is a legal forward move from the current state."""
@@ -109,15 +133,19 @@ class StateMachine(Generic[E]):
             raise LifecycleError(
                 f"{self.what}: illegal transition {self.state.name} -> {target.name} (allowed: {allowed})"
             )
-        self.history.append(Transition(self.state.name, target.name, reason, execution))
-        self.state = target
+        self._record(Transition(self.state.name, target.name, reason, execution), target)
 
     def demote(self, target: E, reason: str, execution: int = 0) -> None:
         """Go back to an earlier state for error recovery; the reason is required and recorded."""
         if not reason:
             raise LifecycleError(f"{self.what}: a demotion needs a reason")
-        order = list(self._table)
-        if order.index(target) >= order.index(self.state) and target is not self.state:
+        here, there = RANKS.get(self.state), RANKS.get(target)
+        if here is None or there is None or there >= here:
             raise LifecycleError(f"{self.what}: demote {self.state.name} -> {target.name} is not backwards")
-        self.history.append(Transition(self.state.name, target.name, reason, execution, demotion=True))
+        self._record(Transition(self.state.name, target.name, reason, execution, demotion=True), target)
+
+    def _record(self, move: Transition, target: E) -> None:
+        """Keep the move in the history, take the new state, and report it (diag: always kept, rare)."""
+        self.history.append(move)
         self.state = target
+        diag.transition(self.owner, self.what, move.source, move.target, move.reason, move.execution, move.demotion)

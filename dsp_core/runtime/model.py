@@ -8,25 +8,27 @@ compiler declines runs on the legacy interpreter; ``model.declined`` says why.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from dsp_core import config, diag
 from dsp_core.backends.auction import Partition, explain, partition
 from dsp_core.backends.base import CompiledSegment, Registry
 from dsp_core.backends.discovery import discover
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core import config
 from dsp_core.cache.memory import CacheStats, LivePlan, PlanCache, ShapeSignature, available_host_bytes
+from dsp_core.diag import Category, Level, flight
 from dsp_core.errors import InputError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph, Value
 from dsp_core.plan.compiler import Declined, check_outputs, compile_plan
 from dsp_core.plan.plan import ExternalClass, Plan
-from dsp_core.runtime.legacy import run_graph
 from dsp_core.runtime.handle import DspHandle
+from dsp_core.runtime.legacy import run_graph
 from dsp_core.runtime.plan_runtime import PlanRuntime
 
 
@@ -48,6 +50,11 @@ class Executor:
         self.plan = plan
         self.partition = part
         self.segments: list[CompiledSegment] = [part.backends[seg.backend].compile(plan, seg) for seg in part.segments]
+        if diag.ON:
+            for seg in self.segments:
+                seconds = float(getattr(seg, "compile_seconds", 0.0))
+                message = f"segment {seg.segment.index} on {seg.backend.name}, {len(seg.segment.slots)} slots"
+                diag.emit(Category.COMPILE, Level.SUMMARY, "segment", message, seconds * 1e9, -1, seg.segment.index)
         template: list[Any] = [None] * plan.n_flat
         for k, array in plan.constants.items():
             template[plan.flat(plan.external_ref(k))] = array
@@ -85,6 +92,7 @@ class CompiledModel:
     ) -> None:
         if graph is None and (plan is None or load_graph is None):
             raise ValueError("CompiledModel needs a graph, or a plan and a way to load the graph")
+        diag.configure_from_env()  # diag: DSP_DIAGNOSTICS* are read once per process
         self._graph = graph
         self._load_graph = load_graph
         self.mode = mode
@@ -189,6 +197,14 @@ class CompiledModel:
         """Run on ``feeds`` (name -> array); returns every requested output by name."""
         names = self._default_outputs if outputs is None else self._names(outputs)
         staged = self._stage(feeds)
+        try:
+            return self._run_staged(names, staged)
+        except Exception as exc:  # diag: the flight recorder writes its file and names it in the error
+            flight.record_failure(exc, self.last_live.runtime.diag_id if self.last_live is not None else -1)
+            raise
+
+    def _run_staged(self, names: tuple[str, ...], staged: list[Any]) -> dict[str, np.ndarray]:
+        """One step on checked feeds: the legacy interpreter for a declined graph, else the live plan."""
         entry = self._prepare(names)
         if isinstance(entry, Declined):
             results = run_graph(self.graph, {s.name: a for s, a in zip(self._feeds, staged)}, names)
@@ -256,7 +272,11 @@ class CompiledModel:
             with self._lock:
                 entry = self._executors.get(names)
                 if entry is None:
+                    start = time.perf_counter_ns()
                     built = compile_plan(self.graph, names)
+                    if diag.ON:
+                        spent = time.perf_counter_ns() - start
+                        diag.emit(Category.COMPILE, Level.SUMMARY, "plan", f"outputs {', '.join(names)}", spent)
                     entry = built if isinstance(built, Declined) else self._executor(built)
                     self._executors[names] = entry
         return entry

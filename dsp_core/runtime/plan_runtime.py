@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dsp_core import config
+from dsp_core import config, diag
 from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStatus
+from dsp_core.diag import Category, Level
 from dsp_core.errors import DSPError
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
@@ -55,9 +57,13 @@ class PlanRuntime:
     ) -> None:
         self.executor = executor
         self.plan: Plan = executor.plan
-        self.machine: StateMachine[PlanPhase] = StateMachine("plan", PlanPhase.SLOT_BY_SLOT, PLAN_TRANSITIONS)
+        self.diag_id = diag.new_plan_id()  # diag: events and terminal records of this live plan carry it
+        self.machine: StateMachine[PlanPhase] = StateMachine(
+            "plan", PlanPhase.SLOT_BY_SLOT, PLAN_TRANSITIONS, (self.diag_id, -1, -1)
+        )
         self.slot_machines = [
-            StateMachine(f"slot {i}", SlotPhase.BUILDING, SLOT_TRANSITIONS) for i in range(len(self.plan.slots))
+            StateMachine(f"slot {i}", SlotPhase.BUILDING, SLOT_TRANSITIONS, (self.diag_id, -1, i))
+            for i in range(len(self.plan.slots))
         ]
         self.feed_shapes = feed_shapes  # (flat, shape, dtype) of each fed input: abstract stand-ins at freeze
         self.variables = set(variables)
@@ -102,6 +108,8 @@ class PlanRuntime:
         """Run one step; returns the plan's outputs (owned by the caller)."""
         with self.lock:
             self.executions += 1
+            if diag.ON:
+                diag.emit(Category.EXECUTE, Level.DETAILED, "step", self.phase.name, self.executions, self.diag_id)
             if self.phase is PlanPhase.SLOT_BY_SLOT:
                 if not self._should_freeze():
                     return self.executor.run(feeds)
@@ -183,6 +191,9 @@ class PlanRuntime:
                 unit = Unit(
                     len(units), kind, piece, backend, backend.compile(self.plan, piece), inputs, outputs, constants
                 )
+                unit.machine.owner = (self.diag_id, unit.index, -1)
+                if diag.ON:
+                    self._diag_unit_built(unit)
                 if kind is not UnitKind.ISLAND:
                     reason = (
                         "gap: ops its profile cannot capture"
@@ -204,10 +215,15 @@ class PlanRuntime:
                 values[flat] = self.staging.stage(flat, array)
             else:
                 values[flat] = array  # a variable: read in place, its address is an identity key
+        if diag.ON:
+            self._diag_staged(feeds, staged)
         self.snapshot.check_identity(self.plan.constants, self._names)
         step_clean = True
-        for unit in self.units:
-            step_clean &= self._run_unit(unit, values)
+        if diag.TIMED:  # diag: a span per unit for the trace
+            step_clean = self._run_units_timed(values)
+        else:
+            for unit in self.units:
+                step_clean &= self._run_unit(unit, values)
         self._after_step(step_clean)
         return [_owned(values[i]) for i in self.executor.output_flat]
 
@@ -228,9 +244,7 @@ class PlanRuntime:
     def _run_unit(self, unit: Unit, values: list[Any]) -> bool:
         """Run one unit according to its phase; True when the step was a clean replay."""
         if unit.kind is not UnitKind.ISLAND or unit.phase is S.FAILED:
-            unit.compiled.run(values)
-            unit.counters.eager_runs += 1
-            self._bridge(unit, values)
+            self._run_eagerly(unit, values)
             return True  # running eagerly for good is this unit's steady state
         if unit.phase is S.OOM_DEFERRED:
             return self._retry_after_oom(unit, values)
@@ -247,22 +261,24 @@ class PlanRuntime:
         """NEEDS_COMPILE / CAPTURE_PENDING -> REPLAYING, then the first replay."""
         try:
             if unit.phase is S.NEEDS_COMPILE:
+                start = time.perf_counter_ns()
                 unit.compiled.prepare(values)
                 unit.counters.compiles += 1
+                self._diag(Category.COMPILE, "prepare", unit, unit.backend.name, time.perf_counter_ns() - start)
                 unit.machine.move(S.CAPTURE_PENDING, "buffers planned", self.executions)
+            start = time.perf_counter_ns()
             unit.compiled.capture(values)
             unit.counters.captures += 1
+            self._diag(Category.GRAPH_REPLAY, "capture", unit, unit.backend.name, time.perf_counter_ns() - start)
         except CaptureOutOfMemory as exc:
             unit.machine.move(S.OOM_DEFERRED, str(exc), self.executions)
             unit.reason, unit.oom_deferred_at = str(exc), self.executions
-            unit.compiled.run(values)
-            self._bridge(unit, values)
+            self._run_eagerly(unit, values)
             return False
         except CaptureFailed as exc:
             unit.machine.move(S.FAILED, str(exc), self.executions)
             unit.reason = str(exc)
-            unit.compiled.run(values)
-            self._bridge(unit, values)
+            self._run_eagerly(unit, values)
             return False
         unit.machine.move(S.REPLAYING, "captured", self.executions)
         generation = unit.keys.generation + 1 if unit.keys is not None else 0
@@ -282,6 +298,7 @@ class PlanRuntime:
             changed = [i for i, a, b in zip(unit.inputs, now, unit.keys.input_addresses) if a != b]
             if unit.compiled.refresh(values, changed):
                 unit.counters.refreshes += 1
+                self._diag(Category.GRAPH_REPLAY, "refresh", unit, f"address drift at inputs {changed}", len(changed))
                 unit.keys.input_addresses = now
                 unit.keys.generation += 1
             else:
@@ -292,6 +309,7 @@ class PlanRuntime:
     def _recapture(self, unit: Unit, values: list[Any], reason: str) -> bool:
         unit.machine.demote(S.NEEDS_WARMUP, reason, self.executions)
         unit.counters.recaptures += 1
+        self._diag(Category.GRAPH_REPLAY, "recapture", unit, reason, unit.counters.recaptures)
         self.recent_recaptures.append(self.executions)
         unit.compiled.warm(values)
         unit.counters.warmups += 1
@@ -309,6 +327,7 @@ class PlanRuntime:
             if redispatched:
                 raise DSPError(f"segment {unit.index} ({unit.backend.name}): buffers still stale after re-dispatch")
             unit.counters.stale_redispatches += 1
+            self._diag(Category.GRAPH_REPLAY, "stale_redispatch", unit, "a recorded buffer was replaced", 1)
             unit.compiled.capture(values)  # re-record against the buffers in values now
             unit.counters.captures += 1
             assert unit.keys is not None
@@ -328,9 +347,14 @@ class PlanRuntime:
         if unit.counters.oom_retries >= int(config.get("oom_retries")):
             unit.reason = f"out of memory after {unit.counters.oom_retries} retries ({unit.reason})"
             unit.machine.move(S.FAILED, unit.reason, self.executions)
-        unit.compiled.run(values)
-        self._bridge(unit, values)
+        self._run_eagerly(unit, values)
         return False
+
+    def _run_eagerly(self, unit: Unit, values: list[Any]) -> None:
+        """Run a unit without its recording (gap, eager backend, or a capture that is not there)."""
+        unit.compiled.run(values)
+        unit.counters.eager_runs += 1
+        self._bridge(unit, values)
 
     def _bridge(self, unit: Unit, values: list[Any]) -> None:
         """Copy an eager unit's outputs that islands read into stable buffers."""
@@ -344,6 +368,8 @@ class PlanRuntime:
             else:
                 buf[...] = values[o]
             values[o] = buf
+            if diag.ON:
+                self._diag(Category.TRANSFER, "bridge", unit, f"value {o}", buf.nbytes, Level.DETAILED)
 
     def _addresses(self, unit: Unit, values: list[Any]) -> tuple[int, ...]:
         return tuple(buffer_address(values[i]) for i in unit.inputs)
@@ -368,10 +394,47 @@ class PlanRuntime:
         recent = [e for e in self.recent_recaptures if e > self.executions - RECAPTURE_WINDOW]
         if len(recent) >= RECAPTURE_FLAG and "recapturing every step" not in self.flags:
             self.flags.append("recapturing every step")
+            self._diag(Category.GRAPH_REPLAY, "drift", None, "recapturing every step: addresses drift", len(recent))
             log.warning(
                 "DSP plan %s recaptures nearly every step: addresses drift (feed variables in place?)",
                 self.plan.content_hash[:12],
             )
+
+    # -- diagnostics (dsp_core.diag): called only when diag.ON / diag.TIMED ----------------
+    def _diag(
+        self,
+        category: Category,
+        code: str,
+        unit: Unit | None,
+        message: str,
+        payload: float,
+        level: Level = Level.SUMMARY,
+    ) -> None:
+        """One event about this plan (and ``unit``); rare paths call it unconditionally."""
+        if diag.ON:
+            diag.emit(category, level, code, message, payload, self.diag_id, unit.index if unit else -1)
+
+    def _diag_unit_built(self, unit: Unit) -> None:
+        seconds = float(getattr(unit.compiled, "compile_seconds", 0.0))
+        message = f"{unit.kind.value} on {unit.backend.name}, slots {len(unit.segment.slots)}"
+        self._diag(Category.COMPILE, "unit", unit, message, seconds * 1e9)
+
+    def _diag_staged(self, feeds: list[tuple[int, Any]], staged: frozenset[int]) -> None:
+        for flat, array in feeds:
+            if flat in staged and hasattr(array, "shape"):
+                message = f"input {self._names.get(flat - 1, flat)}"  # external k lives at flat 1 + k
+                diag.emit(Category.TRANSFER, Level.DETAILED, "stage", message, array.nbytes, self.diag_id, -1, -1)
+
+    def _run_units_timed(self, values: list[Any]) -> bool:
+        """The units of one frozen step, each timed as a span (trace category 'unit')."""
+        clean = True
+        for unit in self.units:
+            start = time.perf_counter_ns()
+            clean &= self._run_unit(unit, values)
+            spent = time.perf_counter_ns() - start
+            label = f"{unit.kind.value} {unit.phase.name.lower()} on {unit.backend.name}"
+            diag.emit(Category.TIMING, Level.FULL, "unit", label, spent, self.diag_id, unit.index, -1, start)
+        return clean
 
     # -- demotion --------------------------------------------------------------------------
     def demote(self, reason: str) -> None:

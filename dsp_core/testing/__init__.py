@@ -106,7 +106,8 @@ def assert_fully_replaying(model: CompiledModel) -> None:
     stuck = [s for s in _islands(model) if not s.replaying]
     if stuck:
         detail = "; ".join(
-            f"unit {s.index} ({s.backend}) is {s.phase.name if s.phase else None}" + (f": {s.reason}" if s.reason else "")
+            f"unit {s.index} ({s.backend}) is {s.phase.name if s.phase else None}"
+            + (f": {s.reason}" if s.reason else "")
             for s in stuck
         )
         raise _fail(model, f"{len(stuck)} island(s) not replaying: {detail}")
@@ -176,9 +177,7 @@ def assert_no_address_drift(model: CompiledModel) -> None:
         raise _fail(model, "address drift: " + "; ".join(moved))
 
 
-def assert_segment_replay_mode(
-    model: CompiledModel, index: int, kind_or_phase: str | UnitKind | SegmentPhase
-) -> None:
+def assert_segment_replay_mode(model: CompiledModel, index: int, kind_or_phase: str | UnitKind | SegmentPhase) -> None:
     """Assert unit ``index`` has the kind ("island", "gap", "eager") or the SegmentPhase given."""
     _phase_of(model)
     views = model.dsp.segments

@@ -57,7 +57,9 @@ def _mlp() -> Graph:
     g = GraphBuilder("kit_mlp")
     x = g.placeholder("x", "float32", ["batch", 8])
     h = g.Relu(g.MatMul(x, g.constant(_weights(8, 16), name="w1")) + g.constant(_weights(16, seed=8), name="b1"))
-    g.output(g.Relu(g.MatMul(h, g.constant(_weights(16, 4, seed=9), name="w2")) + g.constant(_weights(4), name="b2")), "y")
+    g.output(
+        g.Relu(g.MatMul(h, g.constant(_weights(16, 4, seed=9), name="w2")) + g.constant(_weights(4), name="b2")), "y"
+    )
     return g.build()
 
 
@@ -92,7 +94,9 @@ def _concat_slice() -> Graph:
     x = g.placeholder("x", "float32", ["batch", 6])
     y = g.placeholder("y", "float32", ["batch", 4])
     c = g.Concat(x, y, axis=1)
-    s = g.Slice(c, g.constant(_ints(1), name="starts"), g.constant(_ints(9), name="ends"), g.constant(_ints(1), name="axes"))
+    s = g.Slice(
+        c, g.constant(_ints(1), name="starts"), g.constant(_ints(9), name="ends"), g.constant(_ints(1), name="axes")
+    )
     g.output(s * s, "y2")
     g.output(g.Concat(s, x, axis=-1), "cat")
     return g.build()
@@ -154,7 +158,9 @@ def _residual_block() -> Graph:
     x = g.placeholder("x", "float32", ["batch", 4, 8])
     h = g.Relu(g.MatMul(x, g.constant(_weights(8, 16, seed=11), name="up")))
     y = x + g.MatMul(h, g.constant(_weights(16, 8, seed=12), name="down"))
-    ln = g.LayerNormalization(y, g.constant(np.ones(8, np.float32), name="ln_g"), g.constant(np.zeros(8, np.float32), name="ln_b"))
+    ln = g.LayerNormalization(
+        y, g.constant(np.ones(8, np.float32), name="ln_g"), g.constant(np.zeros(8, np.float32), name="ln_b")
+    )
     g.output(ln, "out")
     return g.build()
 
@@ -163,34 +169,75 @@ def _broadcast_expand() -> Graph:
     g = GraphBuilder("kit_broadcast_expand")
     x = g.placeholder("x", "float32", ["batch", 1, 5])
     e = g.Expand(x, g.constant(_ints(1, 3, 5), name="to"))
-    g.output(g.Max(e, g.constant(_weights(3, 1, seed=4), name="col")) + g.ReduceMax(e, g.constant(_ints(2), name="ax2")), "y")
+    g.output(
+        g.Max(e, g.constant(_weights(3, 1, seed=4), name="col")) + g.ReduceMax(e, g.constant(_ints(2), name="ax2")), "y"
+    )
     return g.build()
 
 
 # -- feeds ------------------------------------------------------------------------------------
 CASES: tuple[Case, ...] = (
-    Case("elementwise_chain", _elementwise, lambda r: {"x": _normal(r, 3, 16), "y": _normal(r, 3, 16)}, "y",
-         "Sigmoid, Tanh, Sqrt, Abs, Exp, Neg and the four arithmetic ops"),
+    Case(
+        "elementwise_chain",
+        _elementwise,
+        lambda r: {"x": _normal(r, 3, 16), "y": _normal(r, 3, 16)},
+        "y",
+        "Sigmoid, Tanh, Sqrt, Abs, Exp, Neg and the four arithmetic ops",
+    ),
     Case("matmul_add_relu", _mlp, lambda r: {"x": _normal(r, 4, 8)}, "x", "a two-layer MLP"),
     Case("softmax", _softmax, lambda r: {"x": _normal(r, 3, 8)}, None, "MatMul then Softmax over the last axis"),
     Case("layernorm", _layernorm, lambda r: {"x": _normal(r, 2, 6, 16)}, None, "LayerNormalization over the last axis"),
-    Case("reshape_transpose", _reshape_transpose, lambda r: {"x": _normal(r, 2, 3, 8)}, None,
-         "Reshape, Transpose, Unsqueeze, Squeeze"),
-    Case("concat_slice", _concat_slice, lambda r: {"x": _normal(r, 3, 6), "y": _normal(r, 3, 4)}, None,
-         "Concat and Slice, two outputs"),
-    Case("gather", _gather, lambda r: {"table": _normal(r, 10, 5), "ids": r.integers(0, 10, size=7).astype(np.int64)},
-         "table", "Gather of rows by fed int64 ids, then of constant columns"),
+    Case(
+        "reshape_transpose",
+        _reshape_transpose,
+        lambda r: {"x": _normal(r, 2, 3, 8)},
+        None,
+        "Reshape, Transpose, Unsqueeze, Squeeze",
+    ),
+    Case(
+        "concat_slice",
+        _concat_slice,
+        lambda r: {"x": _normal(r, 3, 6), "y": _normal(r, 3, 4)},
+        None,
+        "Concat and Slice, two outputs",
+    ),
+    Case(
+        "gather",
+        _gather,
+        lambda r: {"table": _normal(r, 10, 5), "ids": r.integers(0, 10, size=7).astype(np.int64)},
+        "table",
+        "Gather of rows by fed int64 ids, then of constant columns",
+    ),
     Case("reduce", _reduce, lambda r: {"x": _normal(r, 2, 5, 7)}, None, "ReduceMean (keepdims) and ReduceSum"),
-    Case("where_compare", _where_compare, lambda r: {"x": _normal(r, 4, 9), "y": _normal(r, 4, 9)}, None,
-         "Where, Greater, Less, Equal, Or, Sign; a bool output"),
+    Case(
+        "where_compare",
+        _where_compare,
+        lambda r: {"x": _normal(r, 4, 9), "y": _normal(r, 4, 9)},
+        None,
+        "Where, Greater, Less, Equal, Or, Sign; a bool output",
+    ),
     Case("cast", _cast, lambda r: {"x": _normal(r, 3, 8)}, None, "Cast float32 -> int64 -> float32, bool -> float32"),
-    Case("attention", _attention,
-         lambda r: {"q": _normal(r, 2, 6, 8), "k": _normal(r, 2, 6, 8), "v": _normal(r, 2, 6, 8)}, "k",
-         "scaled dot-product attention: MatMul, Transpose, Softmax"),
-    Case("residual_block", _residual_block, lambda r: {"x": _normal(r, 2, 4, 8)}, "x",
-         "MatMul, Relu, residual Add, LayerNormalization"),
-    Case("broadcast_expand", _broadcast_expand, lambda r: {"x": _normal(r, 2, 1, 5)}, None,
-         "Expand, broadcasting Max, ReduceMax"),
+    Case(
+        "attention",
+        _attention,
+        lambda r: {"q": _normal(r, 2, 6, 8), "k": _normal(r, 2, 6, 8), "v": _normal(r, 2, 6, 8)},
+        "k",
+        "scaled dot-product attention: MatMul, Transpose, Softmax",
+    ),
+    Case(
+        "residual_block",
+        _residual_block,
+        lambda r: {"x": _normal(r, 2, 4, 8)},
+        "x",
+        "MatMul, Relu, residual Add, LayerNormalization",
+    ),
+    Case(
+        "broadcast_expand",
+        _broadcast_expand,
+        lambda r: {"x": _normal(r, 2, 1, 5)},
+        None,
+        "Expand, broadcasting Max, ReduceMax",
+    ),
 )
 
 CASES_BY_NAME: dict[str, Case] = {c.name: c for c in CASES}

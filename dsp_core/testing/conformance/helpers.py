@@ -15,7 +15,7 @@ from dsp_core.ir.graph import Graph
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.model import CompiledModel
 from dsp_core.runtime.units import UnitKind
-from dsp_core.testing import plan_dump
+from dsp_core.testing import assert_no_capture_failures, plan_dump
 
 REFERENCE_MODE = "slot_by_slot"
 # Absolute slack for elements near zero, as a fraction of the output's largest magnitude:
@@ -75,7 +75,9 @@ def assert_matches(
         problems += _compare(backend, name, np.asarray(got[name]), np.asarray(want[name]))
     if problems:
         dump = f"\nplan state:\n{plan_dump(model)}" if model is not None else ""
-        raise AssertionError(f"{what}: backend {backend.name} disagrees with the reference: " + "; ".join(problems) + dump)
+        raise AssertionError(
+            f"{what}: backend {backend.name} disagrees with the reference: " + "; ".join(problems) + dump
+        )
 
 
 def _compare(backend: Backend, name: str, out: np.ndarray, ref: np.ndarray) -> list[str]:
@@ -88,7 +90,9 @@ def _compare(backend: Backend, name: str, out: np.ndarray, ref: np.ndarray) -> l
         if not bad.any():
             return []
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        return [f"{name}: {int(bad.sum())} of {ref.size} elements differ (first at {where}: {out[where]} vs {ref[where]})"]
+        return [
+            f"{name}: {int(bad.sum())} of {ref.size} elements differ (first at {where}: {out[where]} vs {ref[where]})"
+        ]
     o, r = out.astype(np.float64), ref.astype(np.float64)
     tol = backend.contract.tolerance
     finite = np.isfinite(r)
@@ -100,11 +104,12 @@ def _compare(backend: Backend, name: str, out: np.ndarray, ref: np.ndarray) -> l
     if not bad.any():
         return []
     where = tuple(int(i) for i in np.argwhere(bad)[0])
-    rel = float(np.max(np.where(bad, err / np.maximum(np.abs(r), 1e-300), 0.0)))
+    nonzero = bad & (r != 0)
+    rel = f"{float(np.max(err[nonzero] / np.abs(r[nonzero]))):.3g}" if nonzero.any() else "n/a (reference is 0)"
     return [
         f"{name}: {int(bad.sum())} of {ref.size} elements outside tolerance (rtol {tol}, atol {atol:.3g}); "
-        f"first at {where}: {out[where]!r} vs {ref[where]!r}; max abs err {float(err[bad].max()):.3g}, "
-        f"max rel err {rel:.3g}"
+        f"first at {where}: {out[where]} vs reference {ref[where]}; max abs err {float(err[bad].max()):.3g}, "
+        f"max rel err {rel}"
     ]
 
 
@@ -133,6 +138,18 @@ def drive(
         assert_matches(backend, got, ref.run(feeds), f"{what}, step {step + 1} (phase {model.dsp.phase.name})", model)
         phases.append(model.dsp.phase)
     return phases
+
+
+def assert_settled(backend: Backend, model: CompiledModel, what: str) -> None:
+    """After ``settle_steps()`` runs: no capture failed, and the plan is in its steady phase."""
+    if backend.captures:
+        assert_no_capture_failures(model)
+    want = steady_phase(model)
+    if model.dsp.phase is not want:
+        raise AssertionError(
+            f"{what}: plan phase {model.dsp.phase.name} after {model.dsp.runtime.executions} runs of one shape, "
+            f"expected {want.name}\nplan state:\n{plan_dump(model)}"
+        )
 
 
 def steady_phase(model: CompiledModel) -> PlanPhase:

@@ -123,7 +123,9 @@ def _stable_hash(text: str) -> int:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[Any]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Add the seed to a failing kit test's report, so its inputs can be drawn again."""
     report = yield
     if report.failed and "dsp_rng" in getattr(item, "fixturenames", ()):

@@ -18,14 +18,16 @@ is ever placed in it), and a failing line maps back to its slot for the error me
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import numpy as np
 
+from dsp_core import diag
 from dsp_core.backends.base import Backend, CompiledSegment
 from dsp_core.errors import DSPError, KernelError
-from dsp_core.ops.registry import KernelContext, lookup
 from dsp_core.ir.graph import Value
+from dsp_core.ops.registry import KernelContext, lookup
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 
 Step = tuple[Any, tuple[int, ...], Any, tuple[int, ...]]
@@ -56,7 +58,7 @@ def bind_steps(plan: Plan, segment: Segment, xp: Any = np, specialize: bool = Tr
     return steps
 
 
-def _line(n: int, step: Step) -> str:
+def _line(n: int, step: Step, timed: bool = False) -> str:
     _, ins, outs, releases = step
     call = f"k{n}({', '.join(f'v[{i}]' for i in ins)})"
     if isinstance(outs, int):
@@ -64,15 +66,24 @@ def _line(n: int, step: Step) -> str:
     else:
         parts = [f"r = {call}"] + [f"v[{o}] = r[{j}]" for j, o in enumerate(outs)]
     parts += [f"v[{i}] = None" for i in releases]
+    if timed:
+        parts.insert(0, f"t[{n}] = pc()")
     return "    " + "; ".join(parts)
 
 
-def generate(steps: list[Step], name: str) -> tuple[Any, int]:
-    """Compile the steps into ``run(v)``; returns it and the line number of the first step."""
-    header = "def run(v):"
-    body = [_line(n, step) for n, step in enumerate(steps)] or ["    pass"]
-    source = "\n".join([header, *body]) + "\n"
+def generate(steps: list[Step], name: str, timed: bool = False) -> tuple[Any, int]:
+    """Compile the steps into ``run(v)``; returns it and the line number of the first step.
+
+    ``timed=True`` gives ``run(v, t)`` instead, which stores ``perf_counter_ns()`` in
+    ``t[n]`` as step n begins and in ``t[len(steps)]`` at the end (diag TIMING, traces).
+    """
+    header = "def run(v, t):" if timed else "def run(v):"
+    body = [_line(n, step, timed) for n, step in enumerate(steps)]
+    if timed:
+        body.append(f"    t[{len(steps)}] = pc()")
+    source = "\n".join([header, *(body or ["    pass"])]) + "\n"
     namespace: dict[str, Any] = {f"k{n}": step[0] for n, step in enumerate(steps)}
+    namespace["pc"] = time.perf_counter_ns
     code = compile(source, f"<dsp segment {name}>", "exec")
     exec(code, namespace)  # noqa: S102  (source made of integers and fixed names only)
     return namespace["run"], 2
@@ -86,22 +97,38 @@ class SlotBySlotSegment(CompiledSegment):
         self._plan = plan
         self._steps = bind_steps(plan, segment)
         self._run, self._first_line = generate(self._steps, f"{plan.graph_name}#{segment.index}")
+        self._timed_run: Any = None  # diag: the timed variant, generated on first use
 
     def run(self, values: list[Any]) -> None:
         """Execute every slot of the segment in order."""
         try:
-            self._run(values)
+            if diag.TIMED:  # diag: per-slot timing only when asked (TIMING at full level, or a trace)
+                self._run_timed(values)
+            else:
+                self._run(values)
         except DSPError:
             raise
         except Exception as exc:
             raise self._error(exc) from exc
 
+    def _run_timed(self, values: list[Any]) -> None:
+        """Run the timed variant and hand each slot's span to diag (those that finished, if one raised)."""
+        if self._timed_run is None:
+            self._timed_run, _ = generate(self._steps, f"{self._plan.graph_name}#{self.segment.index}", timed=True)
+        times = [0] * (len(self._steps) + 1)
+        try:
+            self._timed_run(values, times)
+        finally:
+            names = [(s, self._plan.slots[s].op, self._plan.slots[s].name) for s in self.segment.slots]
+            diag.record_segment(self.segment.index, self.backend.name, names, times)
+
     def _error(self, exc: Exception) -> KernelError:
         """Name the slot whose line raised."""
         tb = exc.__traceback__
         line = None
+        codes = (self._run.__code__, getattr(self._timed_run, "__code__", None))
         while tb is not None:
-            if tb.tb_frame.f_code is self._run.__code__:
+            if tb.tb_frame.f_code in codes:
                 line = tb.tb_lineno
             tb = tb.tb_next
         k = (line - self._first_line) if line is not None else 0

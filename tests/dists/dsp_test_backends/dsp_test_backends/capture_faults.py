@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
+from dsp_cpu_ref.emulated import EmulatedSegment
+
 from dsp_core import hookimpl
 from dsp_core.backends.base import (
     Availability,
@@ -32,7 +34,6 @@ from dsp_core.backends.base import (
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.ir.dtypes import DTYPE_NAMES
 from dsp_core.plan.plan import Plan, Segment
-from dsp_cpu_ref.emulated import EmulatedSegment
 
 
 class FaultySegment(EmulatedSegment):
