@@ -1,6 +1,6 @@
 """What diagnostics cost per step: off vs compiled out (and, for scale, on).
 
-    python benchmarks/diag_overhead.py [--rounds 21] [--calls 40] [--out benchmarks/results/diag_overhead.json]
+    python benchmarks/diag_overhead.py [--rounds 61] [--calls 50] [--out benchmarks/results/diag_overhead.json]
 
 The case is the GPT-2 fixture's decode step (tests/fixtures/gpt2_eager.onnx, feeds
 ``step1.<input>`` of its golden file) in SLOT_BY_SLOT and EMULATED_REPLAY, after the plan
@@ -211,16 +211,24 @@ def bench_mode(mode: str, variants: list[str], rounds: int, calls: int) -> dict[
         "mode": mode,
         "phase": model.dsp.phase.name,
         "median_us": {v: round(m, 2) for v, m in medians.items()},
+        "min_us": {v: round(min(s) * 1e6, 2) for v, s in samples.items()},
         "samples_us": {v: [round(x * 1e6, 2) for x in s] for v, s in samples.items()},
         "off_over_compiled_out": round(medians["off"] / medians["compiled_out"], 4),
+        "paired_off_over_compiled_out": paired(samples["off"], samples["compiled_out"]),
     }
+
+
+def paired(a: list[float], b: list[float]) -> dict[str, float]:
+    """Median and quartiles of the per-round ratios a/b (same round, so drift cancels)."""
+    q1, q2, q3 = statistics.quantiles([x / y for x, y in zip(a, b)], n=4)
+    return {"median": round(q2, 4), "q1": round(q1, 4), "q3": round(q3, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run both modes, print a table, write JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=21)
-    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=61)
+    p.add_argument("--calls", type=int, default=50)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "diag_overhead.json"))
     args = p.parse_args(argv)
     if not GPT2.exists():
@@ -232,12 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compiled out: {swapped} functions of {len(HOOKED_MODULES)} modules re-compiled without hooks")
     variants = ["compiled_out", "off", "on_summary", "on_detailed"]
     results = [bench_mode(m, variants, args.rounds, args.calls) for m in ("slot_by_slot", "emulated_replay")]
-    header = f"{'mode':<16} {'phase':<15}" + "".join(f"{v + ' µs':>17}" for v in variants) + f"{'off/out':>9}"
+    header = (
+        f"{'mode':<16} {'phase':<15}"
+        + "".join(f"{v + ' µs':>17}" for v in variants)
+        + f"{'off/out':>9}  paired off/out (q1..q3)"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         cells = "".join(f"{r['median_us'][v]:>17.1f}" for v in variants)
-        print(f"{r['mode']:<16} {r['phase']:<15}{cells}{r['off_over_compiled_out']:>9.4f}")
+        pr = r["paired_off_over_compiled_out"]
+        spread = f"{pr['median']:.4f} ({pr['q1']:.4f}..{pr['q3']:.4f})"
+        print(f"{r['mode']:<16} {r['phase']:<15}{cells}{r['off_over_compiled_out']:>9.4f}  {spread}")
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.machine(),

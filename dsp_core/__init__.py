@@ -11,15 +11,14 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from dsp_core import config
 from dsp_core.backends.hookspecs import hookimpl
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import DSPError
 from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
+from dsp_core.runtime.loader import compile_cached
 from dsp_core.runtime.model import CompiledModel
-
-from dsp_core import config  # noqa: E402  (after the names the submodules import from here)
-from dsp_core.runtime.loader import compile_cached  # noqa: E402
 
 try:
     __version__ = version("dsp-core")

@@ -20,8 +20,8 @@ import dsp_core as dsp
 from dsp_core.errors import DSPError
 from dsp_core.ops import registry
 from dsp_core.runtime.lifecycle import (
-    RANKS,
     PLAN_TRANSITIONS,
+    RANKS,
     SEGMENT_TRANSITIONS,
     SLOT_TRANSITIONS,
     LifecycleError,

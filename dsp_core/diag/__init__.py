@@ -48,14 +48,22 @@ RECORDER = Recorder()
 _levels: list[int] = [Level.OFF] * len(Category)  # per category: the most detailed level recorded
 _flight: deque[Event] = deque(maxlen=2000)  # always on: lifecycle moves, errors, disk cache events
 _plan_ids = itertools.count(1)
-_state: dict[str, Any] = {"configured": False, "file": "", "atexit": False}
+_state: dict[str, Any] = {"configured": False, "explicit": False, "file": "", "atexit": False}
 
 
 # -- switching on and off ---------------------------------------------------------------
 def enable(
     categories: str | Iterable[Category | str] = "ALL", level: str | Level = Level.SUMMARY, file: str | None = None
 ) -> None:
-    """Record ``categories`` (names, 'ALL', or Category members) at ``level``; others stop recording."""
+    """Record ``categories`` (names, 'ALL', or Category members) at ``level``; others stop recording.
+
+    A call wins over DSP_DIAGNOSTICS*, even when the environment is read later.
+    """
+    _state["explicit"] = True
+    _apply(categories, level, file)
+
+
+def _apply(categories: str | Iterable[Category | str], level: str | Level, file: str | None) -> None:
     chosen = _categories(categories)
     lvl = parse_level(level)
     for c in Category:
@@ -88,7 +96,6 @@ def configure_from_env() -> None:
     """Apply DSP_DIAGNOSTICS, DSP_DIAGNOSTICS_LEVEL, DSP_DIAGNOSTICS_FILE, DSP_FLIGHT_EVENTS (once)."""
     if _state["configured"]:
         return
-    _state["configured"] = True
     from dsp_core import config
 
     global _flight
@@ -96,16 +103,19 @@ def configure_from_env() -> None:
     names = str(config.get("diagnostics"))
     level_source = config.source("diagnostics_level")
     level = parse_level(config.get("diagnostics_level"))
-    if names.strip() or (level_source == "environment" and level is not Level.OFF):
-        enable(names or "ALL", level, str(config.get("diagnostics_file")) or None)
+    wanted = names.strip() or (level_source == "environment" and level is not Level.OFF)
+    if wanted and not _state["explicit"]:
+        _apply(names or "ALL", level, str(config.get("diagnostics_file")) or None)
+    _state["configured"] = True  # only once valid: a bad value fails every compile, never silently
 
 
 def _categories(categories: str | Iterable[Category | str]) -> frozenset[Category]:
     if isinstance(categories, str):
         return parse_categories(categories, "categories")
-    return frozenset(
-        c if isinstance(c, Category) else next(iter(parse_categories(c, "categories"))) for c in categories
-    )
+    chosen: set[Category] = set()
+    for c in categories:
+        chosen |= {c} if isinstance(c, Category) else parse_categories(c, "categories")
+    return frozenset(chosen)
 
 
 def _refresh_flags() -> None:

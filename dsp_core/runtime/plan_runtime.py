@@ -456,9 +456,11 @@ class PlanRuntime:
             self.clean_streak = 0
 
     def release(self) -> None:
-        """Free every unit's buffers and recordings (the plan left the cache)."""
+        """Free every unit's buffers and recordings, the staging buffers and bridges (the plan left the cache)."""
         for unit in self.units:
             unit.compiled.release()
+        self.staging.invalidate()
+        self.bridges.clear()
 
     @property
     def nbytes(self) -> int:
