@@ -55,10 +55,7 @@ _state: dict[str, Any] = {"configured": False, "explicit": False, "file": "", "a
 def enable(
     categories: str | Iterable[Category | str] = "ALL", level: str | Level = Level.SUMMARY, file: str | None = None
 ) -> None:
-    """Record ``categories`` (names, 'ALL', or Category members) at ``level``; others stop recording.
-
-    A call wins over DSP_DIAGNOSTICS*, even when the environment is read later.
-    """
+    """Record ``categories`` (names, 'ALL', members) at ``level``, the rest off; wins over DSP_DIAGNOSTICS*."""
     _state["explicit"] = True
     _apply(categories, level, file)
 
@@ -197,11 +194,8 @@ def record_segment(segment: int, backend: str, names: Sequence[tuple[int, str, s
 
 
 def device_span(segment: int, slot: int, op: str, node: str, start_ns: int, duration_ns: int, device: int = 0) -> None:
-    """The hook for a GPU backend's device timings (e.g. CUDA events): one slot on ``device``.
-
-    ``start_ns`` is on the perf_counter_ns clock; the span lands on the trace track of
-    the device (its thread id is ``-(device + 1)``).
-    """
+    """Hook for a GPU backend's device timings (CUDA events): a slot's span on ``device``, perf_counter_ns clock."""
+    # The span goes on the device's own trace track: its thread id is -(device + 1).
     if Level.FULL > _levels[Category.TIMING]:
         return
     RECORDER.add(Event(start_ns, -(device + 1), Category.TIMING, Level.FULL, -1, segment, slot, op, node, duration_ns))

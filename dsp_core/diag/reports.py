@@ -26,12 +26,9 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def build_report(state: dict[str, Any], plan_ids: Iterable[int] | None = None) -> dict[str, Any]:
-    """Per-category counts, recaptures, fallbacks, cache misses with explanations, terminal records.
-
-    Counts are exact over the whole run (they survive the ring's wrap-around); lists of
-    messages come from the events still kept. ``plan_ids`` narrows the lists and terminal
-    records to those live plans (counts stay process-wide).
-    """
+    """Per-category counts, recaptures, fallbacks, cache misses with explanations, terminal records."""
+    # Counts are exact over the whole run (they survive the ring's wrap-around); message lists
+    # come from the events still kept. plan_ids narrows the lists and terminal records only.
     wanted = set(plan_ids) if plan_ids is not None else None
     events = [e for e in state["events"] if wanted is None or e["plan"] in wanted or e["plan"] < 0]
     codes: dict[str, int] = state["codes"]

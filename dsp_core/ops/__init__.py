@@ -8,6 +8,7 @@ from dsp_core.ops import (  # noqa: F401  (registration by import)
     conv,
     elementwise,
     linalg,
+    llm,
     losses,
     ml,
     random,

@@ -45,6 +45,7 @@ class Trait(enum.Flag):
     CONTROL_FLOW = enum.auto()  # runs subgraphs (If, Loop, Scan)
     RANDOM = enum.auto()  # output depends on a random state
     FUSABLE = enum.auto()  # a fusing backend may take it into a fused kernel
+    MUTATES_INPUT = enum.auto()  # writes its first input in place; its one output aliases that input
 
 
 @dataclass(frozen=True)

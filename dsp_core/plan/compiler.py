@@ -17,7 +17,7 @@ import numpy as np
 from dsp_core.errors import GraphError, InputError, UnsupportedOpError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Dim, Graph, Node
-from dsp_core.ops.registry import KernelContext, OpDef, TensorInfo, lookup
+from dsp_core.ops.registry import KernelContext, OpDef, TensorInfo, Trait, lookup
 from dsp_core.plan.plan import External, ExternalClass, Plan, Region, Slot, ValueInfo
 
 
@@ -179,6 +179,7 @@ class _Builder:
                 )
             )
             opdefs_by_slot.append(opdef)
+        check_mutations(slots, self.externals)
         self._infer_static(slots, opdefs_by_slot)
         out_refs: list[int] = []
         for name in self.out_names:
@@ -264,8 +265,41 @@ def _frozen_attrs(node: Node, opdef: OpDef) -> dict[str, Any]:
     return attrs
 
 
+def check_mutations(slots: Sequence[Slot], externals: Sequence[External]) -> None:
+    """GraphError unless every MUTATES_INPUT slot writes a fed graph input that no later slot reads.
+
+    Such a slot (``dsp::KVScatter``) writes its first input in place and returns it: the
+    output *aliases* the input. That is only sound when the input is state the caller
+    owns (a VARIABLE, or a PLACEHOLDER the caller marks variable) -- never a weight, a
+    sealed value or an enclosing plan's value -- and when every later reader goes through
+    the alias, so slot order alone orders the write. Liveness needs nothing more: the
+    buffer is an external, never released, and dropping the alias frees no memory.
+    """
+    for slot in slots:
+        if not slot.traits & Trait.MUTATES_INPUT:
+            continue
+        target = slot.inputs[0] if slot.inputs else None
+        cls = externals[-target - 1].cls if target is not None and target < 0 else None
+        if cls not in (ExternalClass.VARIABLE, ExternalClass.PLACEHOLDER):
+            what = "a missing input" if target is None else ("a computed value" if cls is None else f"a {cls.value}")
+            raise GraphError(
+                f'{slot.op} node "{slot.name}" writes its first input in place, which is {what}: '
+                "it must be a graph input the caller owns (declare it a variable)"
+            )
+        readers = [s for s in slots[slot.index + 1 :] if target in s.inputs]
+        if readers:
+            raise GraphError(
+                f'{readers[0].op} node "{readers[0].name}" reads {externals[-target - 1].name!r} after '
+                f'{slot.op} node "{slot.name}" wrote it in place: read the {slot.op} output instead'
+            )
+
+
 def liveness(slots: Sequence[Slot], n_values: int, outputs: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """Per slot, the values whose last reader it is (requested outputs are never released)."""
+    """Per slot, the values whose last reader it is (requested outputs are never released).
+
+    A MUTATES_INPUT slot's output aliases its first input, an external (check_mutations):
+    releasing the alias drops a reference only, so it is released like any other value.
+    """
     last_use = [-1] * n_values
     for slot in slots:
         for v in slot.outputs:

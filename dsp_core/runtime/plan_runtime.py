@@ -157,6 +157,7 @@ class PlanRuntime:
         readers = {i for u in self.units if u.kind is UnitKind.ISLAND for i in u.inputs}
         self.bridge_targets = frozenset(o for u in self.units for o in u.outputs if o in readers)
         self.snapshot = ConstantSnapshot(plan.constants)
+        self.__dict__.pop("_owned_cache", None)
         self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)
         if not any(u.kind is UnitKind.ISLAND for u in self.units):
             self.machine.move(PlanPhase.REPLAY_BLOCKED, "no segment can capture", self.executions)
@@ -209,7 +210,8 @@ class PlanRuntime:
     def _frozen_step(self, feeds: list[tuple[int, Any]]) -> list[Any]:
         assert self.template is not None and self.snapshot is not None
         values = self.template.copy()
-        staged = self._staged_flats
+        # Without islands nothing bakes addresses in: feeds are used as given, not copied.
+        staged = self._staged_flats if self._has_islands else frozenset()
         for flat, array in feeds:
             if flat in staged and hasattr(array, "shape"):
                 values[flat] = self.staging.stage(flat, array)
@@ -225,7 +227,30 @@ class PlanRuntime:
             for unit in self.units:
                 step_clean &= self._run_unit(unit, values)
         self._after_step(step_clean)
-        return [_owned(values[i]) for i in self.executor.output_flat]
+        owned = self._owned_flats
+        return [_owned(values[i]) if i in owned else values[i] for i in self.executor.output_flat]
+
+    @property
+    def _has_islands(self) -> bool:
+        return any(u.kind is UnitKind.ISLAND for u in self.units)
+
+    @property
+    def _owned_flats(self) -> frozenset[int]:
+        """Outputs to copy before returning: those living in buffers DSP reuses or keeps.
+
+        With islands, every output may sit in a replay buffer; without, only outputs that
+        are constants, sealed values or the caller's own feeds (returning those would let
+        the caller write into them).
+        """
+        cached = self.__dict__.get("_owned_cache")
+        if cached is None:
+            assert self.template is not None
+            outs = self.executor.output_flat
+            n_ext = len(self.plan.externals)
+            cached = frozenset(outs) if self._has_islands else frozenset(
+                i for i in outs if self.template[i] is not None or i <= n_ext)
+            self.__dict__["_owned_cache"] = cached
+        return cached
 
     @property
     def _staged_flats(self) -> frozenset[int]:
@@ -446,6 +471,7 @@ class PlanRuntime:
                 unit.compiled.release()
             self.units = []
             self.template = None
+            self.__dict__.pop("_owned_cache", None)
             self.staging.invalidate()
             self.bridges.clear()
             for m in self.slot_machines:

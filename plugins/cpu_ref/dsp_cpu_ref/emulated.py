@@ -8,6 +8,11 @@ the fixed buffers. A replay never reads ``values`` for its inputs: if an input a
 replaced since the capture, the recording would read the old one, so the replay checks
 and reports STALE_BUFFER instead. Address drift, recapture and staleness therefore
 behave exactly as they would on a GPU, and are testable without one.
+
+A slot with the MUTATES_INPUT trait (``dsp::KVScatter``) writes its first input in place
+and returns it: its output gets no buffer of its own. The recording passes the input
+array itself to the kernel and to every later reader of the output, and a replay
+publishes that same array, so a KV buffer is written where it lives and never copied.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core.backends.base import Backend, CaptureFailed, ReplayStatus
+from dsp_core.ops.registry import Trait
 from dsp_core.plan.plan import Plan, Segment
 from dsp_cpu_ref.slot_by_slot import SlotBySlotSegment, Step
 
@@ -29,7 +35,15 @@ class EmulatedSegment(SlotBySlotSegment):
 
     def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
         super().__init__(backend, plan, segment)
-        self._produced = sorted({o for _, _, outs, _ in self._steps for o in _as_tuple(outs)} - {plan.scratch})
+        # MUTATES_INPUT slots: output flat index -> flat index of the input it aliases.
+        self._aliases = {
+            outs: ins[0]
+            for s, (_, ins, outs, _) in zip(segment.slots, self._steps)
+            if plan.slots[s].traits & Trait.MUTATES_INPUT and isinstance(outs, int) and outs != plan.scratch
+        }
+        produced = {o for _, _, outs, _ in self._steps for o in _as_tuple(outs)} - {plan.scratch}
+        self._produced = sorted(produced - set(self._aliases))
+        self._alias_arrays: dict[int, Any] = {}  # alias output -> the array it is, at capture
         self._specs: dict[int, tuple[tuple[int, ...], Any, tuple[int, ...]]] = {}
         self._buffers: dict[int, np.ndarray] = {}
         self._recording: list[Recorded] = []
@@ -47,7 +61,7 @@ class EmulatedSegment(SlotBySlotSegment):
                         raise CaptureFailed(f"slot output at {o} is a {type(r).__name__}, not an array")
                     arr = np.asarray(r)
                     self._specs[o] = (arr.shape, arr.dtype, arr.strides)
-        for o in self._produced:  # publish the values as an eager run would
+        for o in [*self._produced, *self._aliases]:  # publish the values as an eager run would
             values[o] = local[o]
 
     def _prepare(self, values: list[Any]) -> None:
@@ -64,18 +78,24 @@ class EmulatedSegment(SlotBySlotSegment):
         """Record every step against the fixed buffers and the inputs present now."""
         recording: list[Recorded] = []
         inputs: dict[int, Any] = {}
+        aliased: dict[int, Any] = {}
         for kernel, ins, outs, _ in self._steps:
             args = []
             for i in ins:
                 if i in self._buffers:
                     args.append(self._buffers[i])
+                elif i in aliased:
+                    args.append(aliased[i])
                 else:
                     inputs[i] = values[i]
                     args.append(values[i])
-            out_bufs = tuple(self._buffers.get(o) for o in _as_tuple(outs))
+            if isinstance(outs, int) and outs in self._aliases:
+                aliased[outs] = args[0]  # written in place: the output is the input array
+            out_bufs = tuple(None if o in self._aliases else self._buffers.get(o) for o in _as_tuple(outs))
             recording.append((kernel, tuple(args), out_bufs, isinstance(outs, int)))
         self._recording = recording
         self._recorded_inputs = inputs
+        self._alias_arrays = aliased
 
     def _replay(self, values: list[Any]) -> ReplayStatus:
         """Run the recording; STALE_BUFFER if an input array it baked in was replaced."""
@@ -89,12 +109,15 @@ class EmulatedSegment(SlotBySlotSegment):
                     np.copyto(buf, r, casting="no")
         for o in self._produced:
             values[o] = self._buffers[o]
+        for o, array in self._alias_arrays.items():
+            values[o] = array
         return ReplayStatus.OK
 
     def _release(self) -> None:
         self._buffers.clear()
         self._recording = []
         self._recorded_inputs = {}
+        self._alias_arrays = {}
 
     @property
     def nbytes(self) -> int:

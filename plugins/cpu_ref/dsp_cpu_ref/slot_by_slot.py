@@ -72,11 +72,8 @@ def _line(n: int, step: Step, timed: bool = False) -> str:
 
 
 def generate(steps: list[Step], name: str, timed: bool = False) -> tuple[Any, int]:
-    """Compile the steps into ``run(v)``; returns it and the line number of the first step.
-
-    ``timed=True`` gives ``run(v, t)`` instead, which stores ``perf_counter_ns()`` in
-    ``t[n]`` as step n begins and in ``t[len(steps)]`` at the end (diag TIMING, traces).
-    """
+    """Compile the steps into ``run(v)`` (timed: ``run(v, t)``); returns it and the first step's line number."""
+    # timed=True (diag TIMING, traces): t[n] = perf_counter_ns() as step n begins, t[len(steps)] at the end.
     header = "def run(v, t):" if timed else "def run(v):"
     body = [_line(n, step, timed) for n, step in enumerate(steps)]
     if timed:

@@ -1,0 +1,208 @@
+"""The fixed-KV-buffer rewrite: a decoder graph -> its decode graph with persistent KV buffers.
+
+A decoder exported with a KV cache grows it every step: per layer,
+``present.N.key = Concat(past_key_values.N.key, new_key, axis=seq)`` (eager exports and
+the opset-23 fused-``Attention`` exports alike: the join happens outside the op). Fed
+as is, every decode step has a new shape (past grows by one), so a plan captured for
+one step cannot replay the next.
+
+``fixed_kv_buffers(graph, batch=B, max_length=L)`` returns a graph whose shapes never
+change:
+
+- each ``past_key_values.N.*`` input becomes a persistent buffer ``[B, H, L, D]`` (a
+  VARIABLE: read in place, never staged or copied);
+- each growth ``Concat`` becomes ``dsp::KVScatter(buffer, new, kv_position)``: the step's
+  K/V are written into the buffer in place at the device-resident position
+  ``kv_position`` (a new int64 ``[1]`` input), and the op returns the buffer itself, so
+  attention reads the whole buffer;
+- every shape read of a past input (``Shape``/``Size``) becomes a constant, as if the
+  past were ``L - 1`` long: the graph's own causal/padding mask logic then sees a
+  constant total length ``L``; the ``attention_mask`` input (``[B, L]``, ones on the
+  valid positions) masks the unused tail, and the causal part is all-true for the one
+  query (position ``L - 1`` as far as the graph knows), which is right because only
+  positions up to the current one are valid;
+- the outputs are ``logits`` and ``next_token`` (greedy ``ArgMax`` in the plan); the
+  ``present.*`` outputs are dropped (they would alias the buffers, and a plan output
+  is copied for its caller).
+
+The rewrite declines (KVTransformError, with the node) when a past input is read by
+anything but the growth Concat and shape reads, or when a fused ``Attention`` node takes
+the cache itself (``past_key``/``past_value`` inputs).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dsp_core.errors import DSPError
+from dsp_core.ir.graph import Graph, Node, Value
+
+PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+POSITION_INPUT = "kv_position"
+NEXT_TOKEN = "next_token"
+
+
+class KVTransformError(DSPError):
+    """The decoder's KV cache could not be rewritten into fixed buffers (names the node)."""
+
+
+@dataclass(frozen=True)
+class KVGrowth:
+    """One layer's K or V growth: ``present = Concat(past, new, axis)``."""
+
+    layer: int
+    kind: str  # "key" or "value"
+    past: str  # the graph input (becomes the buffer)
+    new: str  # the step's keys or values
+    present: str  # the Concat output (becomes the KVScatter output, aliasing the buffer)
+    axis: int  # the sequence axis, negative
+    node: str  # the Concat node's name
+
+
+@dataclass
+class FixedKVGraph:
+    """The decode graph and what the pipeline needs to feed it."""
+
+    graph: Graph
+    growth: tuple[KVGrowth, ...]
+    batch: int
+    max_length: int
+    buffer_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    buffer_dtypes: dict[str, str] = field(default_factory=dict)
+    position_input: str = POSITION_INPUT
+    logits: str = "logits"
+    next_token: str = NEXT_TOKEN
+
+
+def past_inputs(graph: Graph) -> list[str]:
+    """The graph inputs named ``past_key_values.N.key|value``, in graph order."""
+    return [n for n in graph.input_names if PAST.match(n)]
+
+
+def find_kv_growth(graph: Graph) -> list[KVGrowth]:
+    """Every ``Concat(past_key_values.N.*, new, axis=seq)`` of the graph; KVTransformError if one is missing."""
+    pasts = past_inputs(graph)
+    if not pasts:
+        raise KVTransformError(
+            f"graph {graph.name!r} has no past_key_values.N.key/value inputs: not a decoder with a KV cache"
+        )
+    _check_fused_attention(graph, set(pasts))
+    found: list[KVGrowth] = []
+    for past in pasts:
+        match = PAST.match(past)
+        assert match is not None
+        concat = [n for n in graph.nodes if n.op_type == "Concat" and n.inputs and n.inputs[0] == past]
+        if len(concat) != 1 or len(concat[0].inputs) != 2:
+            raise KVTransformError(
+                f"input {past!r}: expected one Concat({past}, new, axis=seq) growing the cache, "
+                f"found {len(concat)} Concat node(s) reading it first"
+            )
+        node = concat[0]
+        info = graph.info(past)
+        rank = len(info.shape) if info is not None and info.shape is not None else 4
+        axis = int(node.attrs.get("axis", 0))
+        axis = axis - rank if axis >= 0 else axis
+        if axis != -2:
+            raise KVTransformError(f"{node.label()}: joins {past!r} on axis {axis}, expected the sequence axis -2")
+        found.append(KVGrowth(int(match.group(1)), match.group(2), past, node.inputs[1], node.outputs[0], axis, node.name))
+    return found
+
+
+def _check_fused_attention(graph: Graph, pasts: set[str]) -> None:
+    for node in graph.nodes:
+        if node.op_type == "Attention" and any(name in pasts for name in node.inputs[4:6]):
+            raise KVTransformError(
+                f"{node.label()} takes the KV cache itself (past_key/past_value inputs): the fixed-KV rewrite "
+                "needs the cache joined by a Concat outside the op (re-export, or run without fixed buffers)"
+            )
+
+
+def fixed_kv_buffers(
+    graph: Graph, *, batch: int, max_length: int, logits: str = "logits", position_input: str = POSITION_INPUT
+) -> FixedKVGraph:
+    """The decode graph of ``graph`` with persistent KV buffers of ``max_length`` (see the module doc)."""
+    if max_length < 2:
+        raise KVTransformError(f"max_length must be at least 2, got {max_length}")
+    growth = find_kv_growth(graph)
+    by_past = {g.past: g for g in growth}
+    if logits not in graph.output_names:
+        raise KVTransformError(f"graph {graph.name!r} has no output {logits!r}; outputs are {graph.output_names}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes_: dict[str, str] = {}
+    virtual: dict[str, tuple[int, ...]] = {}  # the past shapes the graph's shape logic sees: length L - 1
+    for past in by_past:
+        info = graph.info(past)
+        if info is None or info.shape is None or len(info.shape) != 4 or not all(
+            isinstance(d, int) for d in (info.shape[1], info.shape[3])
+        ):
+            raise KVTransformError(f"input {past!r}: needs a declared [batch, heads, past, head_dim] shape")
+        heads, dim = int(info.shape[1]), int(info.shape[3])  # type: ignore[arg-type]
+        shapes[past] = (batch, heads, max_length, dim)
+        virtual[past] = (batch, heads, max_length - 1, dim)
+        dtypes_[past] = info.dtype or "float32"
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        reads = [name for name in node.inputs if name in by_past]
+        if not reads:
+            nodes.append(node)
+        elif node.op_type == "Concat" and node.inputs[0] in by_past and by_past[node.inputs[0]].node == node.name:
+            g = by_past[node.inputs[0]]
+            nodes.append(
+                Node("KVScatter", [g.past, g.new, position_input], [g.present], {"axis": g.axis},
+                     f"{node.name}/kv_scatter", "dsp")
+            )
+        elif node.op_type in ("Shape", "Size"):
+            nodes.append(_shape_constant(node, virtual[reads[0]]))
+        else:
+            raise KVTransformError(
+                f"{node.label()} reads the KV cache {reads[0]!r} directly: only the growth Concat and shape reads "
+                "can be rewritten onto a fixed buffer"
+            )
+    logits_info = graph.info(logits)
+    vocab = logits_info.shape[-1] if logits_info is not None and logits_info.shape else None
+    nodes.append(Node("ArgMax", [logits], [NEXT_TOKEN], {"axis": -1, "keepdims": 0}, "dsp/greedy_next_token"))
+    inputs: list[Value] = []
+    for v in graph.inputs:
+        if v.name in graph.initializers:
+            inputs.append(v)
+        elif v.name in shapes:
+            inputs.append(Value(v.name, dtypes_[v.name], shapes[v.name]))
+        elif v.name == "attention_mask":
+            inputs.append(Value(v.name, v.dtype, (batch, max_length)))
+        elif v.name in ("input_ids", "position_ids"):
+            inputs.append(Value(v.name, v.dtype, (batch, 1)))
+        else:
+            inputs.append(v)
+    inputs.append(Value(position_input, "int64", (1,)))
+    outputs = [
+        Value(logits, logits_info.dtype if logits_info else None, (batch, 1, vocab)),
+        Value(NEXT_TOKEN, "int64", (batch, 1)),
+    ]
+    dropped = {g.present for g in growth}
+    value_info = {k: v for k, v in graph.value_info.items() if k not in dropped}
+    out = Graph(
+        name=f"{graph.name}/decode_fixed_kv",
+        inputs=inputs,
+        outputs=outputs,
+        nodes=nodes,
+        initializers=graph.initializers,  # shared: the weights are not copied
+        value_info=value_info,
+        opsets={**graph.opsets, "dsp": 1},
+        variables=set(graph.variables) | set(shapes),
+    )
+    out.validate()
+    return FixedKVGraph(out, tuple(growth), batch, max_length, shapes, dtypes_, position_input, logits)
+
+
+def _shape_constant(node: Node, shape: tuple[int, ...]) -> Node:
+    """A Shape/Size node of a past input, folded for the virtual past shape."""
+    if node.op_type == "Size":
+        value = np.asarray(int(np.prod(shape)), dtype=np.int64)
+    else:
+        start = int(node.attrs.get("start", 0))
+        end = node.attrs.get("end")
+        value = np.asarray(shape[start : None if end is None else int(end)], dtype=np.int64)
+    return Node("Constant", [], list(node.outputs), {"value": value}, f"{node.name}/fixed_kv", "")
