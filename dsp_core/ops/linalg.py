@@ -25,16 +25,19 @@ from dsp_core.ops.registry import KernelContext, TensorInfo, Trait, broadcast_di
 Array = Any
 Dims = tuple[int | str | None, ...]
 
-_HALF = ("float16", "bfloat16")
 
 
 # ---------------------------------------------------------------------------
 # Helpers shared by the kernels
 
 
+# Compared by dtype identity: ``dtype.name`` is a slow Python property on the hot path.
+_HALF_DTYPES = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
+
+
 def _up(x: Array) -> Array:
     """``x`` in a dtype fit for accumulation: float32 for half types, else unchanged."""
-    return x.astype(np.float32) if x.dtype.name in _HALF else x
+    return x.astype(np.float32) if x.dtype in _HALF_DTYPES else x
 
 
 def _work_dtype(*dtypes: Any) -> np.dtype[Any]:
