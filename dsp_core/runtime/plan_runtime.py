@@ -61,10 +61,7 @@ class PlanRuntime:
         self.machine: StateMachine[PlanPhase] = StateMachine(
             "plan", PlanPhase.SLOT_BY_SLOT, PLAN_TRANSITIONS, (self.diag_id, -1, -1)
         )
-        self.slot_machines = [
-            StateMachine(f"slot {i}", SlotPhase.BUILDING, SLOT_TRANSITIONS, (self.diag_id, -1, i))
-            for i in range(len(self.plan.slots))
-        ]
+        self._slot_machines: list[StateMachine[SlotPhase]] | None = None  # built on first use
         self.feed_shapes = feed_shapes  # (flat, shape, dtype) of each fed input: abstract stand-ins at freeze
         self.variables = set(variables)
         self.executions = 0
@@ -83,6 +80,16 @@ class PlanRuntime:
         self._names = {k: e.name for k, e in enumerate(self.plan.externals)}
 
     # -- queries ---------------------------------------------------------------------------
+    @property
+    def slot_machines(self) -> list[StateMachine[SlotPhase]]:
+        """One BUILDING/SEALED machine per slot (made on first use: most live plans never freeze)."""
+        if self._slot_machines is None:
+            self._slot_machines = [
+                StateMachine(f"slot {i}", SlotPhase.BUILDING, SLOT_TRANSITIONS, (self.diag_id, -1, i))
+                for i in range(len(self.plan.slots))
+            ]
+        return self._slot_machines
+
     @property
     def phase(self) -> PlanPhase:
         """The plan phase."""
