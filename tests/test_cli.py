@@ -140,3 +140,15 @@ def test_gpu_mode_on_cpu_machine_is_remapped_loudly(model_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "remapped to EMULATED_REPLAY" in out.stderr and "pip install dsp-triton" in out.stderr
     assert json.loads(out.stdout)["backends"] == ["emulated_replay"]
+
+
+def test_unknown_op_exits_2_naming_the_node(tmp_path: Path) -> None:
+    node = helper.make_node("FancyOp", ["x"], ["y"], name="fancy_1", domain="com.example")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)])
+    path = tmp_path / "fancy.onnx"
+    onnx.save(model, str(path))
+    out = dsp("run", str(path), "--random-inputs")
+    assert out.returncode == 2
+    assert 'FancyOp node "fancy_1"' in out.stderr and "Traceback" not in out.stderr

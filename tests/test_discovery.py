@@ -105,3 +105,15 @@ def test_every_mode_of_the_seed_exists() -> None:
         "OPENVINO",
         "ACL",
     }
+
+
+def test_dynamic_output_size_and_control_flow_end_segments() -> None:
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [6])
+    nz = g.NonZero(g.Relu(x))  # DYNAMIC_OUTPUT_SIZE: its size is known only after it runs
+    g.output(g.Neg(g.Cast(nz, to=1)), "y")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    segments = [s["slots"] for s in model.explain()["segments"]]
+    assert segments == [[0, 1], [2, 4]]  # Relu NonZero | Cast Neg Identity
+    x_val = np.array([1, -1, 2, 0, 3, -2], np.float32)
+    np.testing.assert_array_equal(model.run({"x": x_val})["y"], -np.array([[0, 2, 4]], np.float32))

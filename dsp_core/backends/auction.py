@@ -21,6 +21,7 @@ from dsp_core.backends.modes import (
     provider_hint,
 )
 from dsp_core.errors import BackendError, BackendUnavailableError
+from dsp_core.ops.registry import Trait
 from dsp_core.plan.plan import Plan, Segment
 
 M = GraphExecutionMode
@@ -164,11 +165,18 @@ def partition(plan: Plan, registry: Registry, mode: GraphExecutionMode, strict: 
     return result
 
 
+# A slot with these traits ends its segment: its output size (or what its subgraphs do)
+# is known only after it runs, so whatever follows starts a new segment.
+SEGMENT_ENDING = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW
+
+
 def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
+    """Maximal runs of slots with one owner, cut after every segment-ending slot."""
     segments: list[Segment] = []
     start = 0
     for i in range(1, len(owners) + 1):
-        if i == len(owners) or owners[i] is not owners[start]:
+        ends = plan.slots[i - 1].traits & SEGMENT_ENDING
+        if i == len(owners) or owners[i] is not owners[start] or ends:
             b = owners[start]
             segments.append(Segment(len(segments), b.name, b.mode.name, tuple(range(start, i))))
             start = i

@@ -1,0 +1,418 @@
+"""GenerationPipeline and GenerationSession: prefill + fixed-KV decode, K steps per host call.
+
+Two cached plans serve a decoder:
+
+- the **prefill** plan: the model as exported (a CompiledModel of the original graph),
+  fed the prompt (or an appended chunk) with the retained cache as ``past``; its
+  presents are written into the session's KV buffers;
+- the **decode** plan: the graph rewritten by ``fixed_kv_buffers`` (dsp_core.llm.kv),
+  compiled once per batch size, frozen on its first run. Its inputs (KV buffers,
+  ``input_ids``, ``position_ids``, ``attention_mask`` at max_length, ``kv_position``)
+  are variables read in place: their addresses never move, so after warm-up the plan
+  replays every token without a recapture.
+
+The decode loop (DecodeLoop) runs K steps per host call: run the plan (which scatters
+the step's K/V into the buffers), choose the token (greedy ``next_token`` from the plan,
+or the sampler on the logits), write it into ``input_ids`` in place, advance the
+position arrays in place. Tokens stay arrays until the block ends; then the host reads
+the block once, streams it and checks stop tokens.
+
+GPU hook: ``DecodeLoop.block_hook`` -- when set, ``block_hook(k)`` must return a
+callable that runs k whole steps (plan replay + choice + advance) on the device, e.g.
+a CUDA graph captured over k iterations of exactly this loop body (it touches only the
+state arrays, whose addresses are fixed); the loop then calls it once per block instead
+of its Python loop. The block's uniforms (sampling) are passed in a fixed buffer too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsp_core.errors import DSPError, InputError
+from dsp_core.ir import dtypes
+from dsp_core.llm.kv import FixedKVGraph, fixed_kv_buffers, past_inputs
+from dsp_core.llm.metrics import DecodeMetrics
+from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
+from dsp_core.runtime.lifecycle import PlanPhase
+from dsp_core.runtime.model import CompiledModel
+
+# Fed inputs the decode loop updates in place (besides the KV buffers, graph variables already).
+STATE_INPUTS = ("input_ids", "attention_mask", "position_ids")
+WARMUP_STEPS = 8  # enough for freeze -> warm -> capture -> two clean replays
+
+
+@dataclass
+class GenerationResult:
+    """What ``generate`` returns: the new tokens, per-row lengths, metrics, why it stopped."""
+
+    tokens: np.ndarray  # int64 [batch, n]
+    lengths: np.ndarray  # int64 [batch]: tokens up to and including each row's stop token
+    metrics: DecodeMetrics
+    stopped: bool  # a stop token ended the generation
+    counters: dict[str, Any] = field(default_factory=dict)  # the decode plan's lifecycle counters
+
+    def token_list(self, row: int = 0) -> list[int]:
+        """The tokens of one row as ints, cut at its stop token."""
+        return [int(t) for t in self.tokens[row, : int(self.lengths[row])]]
+
+
+class DecodeState:
+    """The decode plan's fed arrays for one session: allocated once, updated in place."""
+
+    def __init__(self, decoder: Decoder, xp: Any = np) -> None:
+        fk = decoder.fixed
+        batch, length = fk.batch, fk.max_length
+        self.xp = xp
+        self.max_length = length
+        self.buffers = {n: xp.zeros(s, dtype=dtypes.to_numpy(fk.buffer_dtypes[n])) for n, s in fk.buffer_shapes.items()}
+        self.input_ids = xp.zeros((batch, 1), dtype=decoder.dtype_of("input_ids"))
+        self.position_ids = xp.zeros((batch, 1), dtype=decoder.dtype_of("position_ids"))
+        self.attention_mask = xp.zeros((batch, length), dtype=decoder.dtype_of("attention_mask"))
+        self.kv_position = xp.zeros((1,), dtype=xp.int64)
+        every = {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": self.attention_mask,
+            fk.position_input: self.kv_position,
+            **self.buffers,
+        }
+        self.feeds = {n: every[n] for n in decoder.model.input_names}  # the same arrays every step
+
+    def set_position(self, position: int) -> None:
+        """Host-side: the next fed token goes to ``position`` (valid positions 0..position)."""
+        self.kv_position[...] = position
+        self.position_ids[...] = position
+        self.attention_mask[...] = 0
+        self.attention_mask[:, : position + 1] = 1
+
+    def advance(self) -> None:
+        """Device-side: one position further (no value goes to the host)."""
+        self.kv_position += 1
+        self.position_ids += 1
+        self.attention_mask[:, self.kv_position] = 1
+
+    def clear(self) -> None:
+        """Zero the KV buffers (in place: their addresses stay)."""
+        for buf in self.buffers.values():
+            buf[...] = 0
+
+
+class DecodeLoop:
+    """K decode steps per host call over the replayed decode plan (see the module doc for the GPU hook)."""
+
+    block_hook: Callable[[int], Callable[[Any, Any, int], None]] | None = None
+
+    def __init__(self, decoder: Decoder, state: DecodeState, sampler: Sampler) -> None:
+        self.model = decoder.model
+        self.fixed = decoder.fixed
+        self.state = state
+        self.sampler = sampler
+
+    def step(self) -> dict[str, Any]:
+        """One decode step: the plan runs (and scatters this step's K/V); returns its outputs."""
+        return self.model.run(self.state.feeds)
+
+    def run_block(self, k: int, out: Any, offset: int, uniforms: Any) -> None:
+        """k steps; the chosen tokens land in ``out[:, offset:offset+k]`` (an array, never read here)."""
+        if self.block_hook is not None:
+            self.block_hook(k)(out, uniforms, offset)
+            return
+        state, greedy = self.state, self.sampler.sampling.greedy
+        for i in range(k):
+            outs = self.step()
+            if greedy:
+                token = outs[self.fixed.next_token][:, 0]
+            else:
+                token = self.sampler.pick(outs[self.fixed.logits][:, -1], uniforms[i])
+            state.input_ids[:, 0] = token  # fed back in place
+            out[:, offset + i] = token
+            state.advance()
+
+
+class Decoder:
+    """The decode plan of one batch size: the rewritten graph, compiled, frozen on first run."""
+
+    def __init__(self, pipeline: GenerationPipeline, batch: int) -> None:
+        self.fixed: FixedKVGraph = fixed_kv_buffers(pipeline.graph, batch=batch, max_length=pipeline.max_length)
+        self.model = CompiledModel(self.fixed.graph, pipeline.mode, registry=pipeline.prefill_model.registry)
+        self.model.dsp.mark_variable([n for n in (*STATE_INPUTS, self.fixed.position_input) if n in self.model.input_names])
+        self.model.dsp.freeze()  # the shapes never change: freeze at the first run
+        self.batch = batch
+        self.warmed = False
+
+    def dtype_of(self, name: str) -> Any:
+        """The numpy dtype the graph declares for input ``name`` (int64 if absent)."""
+        info = self.fixed.graph.info(name)
+        return dtypes.to_numpy(info.dtype) if info is not None and info.dtype else np.int64
+
+
+class GenerationSession:
+    """Generation state that persists across calls: KV buffers, position, the pending token.
+
+    ``append(ids)`` feeds more tokens after what the session holds (no new prefill of the
+    earlier ones); ``generate(n)`` continues from there. Sessions are independent: each
+    owns its buffers (switching sessions makes the shared decode plan re-capture once,
+    since its inputs' addresses differ).
+    """
+
+    def __init__(self, pipeline: GenerationPipeline, batch: int = 1) -> None:
+        self.pipeline = pipeline
+        self.batch = batch
+        self.decoder = pipeline.decoder(batch)
+        self.state = DecodeState(self.decoder)
+        self.position = 0
+        self.pending: np.ndarray | None = None  # [B, 1]: chosen but not yet fed
+        self.last_logits: np.ndarray | None = None  # [B, V] after the last fed token
+        self.history: list[np.ndarray] = []
+        self.last_append_seconds = 0.0
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the session: appended and generated (pending included), [B, n]."""
+        if not self.history:
+            return np.zeros((self.batch, 0), np.int64)
+        return np.concatenate(self.history, axis=1)
+
+    def reset_position(self) -> None:
+        """Forget the sequence: position 0 (the buffers are overwritten as the next one is fed)."""
+        self.position = 0
+        self.pending = None
+        self.last_logits = None
+        self.history = []
+        self.state.set_position(0)
+
+    # -- feeding -----------------------------------------------------------------------
+    def append(self, ids: Any) -> np.ndarray:
+        """Feed ``ids`` ([B, n] or [n]) after the retained state; returns the last position's logits [B, V]."""
+        start = time.perf_counter()
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[None, :] if ids.ndim == 1 else ids
+        if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] == 0:
+            raise InputError(f"append: ids must be [{self.batch}, n] with n >= 1, got shape {ids.shape}")
+        chunk = ids if self.pending is None else np.concatenate([self.pending, ids], axis=1)
+        self._check_room(chunk.shape[1])
+        if chunk.shape[1] == 1:
+            logits = self._decode_one(chunk)
+        else:
+            logits = self._prefill(chunk)
+        self.position += chunk.shape[1]
+        self.pending = None
+        self.last_logits = logits
+        self.history.append(ids.copy())
+        self.last_append_seconds = time.perf_counter() - start
+        return logits
+
+    def _check_room(self, n: int) -> None:
+        if self.position + n > self.pipeline.max_length:
+            raise InputError(
+                f"the session holds {self.position} tokens; {n} more exceed max_length "
+                f"{self.pipeline.max_length}: build the pipeline with a larger max_length"
+            )
+
+    def _decode_one(self, token: np.ndarray) -> np.ndarray:
+        """One token through the decode plan (in place, no prefill plan)."""
+        self.state.set_position(self.position)
+        self.state.input_ids[...] = token
+        outs = self.decoder.model.run(self.state.feeds)
+        return np.asarray(outs[self.decoder.fixed.logits][:, -1])
+
+    def _prefill(self, chunk: np.ndarray) -> np.ndarray:
+        """A chunk through the prefill plan, the retained cache as past; presents go into the buffers."""
+        pipe, p, n = self.pipeline, self.position, chunk.shape[1]
+        feeds: dict[str, Any] = {"input_ids": chunk}
+        names = pipe.prefill_model.input_names
+        if "attention_mask" in names:
+            feeds["attention_mask"] = np.ones((self.batch, p + n), dtype=self.decoder.dtype_of("attention_mask"))
+        if "position_ids" in names:
+            pos = np.arange(p, p + n, dtype=self.decoder.dtype_of("position_ids"))
+            feeds["position_ids"] = np.repeat(pos[None, :], self.batch, axis=0)
+        for name, buf in self.state.buffers.items():
+            feeds[name] = buf[:, :, :p]
+        outs = pipe.prefill_model.run(feeds)
+        for g in self.decoder.fixed.growth:
+            self.state.buffers[g.past][:, :, p : p + n] = outs[g.present][:, :, p : p + n]
+        return np.asarray(outs[self.decoder.fixed.logits][:, -1])
+
+    # -- generating --------------------------------------------------------------------
+    def generate(
+        self,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        stop_tokens: Sequence[int] = (),
+        on_tokens: Callable[[np.ndarray], None] | None = None,
+        block_size: int | None = None,
+    ) -> GenerationResult:
+        """Continue the sequence by up to ``max_new_tokens`` tokens, K decode steps per host call."""
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self.pending is None and self.last_logits is None:
+            raise DSPError("nothing to continue from: append(ids) first")
+        sampling = sampling or GREEDY
+        k_max = max(1, int(block_size or self.pipeline.block_size))
+        sampler = Sampler(sampling, self.batch)
+        stops = np.asarray(sorted(set(int(t) for t in stop_tokens)), dtype=np.int64)
+        out = np.zeros((self.batch, max_new_tokens), np.int64)
+        seconds: list[float] = []
+        n = 0
+        start_position, first_from_logits = self.position, self.pending is None
+        if self.pending is None:
+            assert self.last_logits is not None
+            t0 = time.perf_counter()
+            uniforms = sampler.draws(1)
+            out[:, 0] = sampler.pick(self.last_logits, None if uniforms is None else uniforms[0])
+            seconds.append(self.last_append_seconds + time.perf_counter() - t0)
+            n = 1
+            if on_tokens is not None:
+                on_tokens(out[:, :1].copy())
+            self.pending = out[:, :1].copy()
+        self._check_room(max_new_tokens - n)
+        self.pipeline.warmup(self.batch)
+        stop_at = _first_stops(out[:, :n], stops)
+        if stop_at is None and n < max_new_tokens:
+            loop = DecodeLoop(self.decoder, self.state, sampler)
+            self.state.set_position(self.position)
+            assert self.pending is not None
+            self.state.input_ids[...] = self.pending
+            while n < max_new_tokens:
+                k = min(k_max, max_new_tokens - n)
+                t0 = time.perf_counter()
+                loop.run_block(k, out, n, sampler.draws(k))
+                block = out[:, n : n + k].copy()  # the host reads the block once
+                seconds.extend([(time.perf_counter() - t0) / k] * k)
+                n += k
+                if on_tokens is not None:
+                    on_tokens(block)
+                stop_at = _first_stops(out[:, :n], stops)
+                if stop_at is not None:
+                    break
+        kept = n if stop_at is None else int(stop_at.max()) + 1
+        lengths = np.full(self.batch, kept, np.int64) if stop_at is None else np.minimum(stop_at + 1, kept)
+        self.position = start_position + kept - (1 if first_from_logits else 0)
+        self.pending = out[:, kept - 1 : kept].copy()
+        self.last_logits = None
+        self.history.append(out[:, :kept].copy())
+        return GenerationResult(
+            tokens=out[:, :kept].copy(),
+            lengths=lengths,
+            metrics=DecodeMetrics(tuple(seconds[:kept]), self.batch),
+            stopped=stop_at is not None,
+            counters=self.decoder.model.dsp.runtime.counters() if self.decoder.model.last_live else {},
+        )
+
+
+def _first_stops(tokens: np.ndarray, stops: np.ndarray) -> np.ndarray | None:
+    """Per row, the index of its first stop token, when every row has one; else None."""
+    if stops.size == 0 or tokens.shape[1] == 0:
+        return None
+    hit = np.isin(tokens, stops)
+    if not hit.any(axis=1).all():
+        return None
+    return hit.argmax(axis=1).astype(np.int64)
+
+
+class GenerationPipeline:
+    """Greedy or sampled generation with a KV-cache decoder: prefill plan + fixed-KV decode plan.
+
+    ``model``: a path, bytes, onnx.ModelProto, Graph or CompiledModel of a decoder with the
+    usual KV naming (``input_ids``, ``attention_mask``, ``position_ids``,
+    ``past_key_values.N.key/value`` -> ``logits``, ``present.N.key/value``).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        max_length: int = 128,
+        mode: str | None = None,
+        *,
+        block_size: int = 8,
+        strict: bool = False,
+    ) -> None:
+        import dsp_core as dsp
+
+        if isinstance(model, CompiledModel):
+            self.prefill_model = model if mode is None else dsp.compile(model.graph, mode=mode, strict=strict)
+        else:
+            source = str(model) if isinstance(model, Path) else model
+            self.prefill_model = dsp.compile(source, mode=mode or "auto", strict=strict)
+        self.mode = self.prefill_model.mode
+        self.graph = self.prefill_model.graph
+        if not past_inputs(self.graph):
+            raise InputError(f"model {self.graph.name!r} has no past_key_values.N.* inputs: not a KV-cache decoder")
+        self.max_length = int(max_length)
+        self.block_size = int(block_size)
+        self._decoders: dict[int, Decoder] = {}
+        self._default: GenerationSession | None = None
+
+    # -- plans -------------------------------------------------------------------------
+    def decoder(self, batch: int = 1) -> Decoder:
+        """The decode plan for ``batch`` rows (built on first use)."""
+        if batch not in self._decoders:
+            self._decoders[batch] = Decoder(self, batch)
+        return self._decoders[batch]
+
+    @property
+    def decode_model(self) -> CompiledModel:
+        """The batch-1 decode model (``decode_model.dsp`` shows its phase and counters)."""
+        return self.decoder(1).model
+
+    def warmup(self, batch: int = 1) -> None:
+        """Drive the decode plan to REPLAYING (or REPLAY_BLOCKED) on the default session's buffers, then clear them."""
+        decoder = self.decoder(batch)
+        if decoder.warmed:
+            return
+        decoder.warmed = True
+        session = self._session(batch)
+        state = session.state
+        state.set_position(0)
+        for _ in range(WARMUP_STEPS):
+            decoder.model.run(state.feeds)
+            if decoder.model.dsp.phase in (PlanPhase.REPLAYING, PlanPhase.REPLAY_BLOCKED):
+                break
+        state.clear()
+        session.reset_position()
+
+    # -- sessions ----------------------------------------------------------------------
+    def session(self, batch: int = 1) -> GenerationSession:
+        """A new, independent session (its own KV buffers)."""
+        return GenerationSession(self, batch)
+
+    def _session(self, batch: int) -> GenerationSession:
+        if self._default is None or self._default.batch != batch:
+            self._default = GenerationSession(self, batch)
+        return self._default
+
+    @property
+    def position(self) -> int:
+        """Tokens held by the default session (the one ``generate`` uses)."""
+        return self._default.position if self._default is not None else 0
+
+    def reset_position(self) -> None:
+        """Reset the default session to position 0."""
+        if self._default is not None:
+            self._default.reset_position()
+
+    # -- generating --------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: Any,
+        max_new_tokens: int = 32,
+        sampling: Sampling | None = None,
+        stop_tokens: Sequence[int] = (),
+        on_tokens: Callable[[np.ndarray], None] | None = None,
+        block_size: int | None = None,
+    ) -> GenerationResult:
+        """Prefill ``input_ids`` ([B, n] or [n]) on the default session, then generate."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        ids = ids[None, :] if ids.ndim == 1 else ids
+        self.warmup(ids.shape[0])
+        session = self._session(ids.shape[0])
+        session.reset_position()
+        session.append(ids)
+        return session.generate(max_new_tokens, sampling, stop_tokens, on_tokens, block_size)

@@ -1,0 +1,129 @@
+"""Matrix products through the owned cuBLAS binding, so they can be captured.
+
+``matmul(st, a, b)`` is numpy's matmul (broadcast batch dims, 1-D operands promoted)
+for float16/float32/float64 (and bfloat16 where CuPy has it) with fp32 accumulation; other
+dtypes and layouts cuBLAS cannot read go through a contiguous copy or, for integers, CuPy's
+own matmul (eager only). ``XP`` is cupy with ``matmul`` swapped for this one, handed to
+reference kernels that multiply matrices themselves (attention ops).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from dsp_cuda_graphs.cublas import batch_stride, gemm_args
+
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
+
+
+def _elem_strides(x: Any) -> tuple[int, ...]:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def matmul(st: dict[str, Any], a: Any, b: Any, out_dtype: Any = None) -> Any:
+    """numpy.matmul semantics on the backend's stream through cuBLAS (fp32 accumulation)."""
+    cp = st["cupy"]
+    dtype = str(a.dtype)
+    if dtype != str(b.dtype) or dtype not in FLOAT_DTYPES:
+        return cp.matmul(a, b)  # integers / mixed: CuPy's (not capturable; such slots fail capture)
+    squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
+    if squeeze_a:
+        a = a[None, :]
+    if squeeze_b:
+        b = b[:, None]
+    m, k = a.shape[-2], a.shape[-1]
+    k2, n = b.shape[-2], b.shape[-1]
+    if k != k2:
+        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not align ({k} != {k2})")
+    batch = tuple(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    out = cp.empty(batch + (m, n), dtype=a.dtype)
+    if out.size:
+        if k == 0:
+            out.fill(0)
+        else:
+            _gemm_into(st, a, b, out, batch, 1.0, 0.0)
+    if squeeze_a:
+        out = out[..., 0, :]
+    if squeeze_b:
+        out = out[..., 0]
+    return out
+
+
+def _gemm_into(st: dict[str, Any], a: Any, b: Any, out: Any, batch: tuple[int, ...], alpha: float, beta: float) -> None:
+    """out[...] = alpha * a @ b + beta * out, one cuBLAS call (copies operands cuBLAS cannot read)."""
+    cp = st["cupy"]
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    count = math.prod(batch)
+    # Fold a batched A against a plain B into one taller product when A's rows are uniform.
+    if b.ndim == 2 and a.ndim > 2 and count > 1:
+        flat = a.reshape(count * m, k) if a.flags.c_contiguous else None
+        if flat is not None:
+            a, m, count, batch = flat, count * m, 1, ()
+    args = sa = sb = None
+    for attempt in range(2):
+        args = gemm_args(m, n, k, _elem_strides(a)[-2:], _elem_strides(b)[-2:], n)
+        sa = batch_stride(a.shape[:-2], _elem_strides(a)[:-2], batch)
+        sb = batch_stride(b.shape[:-2], _elem_strides(b)[:-2], batch)
+        if args is not None and sa is not None and sb is not None:
+            break
+        if attempt == 1:
+            raise RuntimeError(f"matmul: cannot lay out operands {a.shape} {a.strides} / {b.shape} {b.strides}")
+        a = cp.ascontiguousarray(cp.broadcast_to(a, batch + (m, k)))
+        b = cp.ascontiguousarray(cp.broadcast_to(b, batch + (k, n)))
+    assert args is not None and sa is not None and sb is not None
+    st["cublas"].gemm(
+        args, str(a.dtype), int(a.data.ptr), int(b.data.ptr), int(out.data.ptr), alpha, beta, count, (sa, sb, m * n)
+    )
+
+
+def matmul_kernel(st: dict[str, Any]) -> Any:
+    """The MatMul slot kernel: (a, b) -> a @ b through cuBLAS."""
+
+    def kernel(a: Any, b: Any) -> Any:
+        return matmul(st, a, b)
+
+    return kernel
+
+
+def gemm_kernel(st: dict[str, Any], alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0, **_: Any) -> Any:
+    """The Gemm slot kernel: alpha * op(A) @ op(B) + beta * C, the bias folded into cuBLAS's beta."""
+    cp = st["cupy"]
+
+    def kernel(a: Any, b: Any, c: Any = None) -> Any:
+        a2 = a.T if transA else a
+        b2 = b.T if transB else b
+        if str(a.dtype) not in FLOAT_DTYPES or a.dtype != b.dtype or a2.ndim != 2 or b2.ndim != 2:
+            y = matmul(st, a2, b2) * alpha
+            return (y + beta * c).astype(a.dtype) if c is not None and beta != 0.0 else y.astype(a.dtype)
+        m, n = a2.shape[0], b2.shape[1]
+        out = cp.empty((m, n), dtype=a.dtype)
+        use_c = c is not None and beta != 0.0
+        if use_c:
+            out[...] = cp.broadcast_to(c.astype(a.dtype, copy=False), (m, n))
+        if a2.shape[1] == 0:
+            out[...] = out * beta if use_c else 0
+            return out
+        _gemm_into(st, a2, b2, out, (), float(alpha), float(beta) if use_c else 0.0)
+        return out
+
+    return kernel
+
+
+class CublasXP:
+    """cupy, with ``matmul`` going through the owned cuBLAS binding (capturable)."""
+
+    def __init__(self, st: dict[str, Any]) -> None:
+        self._st = st
+        self._cupy = st["cupy"]
+
+    def matmul(self, a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
+        """numpy.matmul through cuBLAS (extra arguments: CuPy's own)."""
+        if args or kwargs:
+            return self._cupy.matmul(a, b, *args, **kwargs)
+        return matmul(self._st, a, b)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cupy, name)
