@@ -444,6 +444,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
     table = plan_table(model)
     if args.runs:
         table["lifecycle"] = lifecycle_table(model, args.runs)
+    table["cache"] = model.stats.as_dict()
     if args.json:
         print(json.dumps(table, indent=2))
         return 0
@@ -455,6 +456,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         f"plan {s['content_hash'][:12]}: {s['slots']} slots, {s['values']} values, externals {s['externals']}, "
         f"{s['constant_bytes'] / 1e6:.2f} MB of constants; backends: {', '.join(table['backends'])}"
     )
+    print("cache: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in table["cache"].items()))
     phases = table.get("lifecycle", {}).get("slots")
     rows = [["slot", "op", "inputs", "outputs", "traits", "releases", *(["phase"] if phases else [])]]
     for sl in table["slots"]:

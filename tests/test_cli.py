@@ -90,6 +90,7 @@ def test_plan_show_and_explain(model_path: Path) -> None:
     assert [s["op"] for s in table["slots"]] == ["MatMul", "Relu"]
     assert table["slots"][0]["outputs"][0]["released_at"] == 1
     assert table["slots"][1]["outputs"][0]["shape"] == "[n, 4]"
+    assert set(table["cache"]) >= {"plan_builds", "memory_hits", "disk_hits", "evictions", "quarantines"}
     assert "elementwise" in dsp("plan", "show", str(model_path)).stdout
     expl = json.loads(dsp("plan", "explain", str(model_path), "--json").stdout)
     assert expl["segments"][0]["backend"] == "slot_by_slot"
