@@ -107,7 +107,9 @@ def find_kv_growth(graph: Graph) -> list[KVGrowth]:
         axis = axis - rank if axis >= 0 else axis
         if axis != -2:
             raise KVTransformError(f"{node.label()}: joins {past!r} on axis {axis}, expected the sequence axis -2")
-        found.append(KVGrowth(int(match.group(1)), match.group(2), past, node.inputs[1], node.outputs[0], axis, node.name))
+        found.append(
+            KVGrowth(int(match.group(1)), match.group(2), past, node.inputs[1], node.outputs[0], axis, node.name)
+        )
     return found
 
 
@@ -135,8 +137,11 @@ def fixed_kv_buffers(
     virtual: dict[str, tuple[int, ...]] = {}  # the past shapes the graph's shape logic sees: length L - 1
     for past in by_past:
         info = graph.info(past)
-        if info is None or info.shape is None or len(info.shape) != 4 or not all(
-            isinstance(d, int) for d in (info.shape[1], info.shape[3])
+        if (
+            info is None
+            or info.shape is None
+            or len(info.shape) != 4
+            or not all(isinstance(d, int) for d in (info.shape[1], info.shape[3]))
         ):
             raise KVTransformError(f"input {past!r}: needs a declared [batch, heads, past, head_dim] shape")
         heads, dim = int(info.shape[1]), int(info.shape[3])  # type: ignore[arg-type]
@@ -151,8 +156,14 @@ def fixed_kv_buffers(
         elif node.op_type == "Concat" and node.inputs[0] in by_past and by_past[node.inputs[0]].node == node.name:
             g = by_past[node.inputs[0]]
             nodes.append(
-                Node("KVScatter", [g.past, g.new, position_input], [g.present], {"axis": g.axis},
-                     f"{node.name}/kv_scatter", "dsp")
+                Node(
+                    "KVScatter",
+                    [g.past, g.new, position_input],
+                    [g.present],
+                    {"axis": g.axis},
+                    f"{node.name}/kv_scatter",
+                    "dsp",
+                )
             )
         elif node.op_type in ("Shape", "Size"):
             nodes.append(_shape_constant(node, virtual[reads[0]]))

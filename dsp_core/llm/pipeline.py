@@ -141,7 +141,9 @@ class Decoder:
     def __init__(self, pipeline: GenerationPipeline, batch: int) -> None:
         self.fixed: FixedKVGraph = fixed_kv_buffers(pipeline.graph, batch=batch, max_length=pipeline.max_length)
         self.model = CompiledModel(self.fixed.graph, pipeline.mode, registry=pipeline.prefill_model.registry)
-        self.model.dsp.mark_variable([n for n in (*STATE_INPUTS, self.fixed.position_input) if n in self.model.input_names])
+        self.model.dsp.mark_variable(
+            [n for n in (*STATE_INPUTS, self.fixed.position_input) if n in self.model.input_names]
+        )
         self.model.dsp.freeze()  # the shapes never change: freeze at the first run
         self.batch = batch
         self.warmed = False

@@ -280,7 +280,7 @@ def check_mutations(slots: Sequence[Slot], externals: Sequence[External]) -> Non
             continue
         target = slot.inputs[0] if slot.inputs else None
         cls = externals[-target - 1].cls if target is not None and target < 0 else None
-        if cls not in (ExternalClass.VARIABLE, ExternalClass.PLACEHOLDER):
+        if target is None or cls not in (ExternalClass.VARIABLE, ExternalClass.PLACEHOLDER):
             what = "a missing input" if target is None else ("a computed value" if cls is None else f"a {cls.value}")
             raise GraphError(
                 f'{slot.op} node "{slot.name}" writes its first input in place, which is {what}: '
