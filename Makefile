@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PLUGINS := plugins/cpu_ref
+PLUGINS := plugins/cpu_ref plugins/cuda_graphs
 TEST_DISTS := tests/dists/dsp_test_backends
 
 .PHONY: demo test gpu-test lint typecheck node-suite bench fixtures clean

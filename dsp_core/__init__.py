@@ -32,6 +32,7 @@ def compile(  # noqa: A001  (the public name the API promises)
     *,
     strict: bool = False,
     force_recompile: bool | None = None,
+    outputs_on_device: bool = False,
 ) -> CompiledModel:
     """Compile a model (path, bytes, onnx.ModelProto or dsp Graph) for ``mode``.
 
@@ -39,13 +40,18 @@ def compile(  # noqa: A001  (the public name the API promises)
     ``strict`` makes the auction fail rather than fall back to the reference backend.
     ONNX models go through the disk cache (DSP_DISK_CACHE, DSP_CACHE_DIR);
     ``force_recompile`` (or DSP_FORCE_RECOMPILE=1) ignores what it holds.
+    ``outputs_on_device=True`` returns a GPU backend's outputs as device (CuPy) arrays
+    instead of numpy (``model.outputs_on_device`` can be changed later).
     """
     parsed = GraphExecutionMode.parse(mode)
     if isinstance(model, Graph):
         model.validate()
-        return CompiledModel(model, parsed, strict=strict)
-    force = config.get("force_recompile", force_recompile)
-    return compile_cached(_as_source(model), parsed, strict, __version__, force_recompile=force)
+        compiled = CompiledModel(model, parsed, strict=strict)
+    else:
+        force = config.get("force_recompile", force_recompile)
+        compiled = compile_cached(_as_source(model), parsed, strict, __version__, force_recompile=force)
+    compiled.outputs_on_device = outputs_on_device
+    return compiled
 
 
 def _as_source(model: Any) -> Any:

@@ -118,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     dreport.add_argument("--json", action="store_true", help="print JSON")
     dreport.set_defaults(func=cmd_diag_report)
 
+    from dsp_core.llm.cli import add_llm_commands
+
+    add_llm_commands(sub)  # `dsp generate`, `dsp validate` (dsp_core/llm/cli.py)
+
     conf = sub.add_parser("config", help="every option: current value and where it came from")
     conf.add_argument("--json", action="store_true", help="print JSON")
     conf.set_defaults(func=cmd_config)

@@ -89,6 +89,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("no_freeze", "DSP_NO_FREEZE", "bool", False, "Never freeze plans (a debugging switch)."),
     Option(
+        "cublas_tf32",
+        "DSP_CUBLAS_TF32",
+        "bool",
+        False,
+        "Allow TF32 in float32 cuBLAS products of GPU backends (faster, not deterministic); read at plugin load.",
+    ),
+    Option(
         "oom_retries",
         "DSP_OOM_RETRIES",
         "int",

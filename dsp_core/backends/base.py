@@ -257,6 +257,18 @@ class Backend:
     def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
         raise NotImplementedError(f"backend {self.name} does not implement _compile")
 
+    # -- device placement of fed inputs (used by dsp_core.runtime.staging) ---------------
+    # A backend whose kernels read device memory overrides both: the core then stages the
+    # placeholders that only its units read into buffers it allocates (one copy per step,
+    # host to device, at a stable address). The defaults keep feeds on the host.
+    def stage_buffer(self, value: Any) -> Any | None:
+        """A stable buffer for fed array ``value`` where this backend reads it, or None (host)."""
+        return None
+
+    def stage_into(self, buffer: Any, value: Any) -> None:
+        """Copy fed ``value`` into ``buffer`` (one made by ``stage_buffer``)."""
+        buffer[...] = value
+
     def describe(self) -> dict[str, Any]:
         """A JSON-able record of this backend for `dsp backends list`."""
         avail = self.availability()

@@ -113,6 +113,9 @@ class CompiledModel:
         self.variables: set[str] = set()
         self.last_live: LivePlan | None = None
         self.freeze_on_build = False
+        # False: outputs are numpy (device arrays are copied to the host); True: a GPU
+        # backend's outputs are returned as its device arrays (CuPy), with no copy to the host.
+        self.outputs_on_device = False
         self.dsp = DspHandle(self)
         self._feed_names = frozenset(s.name for s in self._feeds)
         self._feed_name_tuple = tuple(s.name for s in self._feeds)
@@ -215,7 +218,7 @@ class CompiledModel:
             results = live.runtime.execute([(s.flat, a) for s, a in zip(self._feeds, staged)])
         finally:
             self.cache.release(live)
-        return {name: _as_output(r) for name, r in zip(names, results)}
+        return {name: _as_output(r, self.outputs_on_device) for name, r in zip(names, results)}
 
     def live_plan(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> LivePlan:
         """The live plan of this call's shape signature (pinned: release it after the run)."""
@@ -306,9 +309,9 @@ class CompiledModel:
 
 
 def _other_feed_key(value: Any) -> tuple[tuple[int, ...], str]:
-    """Signature entry of a feed that is not a plain ndarray (a sequence, None, a subclass)."""
-    if isinstance(value, np.ndarray):
-        return (value.shape, value.dtype.str)
+    """Signature entry of a feed that is not a plain ndarray (a sequence, None, a subclass, a device array)."""
+    if isinstance(value, np.ndarray) or _on_device(value):
+        return (tuple(value.shape), value.dtype.str)
     if isinstance(value, list):
         return ((len(value),), "sequence:" + ",".join(f"{v.dtype.str}{v.shape}" for v in value))
     return ((), type(value).__name__)
@@ -324,12 +327,19 @@ def _feed_specs_of_plan(plan: Plan) -> list[FeedSpec]:
     return specs
 
 
-def _as_output(value: Any) -> Any:
-    """An output as numpy: arrays (and 0-d results) as ndarray, sequences as lists, None kept."""
+def _on_device(value: Any) -> bool:
+    """True for a device array (CuPy and friends: ``__cuda_array_interface__``)."""
+    return hasattr(value, "__cuda_array_interface__") and not isinstance(value, np.ndarray)
+
+
+def _as_output(value: Any, on_device: bool = False) -> Any:
+    """An output as numpy (arrays, 0-d results; sequences as lists; None kept), or kept on its device."""
     if value is None:
         return None
     if isinstance(value, list):
-        return [np.asarray(v) for v in value]
+        return [_as_output(v, on_device) for v in value]
+    if _on_device(value):
+        return value if on_device else value.get()
     return np.asarray(value)
 
 
@@ -357,7 +367,8 @@ def _check_feed(spec: FeedSpec, value: Any, symbols: dict[str, tuple[int, str]])
     if spec.kind == "optional" and (value is None or isinstance(value, (list, tuple))):
         return None if value is None else [np.asarray(v) for v in value]  # empty, or holding a sequence
     try:
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        # a device array (CuPy) is kept as it is: a GPU backend reads it where it lies
+        arr = value if isinstance(value, np.ndarray) or _on_device(value) else np.asarray(value)
     except Exception as exc:  # noqa: BLE001
         raise InputError(f"input {spec.name!r}: cannot convert {type(value).__name__} to an array: {exc}") from exc
     if spec.dtype is not None and arr.dtype != spec.dtype:

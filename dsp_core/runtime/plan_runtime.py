@@ -34,7 +34,7 @@ from dsp_core.runtime.lifecycle import (
     SlotPhase,
     StateMachine,
 )
-from dsp_core.runtime.staging import ConstantSnapshot, Staging, injected_fault
+from dsp_core.runtime.staging import ConstantSnapshot, Staging, injected_fault, placement
 from dsp_core.runtime.units import IdentityKeys, Unit, UnitKind, buffer_address, split_units, unit_io
 
 if TYPE_CHECKING:
@@ -164,6 +164,7 @@ class PlanRuntime:
         readers = {i for u in self.units if u.kind is UnitKind.ISLAND for i in u.inputs}
         self.bridge_targets = frozenset(o for u in self.units for o in u.outputs if o in readers)
         self.snapshot = ConstantSnapshot(plan.constants)
+        self.staging.placement = placement(self.units, self._staged_flats)  # device backends stage their feeds
         self.__dict__.pop("_owned_cache", None)
         self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)
         if not any(u.kind is UnitKind.ISLAND for u in self.units):

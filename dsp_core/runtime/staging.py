@@ -42,6 +42,9 @@ class Staging:
         self.buffers: dict[int, Any] = {}  # flat index -> stable buffer
         self.copies = 0
         self.allocations = 0
+        # flat index -> the backend that allocates and fills its buffer (a device backend
+        # whose units are the only readers of that placeholder: see ``placement``)
+        self.placement: dict[int, Any] = {}
 
     def stage(self, flat: int, value: Any) -> Any:
         """Copy ``value`` into the stable buffer for ``flat`` (allocated on first use)."""
@@ -50,12 +53,20 @@ class Staging:
         if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
             if fault == "allocation":
                 raise StagingError(f"staging buffer allocation failed for input at slot {flat} (injected fault)")
-            buf = _empty_like(value)
+            placer = self.placement.get(flat)
+            buf = placer.stage_buffer(value) if placer is not None else None
+            if buf is None:
+                placer = None
+                buf = _empty_like(value)
             self.buffers[flat] = buf
             self.allocations += 1
         if fault == "copy":
             raise StagingError(f"staging copy failed for input at slot {flat} (injected fault)")
-        buf[...] = value
+        placer = self.placement.get(flat)
+        if placer is not None and _namespace_name(buf) != "numpy":
+            placer.stage_into(buf, value)
+        else:
+            buf[...] = value
         self.copies += 1
         if fault == "stream_sync":
             raise StagingError("stream synchronisation after staging failed (injected fault)")
@@ -69,6 +80,31 @@ class Staging:
     def nbytes(self) -> int:
         """Bytes held by the staging buffers."""
         return sum(int(getattr(b, "nbytes", 0)) for b in self.buffers.values())
+
+
+def placement(units: Any, flats: frozenset[int]) -> dict[int, Any]:
+    """Placeholders whose readers all belong to one backend that stages onto its device.
+
+    ``units`` are a frozen plan's units (dsp_core.runtime.units.Unit). A backend opts in by
+    overriding ``Backend.stage_buffer``; any placeholder read by a unit of another backend
+    stays on the host.
+    """
+    from dsp_core.backends.base import Backend
+
+    readers: dict[int, set[Any]] = {}
+    for unit in units:
+        for i in unit.inputs:
+            if i in flats:
+                readers.setdefault(i, set()).add(unit.backend)
+    return {
+        flat: next(iter(owners))
+        for flat, owners in readers.items()
+        if len(owners) == 1 and type(next(iter(owners))).stage_buffer is not Backend.stage_buffer
+    }
+
+
+def _namespace_name(value: Any) -> str:
+    return "numpy" if isinstance(value, np.ndarray) else type(value).__module__.split(".")[0]
 
 
 def _empty_like(value: Any) -> Any:

@@ -55,7 +55,9 @@ def plan_intervals(intervals: list[Interval], alignment: int = ALIGN) -> tuple[l
     for i in order:
         me = intervals[i]
         size = align(max(me.size, 1), alignment)
-        busy = sorted((offsets[j], align(max(intervals[j].size, 1), alignment)) for j in placed if overlaps(me, intervals[j]))
+        busy = sorted(
+            (offsets[j], align(max(intervals[j].size, 1), alignment)) for j in placed if overlaps(me, intervals[j])
+        )
         offset = 0
         for start, length in busy:
             if offset + size <= start:

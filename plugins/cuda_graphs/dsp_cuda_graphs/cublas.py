@@ -70,7 +70,9 @@ class GemmArgs:
     ldc: int
 
 
-def gemm_args(m: int, n: int, k: int, a_strides: tuple[int, int], b_strides: tuple[int, int], ldc: int) -> GemmArgs | None:
+def gemm_args(
+    m: int, n: int, k: int, a_strides: tuple[int, int], b_strides: tuple[int, int], ldc: int
+) -> GemmArgs | None:
     """cuBLAS arguments for row-major C = A @ B given A's and B's (row, col) strides in elements.
 
     C^T (N x M, column-major with ld = ldc) = B^T A^T: cuBLAS's A is our B, its B our A.
@@ -154,7 +156,9 @@ class Cublas:
         self._check(lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(stream_ptr)), "cublasSetStream_v2")
         self.workspace = workspace  # kept alive with the handle
         self._check(
-            lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(int(workspace.ptr)), ctypes.c_size_t(WORKSPACE_BYTES)),
+            lib.cublasSetWorkspace_v2(
+                self.handle, ctypes.c_void_p(int(workspace.ptr)), ctypes.c_size_t(WORKSPACE_BYTES)
+            ),
             "cublasSetWorkspace_v2",
         )
         self.tf32 = tf32
@@ -181,10 +185,10 @@ class Cublas:
     ) -> None:
         """C = alpha * A @ B + beta * C, row-major, via GemmEx (batch 1) or GemmStridedBatchedEx."""
         dt = DATA_TYPES[dtype]
+        compute = COMPUTE_32F_FAST_TF32 if self.tf32 and dtype == "float32" else COMPUTE_32F
+        scale: type[ctypes.c_double] | type[ctypes.c_float] = ctypes.c_float
         if dtype == "float64":
             compute, scale = COMPUTE_64F, ctypes.c_double
-        else:
-            compute, scale = (COMPUTE_32F_FAST_TF32 if self.tf32 and dtype == "float32" else COMPUTE_32F), ctypes.c_float
         al, be = scale(alpha), scale(beta)
         # cuBLAS's A is our B and its B our A (C^T = B^T A^T)
         first, second = ctypes.c_void_p(b_ptr), ctypes.c_void_p(a_ptr)

@@ -37,7 +37,7 @@ def probe() -> str | None:
         runtime = cupy.cuda.runtime.runtimeGetVersion()
     except Exception as exc:  # noqa: BLE001
         return f"CUDA driver unusable: {exc}"
-    if driver < runtime:
+    if driver // 1000 < runtime // 1000:  # minor versions are compatible within a major
         return f"driver supports CUDA {_ver(driver)} < CuPy's runtime {_ver(runtime)}: update the driver"
     try:
         from dsp_cuda_graphs.cublas import load_library

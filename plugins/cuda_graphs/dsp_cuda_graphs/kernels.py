@@ -23,6 +23,12 @@ def _elem_strides(x: Any) -> tuple[int, ...]:
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def _mat_strides(x: Any) -> tuple[int, int]:
+    """(row, column) strides of the last two dims, in elements."""
+    rs, cs = _elem_strides(x)[-2:]
+    return rs, cs
+
+
 def matmul(st: dict[str, Any], a: Any, b: Any, out_dtype: Any = None) -> Any:
     """numpy.matmul semantics on the backend's stream through cuBLAS (fp32 accumulation)."""
     cp = st["cupy"]
@@ -64,7 +70,7 @@ def _gemm_into(st: dict[str, Any], a: Any, b: Any, out: Any, batch: tuple[int, .
             a, m, count, batch = flat, count * m, 1, ()
     args = sa = sb = None
     for attempt in range(2):
-        args = gemm_args(m, n, k, _elem_strides(a)[-2:], _elem_strides(b)[-2:], n)
+        args = gemm_args(m, n, k, _mat_strides(a), _mat_strides(b), n)
         sa = batch_stride(a.shape[:-2], _elem_strides(a)[:-2], batch)
         sb = batch_stride(b.shape[:-2], _elem_strides(b)[:-2], batch)
         if args is not None and sa is not None and sb is not None:
@@ -88,7 +94,9 @@ def matmul_kernel(st: dict[str, Any]) -> Any:
     return kernel
 
 
-def gemm_kernel(st: dict[str, Any], alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0, **_: Any) -> Any:
+def gemm_kernel(
+    st: dict[str, Any], alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0, **_: Any
+) -> Any:
     """The Gemm slot kernel: alpha * op(A) @ op(B) + beta * C, the bias folded into cuBLAS's beta."""
     cp = st["cupy"]
 

@@ -1,0 +1,198 @@
+"""dsp-cuda-graphs on a machine without CUDA: it installs, lists as unavailable with its
+reason, AUTO falls through, and its pure-Python parts (the interval buffer planner, the
+island split against its profile, the cuBLAS arguments for row-major products) are right."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from dsp_cuda_graphs.buffers import AllocationTrace, Interval, align, overlaps, plan_intervals
+from dsp_cuda_graphs.cublas import OP_N, OP_T, batch_stride, gemm_args, operand
+from dsp_cuda_graphs.plugin import CudaGraphsBackend
+
+import dsp_core as dsp
+from dsp_core.backends.discovery import discover
+from dsp_core.plan.plan import Segment
+from dsp_core.runtime.units import UnitKind, split_units
+
+
+def _cuda_missing() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() < 1
+    except Exception:  # noqa: BLE001
+        return True
+
+
+needs_no_gpu = pytest.mark.skipif(not _cuda_missing(), reason="checks the CPU-only behaviour")
+
+
+# -- discovery -------------------------------------------------------------------------
+
+
+def test_registered_through_its_entry_point() -> None:
+    backend = next(b for b in discover().backends if b.name == "cuda_graphs")
+    assert backend.distribution == "dsp-cuda-graphs"
+    assert backend.platform == "cuda" and backend.captures
+    assert backend.contract.needs_stable_addresses
+    assert not backend.contract.tf32 and backend.contract.deterministic
+
+
+@needs_no_gpu
+def test_unavailable_with_a_reason_and_auto_falls_through() -> None:
+    backend = next(b for b in discover().backends if b.name == "cuda_graphs")
+    avail = backend.availability()
+    assert not avail.ok
+    assert "cupy not installed" in avail.reason or "CUDA" in avail.reason
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [2, 3])
+    g.output(g.Relu(x), "y")
+    model = dsp.compile(g.build())
+    assert "cuda_graphs" not in model.resolved_backends()
+
+
+def test_tf32_option_is_in_the_config_table() -> None:
+    from dsp_core import config
+
+    opt = next(o for o in config.OPTIONS if o.name == "cublas_tf32")
+    assert opt.env == "DSP_CUBLAS_TF32" and opt.default is False
+
+
+# -- the interval planner --------------------------------------------------------------
+
+
+def _check_layout(intervals: list[Interval], offsets: list[int], total: int) -> None:
+    for i, j in itertools.combinations(range(len(intervals)), 2):
+        a, b = intervals[i], intervals[j]
+        if overlaps(a, b):
+            ea, eb = offsets[i] + align(a.size), offsets[j] + align(b.size)
+            assert ea <= offsets[j] or eb <= offsets[i], f"{a}@{offsets[i]} and {b}@{offsets[j]} share memory"
+    for iv, off in zip(intervals, offsets):
+        assert off % 256 == 0 and off + iv.size <= total
+
+
+def test_disjoint_lifetimes_share_memory() -> None:
+    ivs = [Interval(1000, 0, 2), Interval(1000, 2, 4), Interval(1000, 4, 6)]
+    offsets, total = plan_intervals(ivs)
+    assert offsets == [0, 0, 0] and total == align(1000)
+
+
+def test_overlapping_lifetimes_do_not() -> None:
+    ivs = [Interval(1000, 0, 5), Interval(500, 1, 3), Interval(300, 2, 6)]
+    offsets, total = plan_intervals(ivs)
+    _check_layout(ivs, offsets, total)
+    assert total == align(1000) + align(500) + align(300)
+
+
+def test_random_traces_never_alias_and_beat_no_reuse() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        trace = AllocationTrace()
+        live: list[int] = []
+        for _ in range(60):
+            if live and rng.random() < 0.45:
+                trace.free(live.pop(int(rng.integers(len(live)))))
+            else:
+                live.append(trace.alloc(int(rng.integers(1, 5000))))
+        ivs = trace.intervals()
+        offsets, total = plan_intervals(ivs)
+        _check_layout(ivs, offsets, total)
+        assert total <= sum(align(iv.size) for iv in ivs)
+
+
+def test_trace_keeps_unfreed_buffers_to_the_end() -> None:
+    trace = AllocationTrace()
+    a = trace.alloc(10)
+    b = trace.alloc(20)
+    trace.free(a)
+    ivs = trace.intervals()
+    assert ivs[a].end == 2 and ivs[b].end > trace.clock
+    del b
+
+
+# -- islands against the profile -------------------------------------------------------
+
+
+def test_island_split_puts_excluded_and_host_sync_ops_in_gaps() -> None:
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [4, 4])
+    w = g.constant(np.eye(4, dtype=np.float32), name="w")
+    h = g.Relu(g.MatMul(x, w))
+    nz = g.NonZero(h)  # dynamic output size: a host sync
+    y = g.Add(h, h)
+    g.output(y, "y")
+    g.output(nz, "nz")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    plan = model.plan()
+    assert plan is not None
+    backend = CudaGraphsBackend()
+    pieces = split_units(plan, Segment(0, backend.name, "CUDA_GRAPHS", tuple(range(len(plan.slots)))), backend)
+    kinds = {plan.slots[s].op: kind for kind, slots in pieces for s in slots}
+    assert kinds["NonZero"] is UnitKind.GAP
+    assert kinds["MatMul"] is UnitKind.ISLAND and kinds["Relu"] is UnitKind.ISLAND
+    assert "RoiAlign" in backend.profile.excluded_ops
+    assert backend.supports(_view("RoiAlign")) is None  # excluded ops are gaps here, not declined
+
+
+def _view(op: str) -> object:
+    from dsp_core.backends.base import SlotView
+    from dsp_core.ops.registry import Trait
+
+    return SlotView(0, op, "", Trait.NONE, {}, ("float32",), ("float32",))
+
+
+# -- cuBLAS arguments for row-major products -------------------------------------------
+
+
+def _emulate(args, a: np.ndarray, b: np.ndarray) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Run what cuBLAS would compute (column-major) from the flat buffers and the arguments."""
+
+    def colmajor(buf: np.ndarray, rows: int, cols: int, ld: int) -> np.ndarray:
+        flat = buf.reshape(-1)
+        return np.array([[flat[i + j * ld] for j in range(cols)] for i in range(rows)])
+
+    def op_of(buf: np.ndarray, op: int, rows: int, cols: int, ld: int) -> np.ndarray:
+        # op(X) is rows x cols; X itself is cols x rows when transposed
+        return colmajor(buf, cols, rows, ld).T if op == OP_T else colmajor(buf, rows, cols, ld)
+
+    first = op_of(_base(b), args.transa, args.m, args.k, args.lda)
+    second = op_of(_base(a), args.transb, args.k, args.n, args.ldb)
+    c_cm = first @ second  # m x n column-major = C^T
+    return c_cm.T
+
+
+def _base(x: np.ndarray) -> np.ndarray:
+    """The buffer a view starts at (views made below start at their base's first element)."""
+    return x.base if x.base is not None else x
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize(("m", "k", "n"), [(3, 4, 5), (1, 6, 2), (4, 1, 3), (2, 3, 1)])
+def test_gemm_args_reproduce_row_major_products(ta: bool, tb: bool, m: int, k: int, n: int) -> None:
+    rng = np.random.default_rng(1)
+    a = np.ascontiguousarray(rng.standard_normal((k, m)) if ta else rng.standard_normal((m, k)))
+    b = np.ascontiguousarray(rng.standard_normal((n, k)) if tb else rng.standard_normal((k, n)))
+    av, bv = (a.T if ta else a), (b.T if tb else b)
+    es = lambda x: tuple(s // x.itemsize for s in x.strides)  # noqa: E731
+    args = gemm_args(m, n, k, es(av), es(bv), n)
+    assert args is not None
+    np.testing.assert_allclose(_emulate(args, av, bv), av @ bv, rtol=1e-12)
+
+
+def test_operand_layouts() -> None:
+    assert operand(3, 4, 4, 1) == operand(3, 4, 4, 1)
+    assert operand(3, 4, 4, 1).op == OP_N and operand(3, 4, 4, 1).ld == 4  # type: ignore[union-attr]
+    assert operand(3, 4, 1, 3).op == OP_T  # type: ignore[union-attr]
+    assert operand(3, 4, 8, 2) is None  # neither rows nor columns contiguous
+    assert operand(3, 4, 8, 1).ld == 8  # type: ignore[union-attr]  # a padded row stride
+
+
+def test_batch_strides() -> None:
+    assert batch_stride((2, 3), (30, 10), (2, 3)) == 10
+    assert batch_stride((), (), (2, 3)) == 0  # broadcast over the whole batch
+    assert batch_stride((1, 3), (99, 10), (2, 3)) is None  # broadcast over one dim only: needs a copy
+    assert batch_stride((1, 1), (5, 5), (1, 1)) == 0
