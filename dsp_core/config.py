@@ -67,8 +67,8 @@ OPTIONS: tuple[Option, ...] = (
         "cache_max_bytes",
         "DSP_CACHE_MAX_BYTES",
         "int",
-        1 << 30,
-        "Disk cache size bound; least recently used entries are evicted beyond it.",
+        4 << 30,
+        "Disk cache size bound (plans and weight files); least recently used entries are evicted beyond it.",
         minimum=0,
     ),
     Option(

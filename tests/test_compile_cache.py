@@ -52,20 +52,39 @@ def test_force_recompile_and_disabled_cache(cache_dir: Path, monkeypatch: pytest
     assert model.stats.disk_hits == 0 and model.stats.disk_writes == 0
 
 
-@pytest.mark.parametrize("damage", ["object", "weight"])
-def test_corrupt_entry_is_quarantined_and_recompiled(cache_dir: Path, damage: str) -> None:
-    reference = dsp.compile(GPT2, mode="slot_by_slot").run(_feeds(dsp.compile(GPT2)))
-    folder = cache_dir / ("objects" if damage == "object" else "weights")
-    victim = max(folder.iterdir(), key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
+def _flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    path.write_bytes(bytes(data))
+
+
+def _reference_outputs() -> dict[str, np.ndarray]:
+    model = dsp.compile(GPT2, mode="slot_by_slot")
+    return model.run(_feeds(model))
+
+
+def test_corrupt_plan_entry_is_quarantined_and_recompiled(cache_dir: Path) -> None:
+    reference = _reference_outputs()
+    _flip_middle_byte(max((cache_dir / "objects").iterdir(), key=lambda p: p.stat().st_size))
     model = dsp.compile(GPT2)
     assert model.stats.disk_hits == 0 and model.stats.quarantines >= 1
     assert any((cache_dir / "quarantine").iterdir())
     for name, value in model.run(_feeds(model)).items():
         np.testing.assert_allclose(value, reference[name], rtol=1e-6, atol=1e-6)
     assert dsp.compile(GPT2).stats.disk_hits == 1  # rewritten after the recompile
+
+
+def test_damaged_weight_is_quarantined_read_from_the_model_and_healed(cache_dir: Path) -> None:
+    reference = _reference_outputs()
+    victim = max((cache_dir / "weights").iterdir(), key=lambda p: p.stat().st_size)
+    _flip_middle_byte(victim)
+    model = dsp.compile(GPT2)
+    assert model.stats.disk_hits == 1 and model.stats.quarantines == 1
+    assert any((cache_dir / "quarantine").iterdir())
+    for name, value in model.run(_feeds(model)).items():
+        np.testing.assert_allclose(value, reference[name], rtol=1e-6, atol=1e-6)
+    healed = dsp.compile(GPT2)  # the weight was written back from the model
+    assert healed.stats.disk_hits == 1 and healed.stats.quarantines == 0 and healed._graph is None
 
 
 def test_edited_model_file_misses(cache_dir: Path, tmp_path: Path) -> None:
@@ -103,3 +122,15 @@ def test_two_processes_compile_the_same_model_at_once(cache_dir: Path) -> None:
     assert len(list((cache_dir / "refs").iterdir())) == 1
     assert len(list((cache_dir / "objects").iterdir())) == 1
     assert not (cache_dir / "quarantine").exists() or not any((cache_dir / "quarantine").iterdir())
+
+
+def test_evicted_weight_is_read_from_the_model_not_recompiled(cache_dir: Path) -> None:
+    cold = dsp.compile(GPT2)
+    for weight in (cache_dir / "weights").iterdir():
+        weight.unlink()  # as if the size bound had evicted them
+    warm = dsp.compile(GPT2)
+    assert warm.stats.disk_hits == 1 and warm.stats.quarantines == 0
+    assert any((cache_dir / "weights").iterdir())  # written back for the next start
+    feeds = _feeds(warm)
+    for name, value in cold.run(feeds).items():
+        np.testing.assert_array_equal(warm.run(feeds)[name], value)

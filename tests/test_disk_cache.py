@@ -306,7 +306,7 @@ def test_force_recompile_misses_but_writes(tmp_path: Path) -> None:
 def test_from_config_defaults(tmp_path: Path) -> None:
     cache = DiskCache.from_config({"XDG_CACHE_HOME": str(tmp_path)})
     assert cache.root == tmp_path / "dsp" and cache.enabled and not cache.force_recompile
-    assert cache.max_bytes == 1 << 30 and cache.override_dir is None
+    assert cache.max_bytes == 4 << 30 and cache.override_dir is None
     assert DiskCache.from_config({"DSP_CACHE_MAX_BYTES": "512M"}).max_bytes == 512 << 20
     assert DiskCache.from_config({"DSP_CACHE_MAX_BYTES": "2GiB"}).max_bytes == 2 << 30
     assert DiskCache.from_config({"DSP_CACHE_MAX_BYTES": "4096"}).max_bytes == 4096

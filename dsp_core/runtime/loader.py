@@ -68,18 +68,25 @@ def _warm(
     cache: DiskCache, key: str, source: Any, mode: GraphExecutionMode, strict: bool, stats: CacheStats
 ) -> CompiledModel | None:
     payload = cache.get(key)
-    stats.quarantines += cache.stats.quarantines
+    stats.quarantines = cache.stats.quarantines
     if payload is None:
         return None
+    initializers = _LazyInitializers(source)
     try:
-        plan = serialize.loads(payload, by_digest=cache.weight)
-        model = CompiledModel(None, mode, strict, plan=plan, load_graph=lambda: import_model(source), stats=stats)
+        # Weights come from the cache's files; one evicted (or damaged) is read from the
+        # model itself, checked against the same digest, rather than recompiling.
+        plan = serialize.loads(payload, by_digest=cache.weight, resolve=initializers.get)
+        model = CompiledModel(None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats)
     except DSPError as exc:
         cache.reject(key, f"{type(exc).__name__}: {exc}")
         stats.quarantines += 1
         log.warning("DSP disk cache: entry for %s rejected (%s); recompiling", _describe(source), exc)
         return None
     stats.disk_hits += 1
+    stats.quarantines = cache.stats.quarantines  # weights found damaged while loading
+    if initializers.used:  # heal: put back the weights that had to come from the model
+        for owner, k in _big_constants(plan):
+            cache.put_weight(owner.digest_of(k).hex(), owner.constants[k])
     return model
 
 
@@ -107,6 +114,29 @@ def _big_constants(plan: Plan) -> list[tuple[Plan, int]]:
         for sub in region.subplans.values():
             out += _big_constants(sub)
     return out
+
+
+class _LazyInitializers:
+    """The model's graph and initializers, imported only if a warm start needs them."""
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+        self._graph: Any = None
+
+    @property
+    def used(self) -> bool:
+        """True once the model had to be imported."""
+        return self._graph is not None
+
+    def graph(self) -> Any:
+        """The imported graph (with static shape inference, as a cold compile does)."""
+        if self._graph is None:
+            self._graph = import_model(self._source)
+        return self._graph
+
+    def get(self, name: str) -> Any:
+        """An initializer by name, or None."""
+        return self.graph().initializers.get(name)
 
 
 def _describe(source: Any) -> str:
