@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import timeit
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import machine_meta, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,17 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['model']:<14} {r['cold_ms']:>9.1f} {r['warm_ms_median']:>9.1f} {r['speedup']:>7.1f}x "
             f"{r['hit_dispatch_us']:>8.2f}"
         )
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": platform.machine(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "statistic": "cold: first process; warm: median of the others",
-        "measured": "from the dsp.compile call to the first output, in a fresh process",
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    print(f"wrote {args.out}")
+    meta = machine_meta(
+        statistic="cold: first process; warm: median of the others",
+        measured="from the dsp.compile call to the first output, in a fresh process",
+    )
+    write_results(args.out, meta, rows)
     return 0
 
 

@@ -10,8 +10,6 @@ of the mean time of a batch of calls. A benchmark, not a test: it never fails on
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -20,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import machine_meta, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = ROOT / "tests" / "fixtures" / "gpt2_eager.onnx"
@@ -124,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_overhead.json"))
     args = p.parse_args(argv)
 
-    from dsp_core import __version__
     from dsp_core.ir.onnx_export import to_onnx
 
     results = []
@@ -153,24 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{us.get('onnxruntime_iobinding', float('nan')):>14.1f} {r['legacy_over_slot_by_slot']:>10.2f}x "
             f"{r['slot_by_slot_over_ort'] or float('nan'):>7.2f}x"
         )
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "dsp_core": __version__,
-        "statistic": f"median of {args.repeats} samples, each the mean over a batch of calls",
-    }
+    meta = machine_meta(statistic=f"median of {args.repeats} samples, each the mean over a batch of calls")
     try:
         import onnxruntime
 
         meta["onnxruntime"] = onnxruntime.__version__
     except ImportError:
         pass
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"wrote {args.out}")
+    write_results(args.out, meta, results)
     return 0
 
 

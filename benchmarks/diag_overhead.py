@@ -26,8 +26,6 @@ import contextlib
 import functools
 import importlib
 import inspect
-import json
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +35,7 @@ from types import FunctionType, ModuleType
 from typing import Any
 
 import numpy as np
+from common import machine_meta, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = ROOT / "tests" / "fixtures" / "gpt2_eager.onnx"
@@ -234,7 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     if not GPT2.exists():
         print("skipped: tests/fixtures/gpt2_eager.onnx not found")
         return 0
-    from dsp_core import __version__
 
     with compiled_out() as swapped:
         print(f"compiled out: {swapped} functions of {len(HOOKED_MODULES)} modules re-compiled without hooks")
@@ -252,20 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         pr = r["paired_off_over_compiled_out"]
         spread = f"{pr['median']:.4f} ({pr['q1']:.4f}..{pr['q3']:.4f})"
         print(f"{r['mode']:<16} {r['phase']:<15}{cells}{r['off_over_compiled_out']:>9.4f}  {spread}")
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "dsp_core": __version__,
-        "case": "GPT-2 fixture decode step (step1 feeds), plan frozen",
-        "statistic": f"median over {args.rounds} interleaved rounds of the mean of {args.calls} steps",
-        "functions_swapped_when_compiled_out": swapped,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"wrote {args.out}")
+    meta = machine_meta(
+        case="GPT-2 fixture decode step (step1 feeds), plan frozen",
+        statistic=f"median over {args.rounds} interleaved rounds of the mean of {args.calls} steps",
+        functions_swapped_when_compiled_out=swapped,
+    )
+    write_results(args.out, meta, results)
     return 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,6 +18,17 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # Tests never touch the user's disk cache: one fresh directory per test session (inherited
 # by the CLI subprocesses the tests start).
 os.environ["DSP_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsp-test-cache-")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The ``dsp`` command in a fresh interpreter, as a user runs it (output captured)."""
+    return subprocess.run(
+        [sys.executable, "-m", "dsp_core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture

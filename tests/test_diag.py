@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import run_cli as dsp_cli
 from onnx import TensorProto, helper, numpy_helper
 
 import dsp_core as dsp
@@ -265,16 +264,6 @@ def test_timed_code_times_every_slot_and_agrees(mlp_graph: dsp.Graph) -> None:
 
 
 # -- the command line --------------------------------------------------------------------------
-def dsp_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dsp_core.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """x[n, 3] @ w -> Relu -> Tanh (w + 1 is a frozen constant)."""

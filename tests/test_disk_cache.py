@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from dsp_core.cache import disk
 from dsp_core.cache.disk import DiskCache, fnv1a64
@@ -433,13 +434,7 @@ def test_two_processes_with_eviction_pressure(tmp_path: Path) -> None:
 
 # -- the CLI --------------------------------------------------------------------------------
 def dsp(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dsp_core.cli", "cache", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **env},
-    )
+    return run_cli("cache", *args, env=env)
 
 
 def test_cli_cache_commands(tmp_path: Path) -> None:

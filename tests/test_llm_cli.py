@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from conftest import run_cli as dsp
 
 pytest.importorskip("tokenizers")
 
 GPT2 = str(FIXTURES / "gpt2_eager.onnx")
 TOKENIZER = str(FIXTURES / "tokenizer.json")
-
-
-def dsp(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dsp_core.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_generate_streams_text_and_reports_tokens_per_second() -> None:

@@ -22,6 +22,15 @@ callable that runs k whole steps (plan replay + choice + advance) on the device,
 a CUDA graph captured over k iterations of exactly this loop body (it touches only the
 state arrays, whose addresses are fixed); the loop then calls it once per block instead
 of its Python loop. The block's uniforms (sampling) are passed in a fixed buffer too.
+
+On a GPU: when every unit of the decode plan runs on a ``cuda`` backend (CUDA_GRAPHS,
+or AUTO resolving to it), the decode state is allocated with ``xp = cupy``: KV buffers,
+``input_ids``, ``position_ids``, ``attention_mask`` and ``kv_position`` live on the
+device, the decode plan returns device outputs (``outputs_on_device``), the sampled token
+is written back into ``input_ids`` by a device copy, and the block's tokens land in a
+device array read once per block. Each decode step is one graph replay with no host
+synchronisation inside a block. The prefill plan stays a normal plan (host feeds and
+outputs); its presents are copied into the device buffers.
 """
 
 from __future__ import annotations
@@ -62,10 +71,38 @@ class GenerationResult:
         return [int(t) for t in self.tokens[row, : int(self.lengths[row])]]
 
 
-class DecodeState:
-    """The decode plan's fed arrays for one session: allocated once, updated in place."""
+def decode_namespace(model: CompiledModel) -> Any:
+    """The array namespace of a decode plan's state: cupy when every unit runs on a ``cuda`` backend.
 
-    def __init__(self, decoder: Decoder, xp: Any = np) -> None:
+    Decided from the partition's backends (their ``platform``): a plan whose slots all
+    run on a CUDA backend reads its state on the device, so the state lives there; any
+    unit on a host backend keeps the state in numpy (the CUDA segments then copy it in).
+    """
+    part = model.partition()
+    if part is None or not part.segments:
+        return np
+    if any(getattr(part.backends[seg.backend], "platform", "cpu") != "cuda" for seg in part.segments):
+        return np
+    try:
+        import cupy
+    except ImportError:  # a cuda backend without cupy would not have been available
+        return np
+    return cupy
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A numpy copy (or view) of a host or device array."""
+    if isinstance(x, np.ndarray):
+        return x
+    get = getattr(x, "get", None)
+    return get() if callable(get) and hasattr(x, "__cuda_array_interface__") else np.asarray(x)
+
+
+class DecodeState:
+    """The decode plan's fed arrays for one session: allocated once, updated in place (numpy or cupy)."""
+
+    def __init__(self, decoder: Decoder, xp: Any = None) -> None:
+        xp = decoder.xp if xp is None else xp
         fk = decoder.fixed
         batch, length = fk.batch, fk.max_length
         self.xp = xp
@@ -83,6 +120,13 @@ class DecodeState:
             **self.buffers,
         }
         self.feeds = {n: every[n] for n in decoder.model.input_names}  # the same arrays every step
+        self.block = xp.zeros((batch, 1), dtype=np.int64)  # a block's tokens (grown on demand, kept)
+
+    def block_buffer(self, k: int) -> Any:
+        """A [B, >=k] int64 array in the state's namespace where a block's tokens land."""
+        if self.block.shape[1] < k:
+            self.block = self.xp.zeros((self.block.shape[0], k), dtype=np.int64)
+        return self.block
 
     def set_position(self, position: int) -> None:
         """Host-side: the next fed token goes to ``position`` (valid positions 0..position)."""
@@ -124,6 +168,8 @@ class DecodeLoop:
             self.block_hook(k)(out, uniforms, offset)
             return
         state, greedy = self.state, self.sampler.sampling.greedy
+        if uniforms is not None and state.xp is not np:
+            uniforms = state.xp.asarray(uniforms)  # one copy per block
         for i in range(k):
             outs = self.step()
             if greedy:
@@ -145,6 +191,9 @@ class Decoder:
             [n for n in (*STATE_INPUTS, self.fixed.position_input) if n in self.model.input_names]
         )
         self.model.dsp.freeze()  # the shapes never change: freeze at the first run
+        self.xp = decode_namespace(self.model)
+        if self.xp is not np:
+            self.model.outputs_on_device = True  # logits and next_token stay on the device
         self.batch = batch
         self.warmed = False
 
@@ -221,9 +270,9 @@ class GenerationSession:
     def _decode_one(self, token: np.ndarray) -> np.ndarray:
         """One token through the decode plan (in place, no prefill plan)."""
         self.state.set_position(self.position)
-        self.state.input_ids[...] = token
+        self.state.input_ids[...] = self.state.xp.asarray(token)
         outs = self.decoder.model.run(self.state.feeds)
-        return np.asarray(outs[self.decoder.fixed.logits][:, -1])
+        return to_host(outs[self.decoder.fixed.logits][:, -1])
 
     def _prefill(self, chunk: np.ndarray) -> np.ndarray:
         """A chunk through the prefill plan, the retained cache as past; presents go into the buffers."""
@@ -236,11 +285,12 @@ class GenerationSession:
             pos = np.arange(p, p + n, dtype=self.decoder.dtype_of("position_ids"))
             feeds["position_ids"] = np.repeat(pos[None, :], self.batch, axis=0)
         for name, buf in self.state.buffers.items():
-            feeds[name] = buf[:, :, :p]
+            feeds[name] = to_host(buf[:, :, :p])  # the prefill plan takes host arrays
         outs = pipe.prefill_model.run(feeds)
+        xp = self.state.xp
         for g in self.decoder.fixed.growth:
-            self.state.buffers[g.past][:, :, p : p + n] = outs[g.present][:, :, p : p + n]
-        return np.asarray(outs[self.decoder.fixed.logits][:, -1])
+            self.state.buffers[g.past][:, :, p : p + n] = xp.asarray(outs[g.present][:, :, p : p + n])
+        return to_host(outs[self.decoder.fixed.logits][:, -1])
 
     # -- generating --------------------------------------------------------------------
     def generate(
@@ -281,12 +331,17 @@ class GenerationSession:
             loop = DecodeLoop(self.decoder, self.state, sampler)
             self.state.set_position(self.position)
             assert self.pending is not None
-            self.state.input_ids[...] = self.pending
+            self.state.input_ids[...] = self.state.xp.asarray(self.pending)
+            dev = self.state.block_buffer(k_max) if self.state.xp is not np else None
             while n < max_new_tokens:
                 k = min(k_max, max_new_tokens - n)
                 t0 = time.perf_counter()
-                loop.run_block(k, out, n, sampler.draws(k))
-                block = out[:, n : n + k].copy()  # the host reads the block once
+                if dev is None:
+                    loop.run_block(k, out, n, sampler.draws(k))
+                else:
+                    loop.run_block(k, dev, 0, sampler.draws(k))
+                    out[:, n : n + k] = to_host(dev[:, :k])  # the host reads the block once (one sync)
+                block = out[:, n : n + k].copy()
                 seconds.extend([(time.perf_counter() - t0) / k] * k)
                 n += k
                 if on_tokens is not None:

@@ -56,8 +56,11 @@ class Sampler:
         return self.xp.asarray(self._rng.random((k, self.batch)))
 
     def pick(self, logits: Any, uniform: Any = None) -> Any:
-        """The chosen token of each row, int64 [B] (an array: nothing goes to the host)."""
-        xp = self.xp
+        """The chosen token of each row, int64 [B] (an array: nothing goes to the host).
+
+        Computed in the namespace of ``logits`` (numpy, or cupy for device logits).
+        """
+        xp = namespace_of(logits, self.xp)
         if self.sampling.greedy:
             return xp.argmax(logits, axis=-1).astype(xp.int64)
         s = self.sampling
@@ -73,11 +76,22 @@ class Sampler:
             before = xp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
             ranked = xp.where(before >= s.top_p, -xp.inf, ranked)  # the best token always stays
             x = xp.empty_like(x)
-            xp.put_along_axis(x, order, ranked, axis=-1)
+            x[xp.arange(x.shape[0])[:, None], order] = ranked  # put_along_axis, in numpy and cupy alike
         cdf = xp.cumsum(_softmax(xp, x), axis=-1)
-        target = uniform.reshape(-1, 1) * cdf[:, -1:]
+        target = xp.asarray(uniform).reshape(-1, 1) * cdf[:, -1:]
         chosen = (cdf <= target).sum(axis=-1)
         return xp.minimum(chosen, vocab - 1).astype(xp.int64)
+
+
+def namespace_of(x: Any, default: Any = np) -> Any:
+    """numpy for host arrays, cupy for device arrays (``__cuda_array_interface__``), else ``default``."""
+    if isinstance(x, np.ndarray):
+        return np
+    if hasattr(x, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy
+    return default
 
 
 def _softmax(xp: Any, x: Any) -> Any:

@@ -21,6 +21,15 @@ Lifecycle (the core drives it; see dsp_core.runtime.plan_runtime):
 - ``replay``: host-fed inputs are copied into their buffers, then one graph launch;
 - ``refresh``: a host-fed input that moved needs nothing (it is copied every replay);
   a device input that moved needs a recapture (False).
+
+MUTATES_INPUT (``dsp::KVScatter``): the slot writes its first input in place and returns
+it, so its output is that very device array: no buffer of its own, nothing planned for
+it, and later readers (and the published value) get the input array. A device-resident
+variable (a CuPy array fed by the caller, e.g. a fixed KV buffer) is therefore written
+where it lives, inside the captured graph, and never copied. A mutated input fed as a
+*host* array is first copied to the device like any host input; its new contents are
+copied back into the caller's array after each run (correct, but a device-to-host copy
+and a synchronisation per step: feed such state as device arrays).
 """
 
 from __future__ import annotations
@@ -125,6 +134,15 @@ class CudaGraphSegment(CompiledSegment):
                 for r in sl.inputs:
                     if r is not None and r >= 0 and plan.flat(r) in produced:
                         readers.setdefault(plan.flat(r), []).append(sl.index)
+        # MUTATES_INPUT slots: their output is their first input, written in place.
+        self._mutated = sorted(
+            {
+                plan.flat(sl.inputs[0])
+                for sl in slots
+                if sl.traits & Trait.MUTATES_INPUT and sl.inputs and sl.inputs[0] is not None
+            }
+            - produced
+        )
         plan_outputs = {plan.flat(r) for r in plan.outputs}
         self._outputs = sorted(o for o in produced if o in readers or o in plan_outputs)
         self._host_outputs = {
@@ -245,7 +263,17 @@ class CudaGraphSegment(CompiledSegment):
             local = self._enter(values)
             self._execute(local)
             self._publish(values, local)
+            self._write_back(values, local)
             device.fence_out(st)
+
+    def _write_back(self, values: list[Any], device_values: Any) -> None:
+        """Mutated inputs fed as host arrays: the device copy's new contents go back to the caller's array."""
+        for flat in self._mutated:
+            x = values[flat]
+            if isinstance(x, np.ndarray):
+                arr = device_values[flat]
+                if arr is not None and arr is not x:
+                    x[...] = arr.get(stream=self._st["stream"] if self._st else None)
 
     def _warm(self, values: list[Any]) -> None:
         """An eager run whose allocations are traced (the capture will replay them from one block)."""
@@ -262,6 +290,7 @@ class CudaGraphSegment(CompiledSegment):
             trace = tracer.trace
             self._trace = type(trace)(list(trace.sizes), list(trace.starts), list(trace.ends), trace.clock)
             self._publish(values, local)
+            self._write_back(values, local)
             device.fence_out(st)
         self._tracer = tracer
 
@@ -314,6 +343,7 @@ class CudaGraphSegment(CompiledSegment):
                             local[flat] = self._device_value(flat, x)
                 graph = self._record(cp, stream, local)
                 self._publish(values, local)
+                self._write_back(values, local)
                 device.fence_out(st)
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise CaptureOutOfMemory(f"segment {self.segment.index}: {exc}") from exc
@@ -368,6 +398,8 @@ class CudaGraphSegment(CompiledSegment):
         else:
             for o, arr in self._out_arrays.items():
                 values[o] = arr
+        if self._mutated and self._host_inputs:
+            self._write_back(values, self._host_inputs)
         device.fence_out(st)
         return ReplayStatus.OK
 

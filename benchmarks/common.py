@@ -1,0 +1,37 @@
+"""What every CPU benchmark records beside its figures, and how it writes them."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def machine_meta(**extra: Any) -> dict[str, Any]:
+    """Date, machine, Python, numpy and dsp-core versions, plus ``extra``."""
+    from dsp_core import __version__
+
+    meta: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": __import__("os").cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "dsp_core": __version__,
+    }
+    meta.update(extra)
+    return meta
+
+
+def write_results(out: str | Path, meta: dict[str, Any], results: Any) -> None:
+    """Write ``{"meta": ..., "results": ...}`` as JSON to ``out`` and say where."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {path}")
