@@ -393,6 +393,9 @@ def dsp_worker(args: argparse.Namespace) -> int:
                 "setup_seconds": setup,
                 "resolved_backends": pipe.decode_model.resolved_backends(),
                 "decode_phase": pipe.decode_model.dsp.phase.name,
+                "decode_state": pipe.decoder(1).xp.__name__,  # cupy: KV buffers and state on the device
+                "decode_loop": "one graph replay per token, tokens read once per block of "
+                + f"{args.block_size} (no K-step capture)",
                 "counters": pipe.decode_model.dsp.runtime.counters(),
             }
         )
@@ -401,6 +404,32 @@ def dsp_worker(args: argparse.Namespace) -> int:
 
 
 # -- driver ----------------------------------------------------------------------------------
+def meta(argv: list[str] | None) -> dict[str, Any]:
+    """Machine, versions, date and the command line of this run."""
+    import datetime
+    import platform
+
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python3", "benchmarks/decode_gpu.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "versions": {},
+    }
+    for module in ("torch", "transformers", "cupy", "numpy", "onnx"):
+        try:
+            info["versions"][module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001, S112  (absent here)
+            continue
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["machine"]["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001, S110
+        pass
+    return info
+
+
 def bench_model(args: argparse.Namespace, name: str, out_dir: Path) -> dict[str, Any]:
     """Every peer on one model; returns the JSON record."""
     import torch
@@ -421,7 +450,7 @@ def bench_model(args: argparse.Namespace, name: str, out_dir: Path) -> dict[str,
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=g)
     peers = [p for p in args.peers.split(",") if p]
     if "dsp_auto" in peers:
-        onnx_path = out_dir / "onnx" / f"{name}-{args.dtype}" / "model.onnx"
+        onnx_path = Path(args.onnx_dir or out_dir / "onnx") / f"{name}-{args.dtype}" / "model.onnx"
         try:
             if not onnx_path.exists():
                 export_model = build(torch, name, dtype, device, args.export_attn)
@@ -477,6 +506,28 @@ def print_table(record: dict[str, Any]) -> None:
     print(f"{'floor (weights/bandwidth)':<26}" + f"{'':>48}{fl:>12.1f}" + (f"{dsp / fl:>10.2f}x" if dsp else ""))
 
 
+def write_results(args: argparse.Namespace, argv: list[str] | None, out_dir: Path, records: list[Any]) -> None:
+    """summary.json (metrics only) and decode_gpu.json (meta, summary, records without per-step data)."""
+    summary = {
+        r["model"]: {peer: e.get("metrics", {"error": e.get("error")}) for peer, e in r["peers"].items()}
+        | {"floor_tokens_per_s": r["floor"]["tokens_per_s"]}
+        for r in records
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    light = ("step_seconds", "tokens")  # the per-model files keep them
+    results = {
+        **meta(argv),
+        "setup": f"batch 1, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy, {args.dtype}, "
+        "random weights (seed 1234)",
+        "summary": summary,
+        "records": [
+            {**r, "peers": {p: {k: v for k, v in e.items() if k not in light} for p, e in r["peers"].items()}}
+            for r in records
+        ],
+    }
+    (out_dir / "decode_gpu.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, run every model, write JSON, print tables."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -493,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-attn", default="sdpa", help="attention of the torch peers")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--dsp-python", default=sys.executable, help="python of the environment with dsp installed")
-    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--timeout", type=int, default=1800, help="seconds for the DSP worker")
+    p.add_argument("--onnx-dir", default=None, help="where the exports go (default: OUT/onnx)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_gpu"))
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny GPT-2, fp32, 8-token prompt, 24 tokens")
     p.add_argument("--dry-run", action="store_true", help="parse arguments, print the plan, run nothing")
@@ -522,17 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             print_table(record)
         slim = json.loads(json.dumps(record))
         (out_dir / f"{name}.json").write_text(json.dumps(slim, indent=2) + "\n")
-    (out_dir / "summary.json").write_text(
-        json.dumps(
-            {
-                r["model"]: {peer: e.get("metrics", {"error": e.get("error")}) for peer, e in r["peers"].items()}
-                | {"floor_tokens_per_s": r["floor"]["tokens_per_s"]}
-                for r in records
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+        write_results(args, argv, out_dir, records)  # after each model: a cut-off run keeps what it has
     print(f"\nJSON written under {out_dir}")
     return 0
 

@@ -48,6 +48,7 @@ from dsp_core.ir import dtypes
 from dsp_core.llm.kv import FixedKVGraph, fixed_kv_buffers, past_inputs
 from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
+from dsp_core.plan.plan import ExternalClass
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.model import CompiledModel
 
@@ -72,20 +73,27 @@ class GenerationResult:
 
 
 def decode_namespace(model: CompiledModel) -> Any:
-    """The array namespace of a decode plan's state: cupy when every unit runs on a ``cuda`` backend.
+    """The array namespace of a decode plan's state: cupy when its readers run on a ``cuda`` backend.
 
-    Decided from the partition's backends (their ``platform``): a plan whose slots all
-    run on a CUDA backend reads its state on the device, so the state lives there; any
-    unit on a host backend keeps the state in numpy (the CUDA segments then copy it in).
+    Decided from the partition: when every segment that reads a fed input (the state)
+    runs on a backend whose ``platform`` is ``cuda``, the state lives on the device (the
+    plan reads and writes it in place); otherwise it stays in numpy (a CUDA segment then
+    copies it in, and copies a mutated KV buffer back).
     """
-    part = model.partition()
-    if part is None or not part.segments:
+    part, plan = model.partition(), model.plan()
+    if part is None or plan is None or not part.segments:
         return np
-    if any(getattr(part.backends[seg.backend], "platform", "cpu") != "cuda" for seg in part.segments):
+    fed = {plan.flat(plan.external_ref(k)) for k, e in enumerate(plan.externals) if e.cls is not ExternalClass.CONSTANT}
+    readers = [
+        seg
+        for seg in part.segments
+        if any(r is not None and plan.flat(r) in fed for s in seg.slots for r in plan.slots[s].inputs)
+    ]
+    if not readers or any(getattr(part.backends[seg.backend], "platform", "cpu") != "cuda" for seg in readers):
         return np
     try:
         import cupy
-    except ImportError:  # a cuda backend without cupy would not have been available
+    except ImportError:  # a cuda backend is only available with cupy
         return np
     return cupy
 

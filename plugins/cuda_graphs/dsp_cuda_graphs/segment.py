@@ -271,7 +271,7 @@ class CudaGraphSegment(CompiledSegment):
         for flat in self._mutated:
             x = values[flat]
             if isinstance(x, np.ndarray):
-                arr = device_values[flat]
+                arr = device_values.get(flat) if isinstance(device_values, dict) else device_values[flat]
                 if arr is not None and arr is not x:
                     x[...] = arr.get(stream=self._st["stream"] if self._st else None)
 
