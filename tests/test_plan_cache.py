@@ -31,7 +31,8 @@ def test_same_shape_same_plan_new_shape_new_plan(mlp_graph) -> None:
     live_b = model.live_plan(names, entry, model._stage({"x": x2 * 5}))
     live_c = model.live_plan(names, entry, model._stage({"x": x3}))
     assert live_a is live_b and live_c is not live_a
-    assert live_a.signature.feeds == (((2, 8), "<f4"),) and live_c.signature.feeds == (((3, 8), "<f4"),)
+    f32 = np.dtype("float32")
+    assert live_a.signature.feeds == (((2, 8), f32),) and live_c.signature.feeds == (((3, 8), f32),)
     for live in (live_a, live_b, live_c):
         model.cache.release(live)
     assert model.stats.plan_builds == 2 and model.stats.memory_hits == 1
@@ -97,7 +98,7 @@ def test_cpu_default_capacity_is_four_and_lru_evicts(mlp_graph) -> None:
 
 
 def _sig(n: int) -> ShapeSignature:
-    return ShapeSignature(("y",), ("x",), (((n,), "<f4"),), "AUTO", "h")
+    return ShapeSignature(("y",), ("x",), (((n,), np.dtype("float32")),), "AUTO", "h")
 
 
 def test_pinned_plans_are_never_evicted() -> None:

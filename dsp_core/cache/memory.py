@@ -30,7 +30,7 @@ class ShapeSignature:
 
     outputs: tuple[str, ...]
     feed_names: tuple[str, ...]  # the fed inputs, in input order
-    feeds: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype) of each fed input
+    feeds: tuple[tuple[tuple[int, ...], Any], ...]  # (shape, numpy dtype) of each fed input
     mode: str
     plan_hash: str
     thread: int | None = None  # set only where a backend's executors are thread-local

@@ -166,7 +166,7 @@ class DspHandle:
             "signature": {
                 "outputs": list(self.live.signature.outputs),
                 "feeds": {
-                    n: {"shape": list(s), "dtype": d}
+                    n: {"shape": list(s), "dtype": str(d)}
                     for n, (s, d) in zip(self.live.signature.feed_names, self.live.signature.feeds)
                 },
                 "mode": self.live.signature.mode,

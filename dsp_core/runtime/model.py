@@ -249,7 +249,8 @@ class CompiledModel:
                 self.cache.release(live)
 
     def _signature(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> ShapeSignature:
-        feeds = tuple([(a.shape, a.dtype.str) if a.__class__ is np.ndarray else _other_feed_key(a) for a in staged])
+        # dtype objects, not dtype.str (a slow property): the key is built on every call.
+        feeds = tuple([(a.shape, a.dtype) if a.__class__ is np.ndarray else _other_feed_key(a) for a in staged])
         return ShapeSignature(names, self._feed_name_tuple, feeds, self._mode_name, entry.plan.content_hash)
 
     def run_legacy(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -308,12 +309,12 @@ class CompiledModel:
                 raise InputError(f"missing input {spec.name!r}; the model needs {', '.join(self.input_names)}")
 
 
-def _other_feed_key(value: Any) -> tuple[tuple[int, ...], str]:
+def _other_feed_key(value: Any) -> tuple[tuple[int, ...], Any]:
     """Signature entry of a feed that is not a plain ndarray (a sequence, None, a subclass, a device array)."""
     if isinstance(value, np.ndarray) or _on_device(value):
-        return (tuple(value.shape), value.dtype.str)
+        return (tuple(value.shape), np.dtype(value.dtype))
     if isinstance(value, list):
-        return ((len(value),), "sequence:" + ",".join(f"{v.dtype.str}{v.shape}" for v in value))
+        return ((len(value),), "sequence:" + ",".join(f"{v.dtype}{v.shape}" for v in value))
     return ((), type(value).__name__)
 
 
