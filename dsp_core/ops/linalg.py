@@ -447,6 +447,8 @@ def layer_normalization(
     y = (xw - mean) * inv_std * scale.astype(stash)
     if b is not None:
         y = y + b.astype(stash)
+    if ctx.n_outputs == 1:  # Mean and InvStdDev are not named: do not materialise them
+        return y.astype(x.dtype), None, None
     return y.astype(x.dtype), mean.astype(stash), inv_std.astype(stash)
 
 

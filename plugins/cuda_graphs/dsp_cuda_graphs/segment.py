@@ -46,6 +46,7 @@ from dsp_core.ops.registry import Trait
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.buffers import PlannedAllocator, TracingAllocator
+from dsp_cuda_graphs.fused import layer_norm_kernel, softmax_kernel
 from dsp_cuda_graphs.kernels import CublasXP, gemm_kernel, matmul_kernel
 
 # Inputs (by position) that the reference kernels read as Python ints/floats on the host.
@@ -177,6 +178,11 @@ class CudaGraphSegment(CompiledSegment):
                     kernel = matmul_kernel(st)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "Gemm":
                     kernel = gemm_kernel(st, **slot.attrs)
+                elif slot.domain in ("", "ai.onnx") and slot.op == "LayerNormalization":
+                    only_y = slot.outputs[0] is not None and all(v is None for v in slot.outputs[1:])
+                    kernel = layer_norm_kernel(st, kernel, 1 if only_y else len(slot.outputs), **slot.attrs)
+                elif slot.domain in ("", "ai.onnx") and slot.op == "Softmax":
+                    kernel = softmax_kernel(st, kernel, slot.opset, **slot.attrs)
                 host = HOST_INPUTS.get(slot.op, ()) if slot.domain in ("", "ai.onnx") else ()
                 positions = tuple((p, ins[p]) for p in host if p < len(ins) and slot.inputs[p] is not None)
                 if positions:
