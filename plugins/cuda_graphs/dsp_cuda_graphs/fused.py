@@ -64,7 +64,7 @@ __device__ void softmax(const T* x, T* y, int n) {
     __shared__ float shared[256];
     const T* xr = x + (long long)blockIdx.x * n;
     T* yr = y + (long long)blockIdx.x * n;
-    float m = -INFINITY;
+    float m = __int_as_float(0xff800000);  // -inf (NVRTC has no math.h INFINITY)
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, to_f(xr[i]));
     m = block_reduce(m, shared, 1);
     float sum = 0.f;
