@@ -186,49 +186,12 @@ def bench(size: str, steps: int, workdir: Path, bandwidth: float) -> dict[str, A
         sync()
     result["host_us_per_run_call"] = statistics.median(host_times) * 1e6
     islands = [u for u in runtime.units if u.kind.value == "island"]
-    replay_times: list[float] = []
-    if islands:
-        compiled = islands[0].compiled
-        orig = compiled.replay
-
-        def timed_replay(values: Any) -> Any:
-            t0 = time.perf_counter()
-            status = orig(values)
-            replay_times.append(time.perf_counter() - t0)
-            return status
-
-        compiled.replay = timed_replay
-        for _ in range(steps):
-            graphs.run(all_feeds)
-            sync()
-        compiled.replay = orig
-    result["host_us_per_replay_call"] = statistics.median(replay_times) * 1e6 if replay_times else None
+    compiled = islands[0].compiled if islands else None
+    result["host_us_per_replay_call"] = replay_host_us(graphs, compiled, all_feeds, steps, sync)
     # The same with every feed already on the device (as the decode pipeline feeds it): the
     # replay then copies nothing from the host and is one graph launch plus bookkeeping.
     device_feeds = {k: cp.asarray(v) for k, v in all_feeds.items()}
-    device_times: list[float] = []
-    if islands:
-        compiled = islands[0].compiled
-        orig = compiled.replay
-
-        def timed_device_replay(values: Any) -> Any:
-            t0 = time.perf_counter()
-            status = orig(values)
-            device_times.append(time.perf_counter() - t0)
-            return status
-
-        for _ in range(5):
-            graphs.run(device_feeds)
-        sync()
-        device_times.clear()
-        compiled.replay = timed_device_replay
-        for _ in range(steps):
-            graphs.run(device_feeds)
-            sync()
-        compiled.replay = orig
-    result["host_us_per_replay_call_device_feeds"] = (
-        statistics.median(device_times) * 1e6 if device_times else None
-    )
+    result["host_us_per_replay_call_device_feeds"] = replay_host_us(graphs, compiled, device_feeds, steps, sync)
     log(f"{size}: CUDA_GRAPHS {result['cuda_graphs_ms']:.3f} ms; phase {result['phase']}")
 
     os.environ["DSP_NO_FREEZE"] = "1"
@@ -246,6 +209,32 @@ def bench(size: str, steps: int, workdir: Path, bandwidth: float) -> dict[str, A
     result["speedup_vs_uncaptured"] = result["uncaptured_ms"] / result["cuda_graphs_ms"]
     log(f"{size}: uncaptured {result['uncaptured_ms']:.3f} ms; speedup {result['speedup_vs_uncaptured']:.1f}x")
     return result
+
+
+def replay_host_us(graphs: Any, compiled: Any, feeds: dict[str, Any], steps: int, sync: Any) -> float | None:
+    """Median host µs of the island's replay call over ``steps`` runs (after 5 untimed ones)."""
+    if compiled is None:
+        return None
+    for _ in range(5):
+        graphs.run(feeds)
+    sync()
+    times: list[float] = []
+    orig = compiled.replay
+
+    def timed(values: Any) -> Any:
+        t0 = time.perf_counter()
+        status = orig(values)
+        times.append(time.perf_counter() - t0)
+        return status
+
+    compiled.replay = timed
+    try:
+        for _ in range(steps):
+            graphs.run(feeds)
+            sync()
+    finally:
+        compiled.replay = orig
+    return statistics.median(times) * 1e6
 
 
 def main() -> None:
