@@ -710,3 +710,22 @@ def test_threads_share_a_compiled_model(mode: str) -> None:
             assert live.runtime.counters().get("recaptures", 0) == 0
         finally:
             shared.cache.release(live)
+
+
+def test_shape_of_a_computed_value_is_not_sealed() -> None:
+    """Shape(x) of a fed x is frozen; Shape of a value computed from x exists only at run time."""
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [2, 3])
+    h = g.Relu(x)
+    g.output(g.Reshape(h, g.Shape(h)), "y")  # Shape reads a computed value
+    g.output(g.Shape(x), "s")  # Shape of the fed input: sealed
+    model = dsp.compile(g.build(), mode="emulated_replay")
+    x_val = np.arange(-3, 3, dtype=np.float32).reshape(2, 3)
+    for _ in range(5):
+        outs = model.run({"x": x_val})
+    np.testing.assert_array_equal(outs["y"], np.maximum(x_val, 0))
+    sealed = {model.plan().slots[i].op for i in model.dsp.runtime.sealed}
+    phases = {s["op"]: s["phase"] for s in model.dsp.slots}
+    assert phases["Relu"] == "BUILDING" and phases["Reshape"] == "BUILDING"
+    assert "Shape" in sealed  # the one of x
+    assert sum(1 for s in model.dsp.slots if s["op"] == "Shape" and s["phase"] == "SEALED") == 1

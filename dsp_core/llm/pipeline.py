@@ -45,6 +45,7 @@ import numpy as np
 
 from dsp_core.errors import DSPError, InputError
 from dsp_core.ir import dtypes
+from dsp_core.llm.block import BlockHook, unroll
 from dsp_core.llm.kv import FixedKVGraph, fixed_kv_buffers, past_inputs
 from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
@@ -70,6 +71,11 @@ class GenerationResult:
     def token_list(self, row: int = 0) -> list[int]:
         """The tokens of one row as ints, cut at its stop token."""
         return [int(t) for t in self.tokens[row, : int(self.lengths[row])]]
+
+
+def state_inputs(fixed: FixedKVGraph, model: CompiledModel) -> list[str]:
+    """The decode state's inputs a plan reads in place (marked variable: never staged)."""
+    return [n for n in (*STATE_INPUTS, fixed.position_input) if n in model.input_names]
 
 
 def decode_namespace(model: CompiledModel) -> Any:
@@ -172,8 +178,9 @@ class DecodeLoop:
 
     def run_block(self, k: int, out: Any, offset: int, uniforms: Any) -> None:
         """k steps; the chosen tokens land in ``out[:, offset:offset+k]`` (an array, never read here)."""
-        if self.block_hook is not None:
-            self.block_hook(k)(out, uniforms, offset)
+        run = self.block_hook(k) if self.block_hook is not None else None
+        if run is not None:
+            run(out, uniforms, offset)
             return
         state, greedy = self.state, self.sampler.sampling.greedy
         if uniforms is not None and state.xp is not np:
@@ -195,9 +202,7 @@ class Decoder:
     def __init__(self, pipeline: GenerationPipeline, batch: int) -> None:
         self.fixed: FixedKVGraph = fixed_kv_buffers(pipeline.graph, batch=batch, max_length=pipeline.max_length)
         self.model = CompiledModel(self.fixed.graph, pipeline.mode, registry=pipeline.prefill_model.registry)
-        self.model.dsp.mark_variable(
-            [n for n in (*STATE_INPUTS, self.fixed.position_input) if n in self.model.input_names]
-        )
+        self.model.dsp.mark_variable(state_inputs(self.fixed, self.model))
         self.model.dsp.freeze()  # the shapes never change: freeze at the first run
         self.xp = decode_namespace(self.model)
         if self.xp is not np:
@@ -337,6 +342,9 @@ class GenerationSession:
         stop_at = _first_stops(out[:, :n], stops)
         if stop_at is None and n < max_new_tokens:
             loop = DecodeLoop(self.decoder, self.state, sampler)
+            block_model = self.pipeline._blocks.get((self.batch, k_max))  # built and warmed by warmup()
+            if block_model is not None and sampling.greedy:
+                loop.block_hook = BlockHook(block_model, self.state, k_max)
             self.state.set_position(self.position)
             assert self.pending is not None
             self.state.input_ids[...] = self.state.xp.asarray(self.pending)
@@ -398,6 +406,7 @@ class GenerationPipeline:
         *,
         block_size: int = 8,
         strict: bool = False,
+        block_capture: bool = False,
     ) -> None:
         import dsp_core as dsp
 
@@ -412,7 +421,11 @@ class GenerationPipeline:
             raise InputError(f"model {self.graph.name!r} has no past_key_values.N.* inputs: not a KV-cache decoder")
         self.max_length = int(max_length)
         self.block_size = int(block_size)
+        # Greedy blocks of block_size steps as one plan (dsp_core/llm/block.py): one
+        # replay per block. Off by default until verified on every capturing backend.
+        self.block_capture = bool(block_capture)
         self._decoders: dict[int, Decoder] = {}
+        self._blocks: dict[tuple[int, int], CompiledModel] = {}
         self._default: GenerationSession | None = None
 
     # -- plans -------------------------------------------------------------------------
@@ -442,6 +455,33 @@ class GenerationPipeline:
                 break
         state.clear()
         session.reset_position()
+        if self.block_capture and self.block_size > 1:
+            self.block_model(batch, self.block_size)
+
+    def block_model(self, batch: int, k: int) -> CompiledModel:
+        """The K-step greedy block plan for ``batch`` rows (built, frozen and warmed on first use).
+
+        Warming runs on the default session's buffers and clears them: call it before that
+        session holds anything (``warmup`` does).
+        """
+        key = (batch, k)
+        if key not in self._blocks:
+            decoder = self.decoder(batch)
+            model = CompiledModel(unroll(decoder.fixed, k), self.mode, registry=self.prefill_model.registry)
+            model.dsp.mark_variable(state_inputs(decoder.fixed, model))
+            model.dsp.freeze()
+            if decoder.xp is not np:
+                model.outputs_on_device = True
+            session = self._session(batch)
+            session.state.set_position(0)
+            for _ in range(WARMUP_STEPS):  # on the default session's buffers, cleared after
+                model.run(session.state.feeds)
+                if model.dsp.phase in (PlanPhase.REPLAYING, PlanPhase.REPLAY_BLOCKED):
+                    break
+            session.state.clear()
+            session.reset_position()
+            self._blocks[key] = model
+        return self._blocks[key]
 
     # -- sessions ----------------------------------------------------------------------
     def session(self, batch: int = 1) -> GenerationSession:

@@ -272,15 +272,19 @@ def check_mutations(slots: Sequence[Slot], externals: Sequence[External]) -> Non
     output *aliases* the input. That is only sound when the input is state the caller
     owns (a VARIABLE, or a PLACEHOLDER the caller marks variable) -- never a weight, a
     sealed value or an enclosing plan's value -- and when every later reader goes through
-    the alias, so slot order alone orders the write. Liveness needs nothing more: the
-    buffer is an external, never released, and dropping the alias frees no memory.
+    the alias, so slot order alone orders the write. The input may itself be such an
+    alias (a chain of in-place writes to one buffer, as in an unrolled decode block).
+    Liveness needs nothing more: the buffer is an external, never released, and dropping
+    an alias frees no memory.
     """
+    roots: dict[int, int] = {}  # alias value id -> the external it is
     for slot in slots:
         if not slot.traits & Trait.MUTATES_INPUT:
             continue
         target = slot.inputs[0] if slot.inputs else None
-        cls = externals[-target - 1].cls if target is not None and target < 0 else None
-        if target is None or cls not in (ExternalClass.VARIABLE, ExternalClass.PLACEHOLDER):
+        root = roots.get(target, target) if target is not None and target >= 0 else target
+        cls = externals[-root - 1].cls if root is not None and root < 0 else None
+        if target is None or root is None or cls not in (ExternalClass.VARIABLE, ExternalClass.PLACEHOLDER):
             what = "a missing input" if target is None else ("a computed value" if cls is None else f"a {cls.value}")
             raise GraphError(
                 f'{slot.op} node "{slot.name}" writes its first input in place, which is {what}: '
@@ -289,9 +293,11 @@ def check_mutations(slots: Sequence[Slot], externals: Sequence[External]) -> Non
         readers = [s for s in slots[slot.index + 1 :] if target in s.inputs]
         if readers:
             raise GraphError(
-                f'{readers[0].op} node "{readers[0].name}" reads {externals[-target - 1].name!r} after '
+                f'{readers[0].op} node "{readers[0].name}" reads {externals[-root - 1].name!r} after '
                 f'{slot.op} node "{slot.name}" wrote it in place: read the {slot.op} output instead'
             )
+        if slot.outputs and slot.outputs[0] is not None:
+            roots[slot.outputs[0]] = root
 
 
 def liveness(slots: Sequence[Slot], n_values: int, outputs: Sequence[int]) -> tuple[tuple[int, ...], ...]:

@@ -171,7 +171,10 @@ class PlanRuntime:
             self.machine.move(PlanPhase.REPLAY_BLOCKED, "no segment can capture", self.executions)
 
     def _detect_sealed(self) -> set[int]:
-        """Slots that depend on no fed input (shape-only ops do not taint) and draw no random numbers."""
+        """Slots that depend on no fed input and draw no random numbers.
+
+        A shape-only op (Shape, Size) of a fed input does not taint: the shape is frozen.
+        """
         plan = self.plan
         tainted = {plan.external_ref(k) for k, e in enumerate(plan.externals) if e.cls is not ExternalClass.CONSTANT}
         tainted |= {plan.external_ref(k) for k, e in enumerate(plan.externals) if e.name in self.variables}
@@ -179,7 +182,9 @@ class PlanRuntime:
         for slot in plan.slots:
             reads = [r for r in slot.inputs if r is not None]
             if slot.traits & Trait.SHAPE_ONLY_OUTPUT:
-                dirty = False
+                # Shapes are frozen, so a fed input's shape is a constant; but a computed
+                # value's shape can only be read once that value exists, at run time.
+                dirty = any(r >= 0 and r in tainted for r in reads)
             else:
                 dirty = bool(slot.traits & Trait.RANDOM) or any(r in tainted for r in reads)
             if dirty:

@@ -1,0 +1,154 @@
+"""K greedy decode steps as ONE plan: step, sample, scatter, advance, unrolled K times.
+
+``unroll(fixed, k)`` chains k copies of the fixed-KV decode graph (see kv.py): copy ``i``
+reads the token copy ``i - 1`` chose (``next_token``, the in-plan greedy ArgMax), its
+position and attention mask are the block's inputs advanced by ``i`` (computed in the
+graph), and its KV reads go through the KVScatter outputs of copy ``i - 1`` (the same
+buffers, written in place). The block's output is ``tokens`` ``[B, k]``. Compiled, it is
+one plan whose shapes never change: a capturing backend records the whole block once
+and then replays it once per K tokens (on a GPU: one graph launch per K tokens), and the
+host reads the K tokens once, after the block.
+
+After a block the caller advances the state by K (device-side, ``BlockHook``): the KV
+buffers already hold the block's keys and values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dsp_core.errors import DSPError
+from dsp_core.ir import dtypes
+from dsp_core.ir.graph import Graph, Node, Value
+from dsp_core.llm.kv import FixedKVGraph
+
+TOKENS = "tokens"
+STEP_INPUTS = ("input_ids", "position_ids", "attention_mask")
+
+
+class BlockUnrollError(DSPError):
+    """The decode graph cannot be unrolled into a K-step block (the reason names what)."""
+
+
+def unroll(fixed: FixedKVGraph, k: int) -> Graph:
+    """The K-step greedy block graph of a fixed-KV decode graph."""
+    if k < 1:
+        raise BlockUnrollError(f"a block needs k >= 1 steps, got {k}")
+    g = fixed.graph
+    if any(True for _ in g.subgraphs()):
+        raise BlockUnrollError("the decode graph has subgraphs (If/Loop/Scan): it is not unrolled")
+    inputs = {v.name for v in g.inputs}
+    buffers = {growth.past: growth.present for growth in fixed.growth}
+    known = set(STEP_INPUTS) | {fixed.position_input} | set(buffers)
+    if inputs - known:
+        raise BlockUnrollError(f"the decode graph has inputs a block cannot advance: {sorted(inputs - known)}")
+    block = Graph(
+        name=f"{g.name}_block{k}",
+        inputs=list(g.inputs),
+        nodes=[],
+        initializers=dict(g.initializers),
+        opsets=dict(g.opsets),
+        variables=set(g.variables),
+    )
+    block.initializers["dsp/block/range"] = np.arange(fixed.max_length, dtype=np.int64)
+    for i in range(k):
+        feeds = _step_feeds(block, fixed, buffers, i)
+        for node in g.nodes:
+            block.nodes.append(
+                Node(
+                    node.op_type,
+                    [_name(n, i, feeds, g) for n in node.inputs],
+                    [f"b{i}/{n}" if n else "" for n in node.outputs],
+                    dict(node.attrs),
+                    f"b{i}/{node.name}",
+                    node.domain,
+                )
+            )
+        for name, info in g.value_info.items():
+            block.value_info[f"b{i}/{name}"] = Value(f"b{i}/{name}", info.dtype, info.shape)
+    steps = [f"b{i}/{fixed.next_token}" for i in range(k)]
+    block.nodes.append(Node("Concat", steps, [TOKENS], {"axis": 1}, "dsp/block/tokens"))
+    block.outputs = [Value(TOKENS, "int64", (fixed.batch, k))]
+    block.validate()
+    return block
+
+
+def _name(name: str, i: int, feeds: dict[str, str], g: Graph) -> str:
+    """What copy ``i`` reads for graph value ``name``."""
+    if not name or name in g.initializers:
+        return name
+    if name in feeds:
+        return feeds[name]
+    return f"b{i}/{name}"
+
+
+def _step_feeds(block: Graph, fixed: FixedKVGraph, buffers: dict[str, str], i: int) -> dict[str, str]:
+    """Copy ``i``'s inputs: the block's own for i == 0, else computed from copy ``i - 1`` (glue nodes)."""
+    if i == 0:
+        return {name: name for name in (*STEP_INPUTS, fixed.position_input, *buffers)}
+    pos, prev = fixed.position_input, f"b{i - 1}/"
+    step = f"dsp/block/step{i}"
+    block.initializers[step] = np.array([i], dtype=np.int64)
+    glue = [
+        Node("Add", [pos, step], [f"b{i}/{pos}"], {}, f"b{i}/dsp_advance_position"),
+        Node("Greater", ["dsp/block/range", pos], [f"b{i}/dsp_after_start"], {}, f"b{i}/dsp_after_start"),
+        Node("LessOrEqual", ["dsp/block/range", f"b{i}/{pos}"], [f"b{i}/dsp_upto"], {}, f"b{i}/dsp_upto"),
+        Node("And", [f"b{i}/dsp_after_start", f"b{i}/dsp_upto"], [f"b{i}/dsp_new_valid"], {}, f"b{i}/dsp_new_valid"),
+        Node(
+            "Cast",
+            [f"b{i}/dsp_new_valid"],
+            [f"b{i}/dsp_new_mask"],
+            {"to": _onnx_dtype(block, "attention_mask")},
+            f"b{i}/dsp_new_mask",
+        ),
+        Node("Max", ["attention_mask", f"b{i}/dsp_new_mask"], [f"b{i}/attention_mask"], {}, f"b{i}/dsp_mask"),
+    ]
+    position_step = f"dsp/block/position_step{i}"
+    block.initializers[position_step] = np.array([i], dtype=_np_dtype(block, "position_ids"))
+    glue.append(Node("Add", ["position_ids", position_step], [f"b{i}/position_ids"], {}, f"b{i}/dsp_positions"))
+    block.nodes.extend(glue)
+    feeds = {
+        "input_ids": f"{prev}{fixed.next_token}",
+        "position_ids": f"b{i}/position_ids",
+        "attention_mask": f"b{i}/attention_mask",
+        pos: f"b{i}/{pos}",
+    }
+    feeds.update({past: f"{prev}{present}" for past, present in buffers.items()})  # the alias, written in place
+    return feeds
+
+
+def _np_dtype(g: Graph, name: str) -> Any:
+    info = g.info(name)
+    return dtypes.to_numpy(info.dtype) if info is not None and info.dtype else np.int64
+
+
+def _onnx_dtype(g: Graph, name: str) -> int:
+    return dtypes.to_onnx(dtypes.normalize(_np_dtype(g, name)))
+
+
+class BlockHook:
+    """``DecodeLoop.block_hook`` for greedy blocks of exactly K steps: one plan run per block."""
+
+    def __init__(self, model: Any, state: Any, k: int) -> None:
+        self.model = model
+        self.state = state
+        self.k = k
+        xp = state.xp
+        self._range = xp.arange(state.max_length, dtype=xp.int64)
+
+    def __call__(self, k: int) -> Any:
+        """The block runner for ``k`` steps, or None (the caller then steps one by one)."""
+        return self._run if k == self.k else None
+
+    def _run(self, out: Any, uniforms: Any, offset: int) -> None:
+        state, xp = self.state, self.state.xp
+        tokens = self.model.run(state.feeds)[TOKENS]
+        out[:, offset : offset + self.k] = tokens
+        start = state.kv_position.copy()
+        state.kv_position += self.k  # device-side, like DecodeState.advance, K at once
+        state.position_ids += self.k
+        new = (self._range > start) & (self._range <= state.kv_position)
+        state.attention_mask[...] = xp.maximum(state.attention_mask, new.astype(state.attention_mask.dtype))
+        state.input_ids[:, 0] = tokens[:, -1]

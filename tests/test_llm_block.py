@@ -1,0 +1,68 @@
+"""Greedy decode blocks of K steps as one plan (dsp_core/llm/block.py): one replay per K tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import FIXTURES
+
+import dsp_core as dsp
+from dsp_core.llm import GenerationPipeline
+from dsp_core.llm.block import TOKENS, BlockUnrollError, unroll
+from dsp_core.llm.kv import fixed_kv_buffers
+from dsp_core.runtime.lifecycle import PlanPhase
+
+DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
+
+
+def test_unrolled_graph_chains_k_copies() -> None:
+    graph = dsp.compile(FIXTURES / "gpt2_eager.onnx").graph
+    fixed = fixed_kv_buffers(graph, batch=1, max_length=32)
+    block = unroll(fixed, 4)
+    assert block.output_names == [TOKENS] and block.outputs[0].shape == (1, 4)
+    assert {v.name for v in block.inputs} == {v.name for v in fixed.graph.inputs}
+    scatters = [n for n in block.nodes if n.op_type == "KVScatter"]
+    assert len(scatters) == 4 * len(fixed.growth)
+    # copy 1 writes the buffer through copy 0's alias, and reads copy 0's token
+    one = [n for n in scatters if n.name.startswith("b1/")][0]
+    assert one.inputs[0].startswith("b0/")
+    assert any(n.op_type == "Add" and n.name == "b1/dsp_advance_position" for n in block.nodes)
+    with pytest.raises(BlockUnrollError):
+        unroll(fixed, 0)
+
+
+@pytest.mark.parametrize("mode", ["emulated_replay", "slot_by_slot"])
+@pytest.mark.parametrize("name", DECODERS)
+def test_block_capture_gives_torchs_greedy_tokens(name: str, mode: str) -> None:
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode=mode, block_capture=True)
+    result = pipe.generate(golden["prompt"], 32)
+    assert result.token_list() == [int(t) for t in golden["greedy_tokens"][:32]]
+    block = pipe._blocks[(1, pipe.block_size)]
+    want = PlanPhase.REPLAYING if mode == "emulated_replay" else PlanPhase.REPLAY_BLOCKED
+    assert block.dsp.phase is want
+
+
+def test_one_replay_per_block_and_no_per_step_runs() -> None:
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    pipe = GenerationPipeline(
+        FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_size=8, block_capture=True
+    )
+    pipe.generate(golden["prompt"], 8)  # warm-up of both plans
+    block, step = pipe._blocks[(1, 8)], pipe.decode_model
+    before_block, before_step = block.dsp.runtime.counters(), step.dsp.runtime.counters()
+    result = pipe.generate(golden["prompt"], 1 + 3 * 8)  # one token from the prefill, then 3 full blocks
+    assert result.token_list() == [int(t) for t in golden["greedy_tokens"][:25]]
+    after_block, after_step = block.dsp.runtime.counters(), step.dsp.runtime.counters()
+    assert after_block["replays"] - before_block["replays"] == 3
+    assert after_block["captures"] == before_block["captures"] and after_block["recaptures"] == 0
+    assert after_step["executions"] == before_step["executions"]  # no single-step run at all
+
+
+def test_sampled_generation_keeps_the_per_step_path() -> None:
+    from dsp_core.llm import Sampling
+
+    pipe = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_capture=True)
+    a = pipe.generate(np.array([17, 402, 93]), 10, sampling=Sampling(temperature=0.8, seed=3)).token_list()
+    b = pipe.generate(np.array([17, 402, 93]), 10, sampling=Sampling(temperature=0.8, seed=3)).token_list()
+    assert a == b and len(a) == 10
