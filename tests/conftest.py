@@ -60,3 +60,22 @@ def test_backends(monkeypatch: pytest.MonkeyPatch):
     yield discovery.discover(refresh=True)
     monkeypatch.delenv("DSP_TEST_BACKENDS")
     discovery.discover(refresh=True)
+
+
+# -- the ONNX node suite's report line (passed / excluded / failed), at the end of a run ------
+_NODE_SUITE: dict[str, int] = {"passed": 0, "failed": 0}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and "test_onnx_node_suite.py::test_node_case" in report.nodeid:
+        _NODE_SUITE["passed" if report.passed else "failed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    if _NODE_SUITE["passed"] or _NODE_SUITE["failed"]:
+        from conformance.exclusions import EXCLUDED
+
+        terminalreporter.write_line(  # type: ignore[attr-defined]
+            f"ONNX node suite: {_NODE_SUITE['passed']} passed, {len(EXCLUDED)} excluded, "
+            f"{_NODE_SUITE['failed']} failed"
+        )
