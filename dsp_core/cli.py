@@ -246,10 +246,15 @@ def _dims(specs: list[str]) -> dict[str, int]:
 
 
 def random_feeds(model: Any, dims: dict[str, int], given: set[str], seed: int = 0) -> dict[str, np.ndarray]:
-    """Random arrays for every input not in ``given``: floats ~ N(0,1), ints in [0, 2), bools."""
+    """Random arrays for every input not in ``given``: floats ~ N(0,1), ints in [0, 2), bools.
+
+    A decoder with the usual KV naming gets consistent feeds instead: the attention mask
+    covers past + new tokens (ones) and position ids count on from the past length.
+    """
     from dsp_core.ir import dtypes
 
     rng = np.random.default_rng(seed)
+    dims = {**_decoder_dims(model.graph, dims), **dims}
     feeds = {}
     for v in model.graph.inputs:
         if v.name in given or v.name in model.graph.initializers:
@@ -258,13 +263,36 @@ def random_feeds(model: Any, dims: dict[str, int], given: set[str], seed: int = 
             raise InputError(f"input {v.name!r} has no declared dtype/shape; pass it with --input")
         shape = tuple(d if isinstance(d, int) else dims.get(str(d), 1) for d in v.shape)
         dt = dtypes.to_numpy(v.dtype)
-        if dt.kind == "f" or v.dtype == "bfloat16":
+        if v.name == "attention_mask" and dims.get("__decoder__"):
+            feeds[v.name] = np.ones(shape, dt)
+        elif v.name == "position_ids" and dims.get("__decoder__") and len(shape) == 2:
+            past = dims["__past__"]
+            feeds[v.name] = np.broadcast_to(np.arange(past, past + shape[1], dtype=dt), shape).copy()
+        elif dt.kind == "f" or v.dtype == "bfloat16":
             feeds[v.name] = rng.standard_normal(shape).astype(dt)
         elif dt.kind == "b":
             feeds[v.name] = rng.integers(0, 2, shape).astype(bool)
         else:
             feeds[v.name] = rng.integers(0, 2, shape).astype(dt)
     return feeds
+
+
+def _decoder_dims(graph: Any, dims: dict[str, int]) -> dict[str, int]:
+    """For a KV decoder: the attention mask's length symbol = past length + new tokens."""
+    from dsp_core.llm.kv import past_inputs
+
+    pasts = past_inputs(graph)
+    info = {v.name: v for v in graph.inputs}
+    mask, ids = info.get("attention_mask"), info.get("input_ids")
+    if not pasts or mask is None or ids is None or not mask.shape or not ids.shape or not info[pasts[0]].shape:
+        return {}
+    past_dim, seq_dim, total_dim = info[pasts[0]].shape[2], ids.shape[-1], mask.shape[-1]
+    past = past_dim if isinstance(past_dim, int) else dims.get(str(past_dim), 1)
+    seq = seq_dim if isinstance(seq_dim, int) else dims.get(str(seq_dim), 1)
+    out: dict[str, int] = {"__decoder__": 1, "__past__": past}
+    if isinstance(total_dim, str):
+        out[total_dim] = past + seq
+    return out
 
 
 def _load_inputs(specs: list[str]) -> dict[str, np.ndarray]:

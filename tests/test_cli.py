@@ -141,3 +141,14 @@ def test_unknown_op_exits_2_naming_the_node(tmp_path: Path) -> None:
     out = dsp("run", str(path), "--random-inputs")
     assert out.returncode == 2
     assert 'FancyOp node "fancy_1"' in out.stderr and "Traceback" not in out.stderr
+
+
+def test_random_inputs_for_a_kv_decoder_are_consistent() -> None:
+    from conftest import FIXTURES
+
+    out = dsp("run", str(FIXTURES / "gpt2_eager.onnx"), "--random-inputs", "--dim", "past=5", "--dim", "seq=3",
+              "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["outputs"]["present.0.key"]["shape"] == [1, 4, 8, 16]  # past 5 + 3 new tokens
+    assert dsp("plan", "show", str(FIXTURES / "gpt2_eager.onnx"), "--runs", "3").returncode == 0
