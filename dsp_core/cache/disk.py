@@ -40,12 +40,13 @@ import secrets
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dsp_core.counters import Counters
 from dsp_core.errors import ConfigError
 from dsp_core.plan.plan import constant_digest
 
@@ -362,7 +363,7 @@ def default_cache_dir(env: Mapping[str, str]) -> Path:
 
 # -- the cache --------------------------------------------------------------------------
 @dataclass
-class CacheStats:
+class CacheStats(Counters):
     """Counters of one DiskCache object (this process only)."""
 
     hits: int = 0
@@ -370,10 +371,6 @@ class CacheStats:
     writes: int = 0
     evictions: int = 0
     quarantines: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        """The counters as a plain dict."""
-        return asdict(self)
 
 
 @dataclass(frozen=True)

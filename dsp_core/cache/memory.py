@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dsp_core import diag
+from dsp_core.counters import Counters
 from dsp_core.diag import Category, Level
 
 log = logging.getLogger("dsp.cache")
@@ -72,7 +73,7 @@ class LivePlan:
 
 
 @dataclass
-class CacheStats:
+class CacheStats(Counters):
     """Counters of one model's plan caches, for tests, reports and `dsp plan show`."""
 
     plan_builds: int = 0
@@ -81,10 +82,6 @@ class CacheStats:
     disk_writes: int = 0
     evictions: int = 0
     quarantines: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        """The counters as a dict."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def available_host_bytes() -> int:

@@ -233,7 +233,7 @@ def _unit_view(unit: Unit) -> SegmentView:
         slots=unit.segment.slots,
         replaying=unit.kind is UnitKind.ISLAND and unit.phase is SegmentPhase.REPLAYING,
         keys=unit.keys.as_dict() if unit.keys is not None else None,
-        counters=dict(unit.counters.__dict__),
+        counters=unit.counters.as_dict(),
         reason=unit.reason,
     )
 

@@ -104,7 +104,7 @@ class PlanRuntime:
         """Lifecycle counters summed over units."""
         total: dict[str, int] = {}
         for unit in self.units:
-            for key, val in unit.counters.__dict__.items():
+            for key, val in unit.counters.as_dict().items():
                 total[key] = total.get(key, 0) + val
         total["executions"] = self.executions
         total["staging_copies"] = self.staging.copies

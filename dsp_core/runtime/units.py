@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsp_core.backends.base import Backend, CompiledSegment
+from dsp_core.counters import Counters
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.plan import Plan, Segment
 from dsp_core.runtime.lifecycle import SEGMENT_TRANSITIONS, SegmentPhase, StateMachine
@@ -55,7 +56,7 @@ class IdentityKeys:
 
 
 @dataclass
-class UnitCounters:
+class UnitCounters(Counters):
     """Lifecycle events of one unit."""
 
     warmups: int = 0
