@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 def run_on_cupy(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run the model's plan slot by slot with cupy arrays and cupy kernels."""
     import cupy as cp
-    from dsp_cpu_ref.slot_by_slot import bind_steps
+    from dsp_cpu_ref.slot_by_slot import bind_steps, generate
 
     plan = model.plan()
     assert plan is not None
@@ -29,15 +29,8 @@ def run_on_cupy(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) -> dict[
     for k, ext in enumerate(plan.externals):
         if ext.name in feeds:
             values[plan.flat(plan.external_ref(k))] = cp.asarray(feeds[ext.name])
-    for kernel, ins, outs, releases in steps:
-        result = kernel(*[values[i] for i in ins])
-        if isinstance(outs, int):
-            values[outs] = result
-        else:
-            for o, r in zip(outs, result):
-                values[o] = r
-        for i in releases:
-            values[i] = None
+    run, _ = generate(steps, f"{plan.graph_name}#cupy")  # cpu_ref's straight-line runner, cupy kernels
+    run(values)
     return {name: cp.asnumpy(values[plan.flat(r)]) for name, r in zip(plan.output_names, plan.outputs)}
 
 
