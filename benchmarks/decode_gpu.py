@@ -2,9 +2,12 @@
 
 Per model (random weights, fixed seed), in one run:
 
-- ``dsp_auto``: the ONNX export of the model (recipe of scripts/make_fixtures.py) through
-  ``dsp_core.llm.GenerationPipeline`` in AUTO mode (run in a worker process, so the DSP
-  environment may differ from the torch one: ``--dsp-python``);
+- ``dsp_block``: the ONNX export of the model (recipe of scripts/make_fixtures.py) through
+  ``dsp_core.llm.GenerationPipeline`` in AUTO mode with ``block_capture=True``: K greedy
+  decode steps as one plan, one replay (one graph launch on the GPU) per K tokens (run in
+  a worker process, so the DSP environment may differ from the torch one: ``--dsp-python``);
+- ``dsp_step``: the same pipeline with ``block_capture=False``: one replay per token, the
+  host reading tokens once per block of K;
 - ``hf_eager``: transformers ``generate`` (dynamic cache, no compile), timed per token by a
   streamer;
 - ``static_cudagraph``: the same model with a ``StaticCache``, one decode step captured by
@@ -49,6 +52,7 @@ MODELS = {  # name -> GPT2Config overrides
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_inner": 128},
 }
 THRESHOLDS = {"overall": 0, "decode": 1, "steady": 3, "lateSteady": 20}
+DSP_PEERS = {"dsp_block": True, "dsp_step": False}  # peer -> GenerationPipeline(block_capture=...)
 
 
 # -- metrics (the same definitions as dsp_core.llm.metrics, without importing dsp) ---------
@@ -348,7 +352,7 @@ def floor(torch: Any, model: Any, device: str) -> dict[str, Any]:
 
 
 # -- DSP (worker process) --------------------------------------------------------------------
-def run_dsp(args: argparse.Namespace, onnx_path: Path, prompt: list[int]) -> dict[str, Any]:
+def run_dsp(args: argparse.Namespace, onnx_path: Path, prompt: list[int], block_capture: bool) -> dict[str, Any]:
     """Run the DSP pipeline in ``--dsp-python`` (a worker invocation of this script)."""
     cmd = [
         args.dsp_python,
@@ -363,6 +367,8 @@ def run_dsp(args: argparse.Namespace, onnx_path: Path, prompt: list[int]) -> dic
         args.mode,
         "--block-size",
         str(args.block_size),
+        "--block-capture",
+        "on" if block_capture else "off",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -379,8 +385,13 @@ def dsp_worker(args: argparse.Namespace) -> int:
 
     prompt = np.asarray([int(t) for t in args.prompt_ids.split(",")], dtype=np.int64)
     start = time.perf_counter()
+    block_capture = args.block_capture == "on"
     pipe = GenerationPipeline(
-        args.dsp_worker, max_length=prompt.size + args.new_tokens, mode=args.mode, block_size=args.block_size
+        args.dsp_worker,
+        max_length=prompt.size + args.new_tokens,
+        mode=args.mode,
+        block_size=args.block_size,
+        block_capture=block_capture,
     )
     pipe.generate(prompt, args.new_tokens)  # warm-up: compile, freeze, capture
     setup = time.perf_counter() - start
@@ -394,9 +405,18 @@ def dsp_worker(args: argparse.Namespace) -> int:
                 "resolved_backends": pipe.decode_model.resolved_backends(),
                 "decode_phase": pipe.decode_model.dsp.phase.name,
                 "decode_state": pipe.decoder(1).xp.__name__,  # cupy: KV buffers and state on the device
-                "decode_loop": "one graph replay per token, tokens read once per block of "
-                + f"{args.block_size} (no K-step capture)",
+                "decode_loop": (
+                    f"one replay of a {args.block_size}-step plan per {args.block_size} tokens"
+                    if block_capture
+                    else f"one graph replay per token, tokens read once per block of {args.block_size}"
+                ),
                 "counters": pipe.decode_model.dsp.runtime.counters(),
+                "block_counters": {
+                    f"{b}x{k}": m.dsp.runtime.counters() for (b, k), m in sorted(pipe._blocks.items())
+                },
+                "block_backends": {
+                    f"{b}x{k}": m.resolved_backends() for (b, k), m in sorted(pipe._blocks.items())
+                },
             }
         )
     )
@@ -449,16 +469,18 @@ def bench_model(args: argparse.Namespace, name: str, out_dir: Path) -> dict[str,
     vocab = MODELS[name].get("vocab_size", 50257)
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=g)
     peers = [p for p in args.peers.split(",") if p]
-    if "dsp_auto" in peers:
-        onnx_path = Path(args.onnx_dir or out_dir / "onnx") / f"{name}-{args.dtype}" / "model.onnx"
+    onnx_path = Path(args.onnx_dir or out_dir / "onnx") / f"{name}-{args.dtype}" / "model.onnx"
+    for peer, block_capture in DSP_PEERS.items():
+        if peer not in peers:
+            continue
         try:
             if not onnx_path.exists():
                 export_model = build(torch, name, dtype, device, args.export_attn)
                 export_onnx(torch, export_model, onnx_path, args.opset)
                 del export_model
-            record["peers"]["dsp_auto"] = run_dsp(args, onnx_path, prompt[0].tolist())
+            record["peers"][peer] = run_dsp(args, onnx_path, prompt[0].tolist(), block_capture)
         except Exception as exc:  # noqa: BLE001  (one failing peer must not hide the others)
-            record["peers"]["dsp_auto"] = {"error": f"{type(exc).__name__}: {exc}"}
+            record["peers"][peer] = {"error": f"{type(exc).__name__}: {exc}"}
     model = build(torch, name, dtype, device, args.torch_attn)
     prompt = prompt.to(device)
     runs = {
@@ -487,8 +509,10 @@ def bench_model(args: argparse.Namespace, name: str, out_dir: Path) -> dict[str,
 
 
 def print_table(record: dict[str, Any]) -> None:
-    """One row per peer: the four metrics, effective, DSP's ratio to it."""
-    dsp = record["peers"].get("dsp_auto", {}).get("metrics", {}).get("effective")
+    """One row per peer: the four metrics, effective, the best DSP row's ratio to it."""
+    dsp = max(
+        (record["peers"].get(p, {}).get("metrics", {}).get("effective") or 0.0 for p in DSP_PEERS), default=0.0
+    )
     print(
         f"\n{record['model']} ({record['dtype']}, {record['device']}, {record['prompt_tokens']}-token prompt, "
         f"{record['new_tokens']} new tokens), tokens/s"
@@ -536,9 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="fp16", choices=["fp16", "fp32", "bf16"])
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    p.add_argument("--peers", default="dsp_auto,hf_eager,static_cudagraph,compile_reduce_overhead")
+    p.add_argument("--peers", default="dsp_block,dsp_step,hf_eager,static_cudagraph,compile_reduce_overhead")
     p.add_argument("--mode", default="auto", help="DSP execution mode")
     p.add_argument("--block-size", type=int, default=8, help="DSP decode steps per host call")
+    p.add_argument("--block-capture", default="on", choices=["on", "off"], help=argparse.SUPPRESS)
     p.add_argument("--export-attn", default="eager", help="attention of the ONNX export (eager: opset-18 ops)")
     p.add_argument("--opset", type=int, default=18)
     p.add_argument("--torch-attn", default="sdpa", help="attention of the torch peers")
