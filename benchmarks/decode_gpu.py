@@ -411,12 +411,8 @@ def dsp_worker(args: argparse.Namespace) -> int:
                     else f"one graph replay per token, tokens read once per block of {args.block_size}"
                 ),
                 "counters": pipe.decode_model.dsp.runtime.counters(),
-                "block_counters": {
-                    f"{b}x{k}": m.dsp.runtime.counters() for (b, k), m in sorted(pipe._blocks.items())
-                },
-                "block_backends": {
-                    f"{b}x{k}": m.resolved_backends() for (b, k), m in sorted(pipe._blocks.items())
-                },
+                "block_counters": {f"{b}x{k}": m.dsp.runtime.counters() for (b, k), m in sorted(pipe._blocks.items())},
+                "block_backends": {f"{b}x{k}": m.resolved_backends() for (b, k), m in sorted(pipe._blocks.items())},
             }
         )
     )
@@ -510,9 +506,7 @@ def bench_model(args: argparse.Namespace, name: str, out_dir: Path) -> dict[str,
 
 def print_table(record: dict[str, Any]) -> None:
     """One row per peer: the four metrics, effective, the best DSP row's ratio to it."""
-    dsp = max(
-        (record["peers"].get(p, {}).get("metrics", {}).get("effective") or 0.0 for p in DSP_PEERS), default=0.0
-    )
+    dsp = max((record["peers"].get(p, {}).get("metrics", {}).get("effective") or 0.0 for p in DSP_PEERS), default=0.0)
     print(
         f"\n{record['model']} ({record['dtype']}, {record['device']}, {record['prompt_tokens']}-token prompt, "
         f"{record['new_tokens']} new tokens), tokens/s"
