@@ -395,6 +395,7 @@ def dsp_worker(args: argparse.Namespace) -> int:
     )
     pipe.generate(prompt, args.new_tokens)  # warm-up: compile, freeze, capture
     setup = time.perf_counter() - start
+    launch = _time_host_launches()
     result = pipe.generate(prompt, args.new_tokens)
     print(
         json.dumps(
@@ -411,12 +412,32 @@ def dsp_worker(args: argparse.Namespace) -> int:
                     else f"one graph replay per token, tokens read once per block of {args.block_size}"
                 ),
                 "counters": pipe.decode_model.dsp.runtime.counters(),
+                # host time spent issuing the decode steps (before the once-per-block read)
+                "host_launch_us_per_token": 1e6 * sum(launch) / max(args.new_tokens - 1, 1),
                 "block_counters": {f"{b}x{k}": m.dsp.runtime.counters() for (b, k), m in sorted(pipe._blocks.items())},
                 "block_backends": {f"{b}x{k}": m.resolved_backends() for (b, k), m in sorted(pipe._blocks.items())},
             }
         )
     )
     return 0
+
+
+def _time_host_launches() -> list[float]:
+    """Time every ``DecodeLoop.run_block`` call (the host's side of a block: it returns
+    before the device finishes; the block's tokens are read after it). Returns the list
+    the seconds are appended to."""
+    from dsp_core.llm import pipeline
+
+    spent: list[float] = []
+    run_block = pipeline.DecodeLoop.run_block
+
+    def timed(self: Any, *a: Any) -> None:
+        t0 = time.perf_counter()
+        run_block(self, *a)
+        spent.append(time.perf_counter() - t0)
+
+    pipeline.DecodeLoop.run_block = timed  # type: ignore[method-assign]
+    return spent
 
 
 # -- driver ----------------------------------------------------------------------------------
@@ -522,6 +543,10 @@ def print_table(record: dict[str, Any]) -> None:
         print(f"{peer:<26}" + "".join(f"{m[c]:>12.1f}" if m[c] else f"{'-':>12}" for c in cols) + f"{ratio:>10}")
     fl = record["floor"]["tokens_per_s"]
     print(f"{'floor (weights/bandwidth)':<26}" + f"{'':>48}{fl:>12.1f}" + (f"{dsp / fl:>10.2f}x" if dsp else ""))
+    for peer in DSP_PEERS:
+        host = record["peers"].get(peer, {}).get("host_launch_us_per_token")
+        if host is not None:
+            print(f"{peer}: host time issuing decode steps {host:.1f} us/token")
 
 
 def write_results(args: argparse.Namespace, argv: list[str] | None, out_dir: Path, records: list[Any]) -> None:

@@ -10,6 +10,7 @@ import dsp_core as dsp
 from dsp_core.llm import GenerationPipeline
 from dsp_core.llm.block import TOKENS, BlockUnrollError, unroll
 from dsp_core.llm.kv import fixed_kv_buffers
+from dsp_core.ops.registry import Trait
 from dsp_core.runtime.lifecycle import PlanPhase
 
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
@@ -66,3 +67,36 @@ def test_sampled_generation_keeps_the_per_step_path() -> None:
     a = pipe.generate(np.array([17, 402, 93]), 10, sampling=Sampling(temperature=0.8, seed=3)).token_list()
     b = pipe.generate(np.array([17, 402, 93]), 10, sampling=Sampling(temperature=0.8, seed=3)).token_list()
     assert a == b and len(a) == 10
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_shape_computations_are_not_repeated_so_the_block_seals_like_a_step(name: str) -> None:
+    """Copies i >= 1 read copy 0's shape-static values: every shape a kernel reads on the host
+    is sealed at freeze, as in the single-step plan (a shape computed every step cannot be
+    held in a CUDA graph)."""
+    graph = dsp.compile(FIXTURES / f"{name}.onnx").graph
+    fixed = fixed_kv_buffers(graph, batch=1, max_length=32)
+    block = unroll(fixed, 4)
+    shapes = sum(n.op_type in ("Shape", "Size") for n in fixed.graph.nodes)
+    assert shapes and sum(n.op_type in ("Shape", "Size") for n in block.nodes) == shapes
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="emulated_replay", block_capture=True)
+    pipe.generate(golden["prompt"], 4)
+    step, blk = pipe.decode_model.last_live.runtime, pipe._blocks[(1, pipe.block_size)].last_live.runtime
+    assert blk.sealed and len(blk.sealed) == len(step.sealed)
+    for slot in blk.plan.slots:
+        if slot.traits & Trait.SHAPE_ONLY_OUTPUT:
+            reads = [r for r in slot.inputs if r is not None and r >= 0]
+            assert slot.index in blk.sealed or not reads, f"{slot.name} reads a live value's shape every step"
+
+
+def test_blocks_are_the_default_only_where_the_state_lives_on_a_device() -> None:
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    default = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay")
+    assert not default.captures_blocks(1)  # numpy state: a block replay saves nothing on the CPU
+    assert default.generate(golden["prompt"], 12).token_list() == [int(t) for t in golden["greedy_tokens"][:12]]
+    assert default._blocks == {}
+    forced = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_capture=True)
+    assert forced.captures_blocks(1)
+    off = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_capture=False)
+    assert not off.captures_blocks(1)

@@ -11,6 +11,14 @@ host reads the K tokens once, after the block.
 
 After a block the caller advances the state by K (device-side, ``BlockHook``): the KV
 buffers already hold the block's keys and values.
+
+Shape-static nodes (``Shape``/``Size`` of any value, and whatever is computed from them
+and constants alone) give the same value in every copy, because every copy has the same
+shapes. Copies ``i >= 1`` do not repeat them: they read copy 0's. This is not only
+smaller: in copy 0 those nodes read fed inputs and are sealed when the plan freezes,
+whereas copy ``i``'s would read values computed in the block (the previous token, the
+advanced mask), and a shape computed every step is a host read that a CUDA graph
+cannot hold (Reshape's shape, Expand's shape, Slice's starts...).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dsp_core.errors import DSPError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph, Node, Value
 from dsp_core.llm.kv import FixedKVGraph
+from dsp_core.ops.registry import Trait, has_op, lookup
 
 TOKENS = "tokens"
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask")
@@ -53,9 +62,14 @@ def unroll(fixed: FixedKVGraph, k: int) -> Graph:
         variables=set(g.variables),
     )
     block.initializers["dsp/block/range"] = np.arange(fixed.max_length, dtype=np.int64)
+    static = shape_static(g)
     for i in range(k):
         feeds = _step_feeds(block, fixed, buffers, i)
-        for node in g.nodes:
+        if i:
+            feeds.update({out: f"b0/{out}" for j in static for out in g.nodes[j].outputs if out})
+        for j, node in enumerate(g.nodes):
+            if i and j in static:
+                continue
             block.nodes.append(
                 Node(
                     node.op_type,
@@ -73,6 +87,22 @@ def unroll(fixed: FixedKVGraph, k: int) -> Graph:
     block.outputs = [Value(TOKENS, "int64", (fixed.batch, k))]
     block.validate()
     return block
+
+
+def shape_static(g: Graph) -> set[int]:
+    """Indexes of the nodes whose outputs depend only on shapes and constants (equal in every copy)."""
+    static_values = set(g.initializers)
+    static: set[int] = set()
+    for j, node in enumerate(g.nodes):
+        if not has_op(node.op_type, node.domain):
+            continue
+        opdef = lookup(node.op_type, node.domain)
+        if opdef.has(Trait.RANDOM) or opdef.has(Trait.MUTATES_INPUT):
+            continue
+        if opdef.has(Trait.SHAPE_ONLY_OUTPUT) or all(not n or n in static_values for n in node.inputs):
+            static.add(j)
+            static_values.update(n for n in node.outputs if n)
+    return static
 
 
 def _name(name: str, i: int, feeds: dict[str, str], g: Graph) -> str:

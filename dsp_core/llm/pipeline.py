@@ -406,7 +406,7 @@ class GenerationPipeline:
         *,
         block_size: int = 8,
         strict: bool = False,
-        block_capture: bool = False,
+        block_capture: bool | None = None,
     ) -> None:
         import dsp_core as dsp
 
@@ -422,8 +422,9 @@ class GenerationPipeline:
         self.max_length = int(max_length)
         self.block_size = int(block_size)
         # Greedy blocks of block_size steps as one plan (dsp_core/llm/block.py): one
-        # replay per block. Off by default until verified on every capturing backend.
-        self.block_capture = bool(block_capture)
+        # replay per block. None: on where the decode state lives on a device (a replay
+        # is a graph launch there); on the CPU a block replay saves nothing.
+        self.block_capture = block_capture
         self._decoders: dict[int, Decoder] = {}
         self._blocks: dict[tuple[int, int], CompiledModel] = {}
         self._default: GenerationSession | None = None
@@ -455,8 +456,14 @@ class GenerationPipeline:
                 break
         state.clear()
         session.reset_position()
-        if self.block_capture and self.block_size > 1:
+        if self.block_size > 1 and self.captures_blocks(batch):
             self.block_model(batch, self.block_size)
+
+    def captures_blocks(self, batch: int = 1) -> bool:
+        """Whether greedy decoding runs K-step block plans (``block_capture``, or by default on a device)."""
+        if self.block_capture is not None:
+            return bool(self.block_capture)
+        return self.decoder(batch).xp is not np
 
     def block_model(self, batch: int, k: int) -> CompiledModel:
         """The K-step greedy block plan for ``batch`` rows (built, frozen and warmed on first use).

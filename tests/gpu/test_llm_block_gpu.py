@@ -1,7 +1,8 @@
-"""Greedy decode blocks captured as one CUDA graph (block_capture=True) on the GPU.
+"""Greedy decode blocks captured as one CUDA graph on the GPU (the default there).
 
-Written with the feature, run on a GPU machine by `make gpu-test`; on a CPU machine it
-skips like every GPU test. The same checks pass on the CPU (tests/test_llm_block.py).
+K decode steps (step, ArgMax, KV scatter, advance) are one plan, captured once and
+replayed as one graph launch per K tokens; the single-step plan runs only for a last,
+shorter block. The same checks run on the CPU in EMULATED_REPLAY (tests/test_llm_block.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 @pytest.mark.parametrize("name", ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"])
 def test_block_of_k_tokens_is_one_replay_on_the_gpu(name: str) -> None:
     golden = np.load(FIXTURES / f"{name}.golden.npz")
-    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="cuda_graphs", block_size=8,
-                              block_capture=True)
+    pipe = GenerationPipeline(
+        FIXTURES / f"{name}.onnx", max_length=64, mode="cuda_graphs", block_size=8, block_capture=True
+    )
     pipe.generate(golden["prompt"], 8)  # warm-up of both plans
     block = pipe._blocks[(1, 8)]
     assert block.resolved_backends() == ["cuda_graphs"] and block.dsp.phase is PlanPhase.REPLAYING
@@ -31,3 +33,20 @@ def test_block_of_k_tokens_is_one_replay_on_the_gpu(name: str) -> None:
     after, step_after = block.dsp.runtime.counters(), pipe.decode_model.dsp.runtime.counters()
     assert after["replays"] - before["replays"] == 3 and after["recaptures"] == 0
     assert step_after["executions"] == step_before["executions"]
+
+
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_sdpa23"])
+def test_auto_on_a_gpu_decodes_in_blocks_by_default(name: str) -> None:
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    want = [int(t) for t in golden["greedy_tokens"][:32]]
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="auto", block_size=8)
+    assert pipe.captures_blocks(1), "decode state on the device: blocks are the default"
+    assert pipe.generate(golden["prompt"], 32).token_list() == want
+    block, step = pipe._blocks[(1, 8)], pipe.decode_model
+    assert block.dsp.phase is PlanPhase.REPLAYING
+    b0, s0 = block.dsp.runtime.counters(), step.dsp.runtime.counters()
+    assert pipe.generate(golden["prompt"], 32).token_list() == want
+    b1, s1 = block.dsp.runtime.counters(), step.dsp.runtime.counters()
+    # 1 token from the prefill, 3 blocks of 8, then 7 single steps
+    assert b1["replays"] - b0["replays"] == 3 and s1["executions"] - s0["executions"] == 7, (b0, b1, s0, s1)
+    assert b1["captures"] == b0["captures"] and b1["recaptures"] == 0 and s1["recaptures"] == 0
