@@ -78,3 +78,31 @@ def test_validate_passes_against_golden_and_fails_below_threshold(tmp_path) -> N
     assert r.returncode == 1 and "FAILED" in r.stdout
     r = dsp("generate", GPT2, "--prompt", "hello")
     assert r.returncode == 2 and "--tokenizer" in r.stderr
+
+
+def test_generate_block_capture_flag() -> None:
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    prompt = ",".join(str(t) for t in golden["prompt"][0])
+    runs = {
+        flag: dsp(
+            "generate",
+            GPT2,
+            "--prompt-ids",
+            prompt,
+            "--max-new-tokens",
+            "17",
+            "--mode",
+            "emulated_replay",
+            "--block-capture",
+            flag,
+            "--json",
+        )
+        for flag in ("auto", "on")
+    }
+    for flag, r in runs.items():
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["tokens"] == golden["greedy_tokens"][:17].tolist(), flag
+        assert out["block_capture"] is (flag == "on")  # auto: off where the state is numpy
+    bad = dsp("generate", GPT2, "--prompt-ids", prompt, "--block-capture", "sometimes")
+    assert bad.returncode == 2 and "--block-capture" in bad.stderr

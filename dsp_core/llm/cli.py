@@ -31,6 +31,12 @@ def add_llm_commands(sub: Any) -> None:
     _add_sampling(gen)
     gen.add_argument("--stop-token", action="append", default=[], metavar="T", help="token id or token text")
     gen.add_argument("--block-size", type=int, default=8, metavar="K", help="decode steps per host call")
+    gen.add_argument(
+        "--block-capture",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="greedy K-step blocks as one plan (one graph launch per K tokens); auto: on a device",
+    )
     gen.add_argument("--json", action="store_true", help="print the result and metrics as JSON at the end")
     gen.set_defaults(func=cmd_generate)
 
@@ -86,7 +92,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InputError("the prompt encodes to no tokens")
     stops = [_stop_id(s, tok) for s in args.stop_token]
     max_length = args.max_length or int(prompt.size + args.max_new_tokens)
-    pipe = GenerationPipeline(args.model, max_length=max_length, mode=args.mode, block_size=args.block_size)
+    blocks = {"auto": None, "on": True, "off": False}[args.block_capture]
+    pipe = GenerationPipeline(
+        args.model, max_length=max_length, mode=args.mode, block_size=args.block_size, block_capture=blocks
+    )
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     seen: list[int] = []
     printed = ""
@@ -116,6 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "metrics": result.metrics.as_dict(),
             "mode": pipe.mode.name,
             "decode_phase": pipe.decode_model.dsp.phase.name,
+            "block_capture": pipe.captures_blocks(),
         }
         print(json.dumps(out, indent=2))
         return 0
