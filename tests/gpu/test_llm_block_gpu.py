@@ -50,3 +50,25 @@ def test_auto_on_a_gpu_decodes_in_blocks_by_default(name: str) -> None:
     # 1 token from the prefill, 3 blocks of 8, then 7 single steps
     assert b1["replays"] - b0["replays"] == 3 and s1["executions"] - s0["executions"] == 7, (b0, b1, s0, s1)
     assert b1["captures"] == b0["captures"] and b1["recaptures"] == 0 and s1["recaptures"] == 0
+
+
+def test_sessions_switching_on_the_gpu_keep_their_tokens() -> None:
+    """Two sessions (their own device KV buffers) alternate blocks: the shared block plan
+    re-captures on each switch (its inputs moved) and each session keeps its own tokens;
+    a session continued by 5 tokens equals a fresh prefill of the whole sequence."""
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    pipe = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="auto", block_size=8)
+    a, b = pipe.session(), pipe.session()
+    a.append(golden["prompt"])
+    b.append(np.array([[5, 6, 7]]))
+    tokens = a.generate(9).token_list()
+    b.generate(9)
+    tokens += a.generate(8).token_list()
+    assert tokens == [int(t) for t in golden["greedy_tokens"][:17]]
+    assert pipe._blocks[(1, 8)].dsp.runtime.counters()["recaptures"] >= 1
+    more = np.array([[3, 141, 59, 26, 535]])
+    continued = a.append(more)
+    fresh = pipe.session()
+    reference = fresh.append(np.concatenate([golden["prompt"], np.array([tokens]), more], axis=1))
+    np.testing.assert_allclose(continued, reference, rtol=2e-3, atol=2e-3 * max(1.0, float(np.abs(reference).max())))
+    assert a.generate(9).token_list() == fresh.generate(9).token_list()
