@@ -369,6 +369,8 @@ def run_dsp(args: argparse.Namespace, onnx_path: Path, prompt: list[int], block_
         str(args.block_size),
         "--block-capture",
         "on" if block_capture else "off",
+        "--sampling",
+        args.sampling,
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -393,10 +395,11 @@ def dsp_worker(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         block_capture=block_capture,
     )
-    pipe.generate(prompt, args.new_tokens)  # warm-up: compile, freeze, capture
+    pipe.generate(prompt, args.new_tokens, sampling=_sampling(args.sampling))  # warm-up: compile, freeze, capture
     setup = time.perf_counter() - start
     launch = _time_host_launches()
-    result = pipe.generate(prompt, args.new_tokens)
+    sampling = _sampling(args.sampling)
+    result = pipe.generate(prompt, args.new_tokens, sampling=sampling)
     print(
         json.dumps(
             {
@@ -414,12 +417,29 @@ def dsp_worker(args: argparse.Namespace) -> int:
                 "counters": pipe.decode_model.dsp.runtime.counters(),
                 # host time spent issuing the decode steps (before the once-per-block read)
                 "host_launch_us_per_token": 1e6 * sum(launch) / max(args.new_tokens - 1, 1),
-                "block_counters": {f"{b}x{k}": m.dsp.runtime.counters() for (b, k), m in sorted(pipe._blocks.items())},
-                "block_backends": {f"{b}x{k}": m.resolved_backends() for (b, k), m in sorted(pipe._blocks.items())},
+                "block_counters": {
+                    "x".join(map(str, key)): m.dsp.runtime.counters() for key, m in pipe._blocks.items()
+                },
+                "block_backends": {"x".join(map(str, key)): m.resolved_backends() for key, m in pipe._blocks.items()},
             }
         )
     )
     return 0
+
+
+def _sampling(text: str) -> Any:
+    """``temperature=0.8,top_k=50,top_p=0.9`` -> Sampling (seed 0); empty: greedy."""
+    from dsp_core.llm import Sampling
+
+    if not text:
+        return None
+    values = dict(item.split("=", 1) for item in text.split(","))
+    return Sampling(
+        temperature=float(values.get("temperature", 1.0)),
+        top_k=int(values.get("top_k", 0)),
+        top_p=float(values.get("top_p", 1.0)),
+        seed=0,
+    )
 
 
 def _time_host_launches() -> list[float]:
@@ -486,6 +506,8 @@ def bench_model(args: argparse.Namespace, name: str, out_dir: Path) -> dict[str,
     vocab = MODELS[name].get("vocab_size", 50257)
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=g)
     peers = [p for p in args.peers.split(",") if p]
+    if args.sampling:  # the torch peers here decode greedily: compare DSP with itself
+        peers = [p for p in peers if p in DSP_PEERS]
     onnx_path = Path(args.onnx_dir or out_dir / "onnx") / f"{name}-{args.dtype}" / "model.onnx"
     for peer, block_capture in DSP_PEERS.items():
         if peer not in peers:
@@ -560,7 +582,8 @@ def write_results(args: argparse.Namespace, argv: list[str] | None, out_dir: Pat
     light = ("step_seconds", "tokens")  # the per-model files keep them
     results = {
         **meta(argv),
-        "setup": f"batch 1, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy, {args.dtype}, "
+        "setup": f"batch 1, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, "
+        f"{'sampled (' + args.sampling + ', seed 0)' if args.sampling else 'greedy'}, {args.dtype}, "
         "random weights (seed 1234)",
         "summary": summary,
         "records": [
@@ -583,6 +606,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="auto", help="DSP execution mode")
     p.add_argument("--block-size", type=int, default=8, help="DSP decode steps per host call")
     p.add_argument("--block-capture", default="on", choices=["on", "off"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--sampling",
+        default="",
+        help="DSP rows only: sample with e.g. temperature=0.8,top_k=50,top_p=0.9 (seed 0) instead of greedy",
+    )
     p.add_argument("--export-attn", default="eager", help="attention of the ONNX export (eager: opset-18 ops)")
     p.add_argument("--opset", type=int, default=18)
     p.add_argument("--torch-attn", default="sdpa", help="attention of the torch peers")

@@ -76,6 +76,5 @@ def pytest_terminal_summary(terminalreporter: object) -> None:
         from conformance.exclusions import EXCLUDED
 
         terminalreporter.write_line(  # type: ignore[attr-defined]
-            f"ONNX node suite: {_NODE_SUITE['passed']} passed, {len(EXCLUDED)} excluded, "
-            f"{_NODE_SUITE['failed']} failed"
+            f"ONNX node suite: {_NODE_SUITE['passed']} passed, {len(EXCLUDED)} excluded, {_NODE_SUITE['failed']} failed"
         )

@@ -133,8 +133,12 @@ def test_gpu_mode_on_cpu_machine_is_remapped_loudly(model_path: Path) -> None:
 
 def test_unknown_op_exits_2_naming_the_node(tmp_path: Path) -> None:
     node = helper.make_node("FancyOp", ["x"], ["y"], name="fancy_1", domain="com.example")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)])
     path = tmp_path / "fancy.onnx"
     onnx.save(model, str(path))
@@ -146,8 +150,9 @@ def test_unknown_op_exits_2_naming_the_node(tmp_path: Path) -> None:
 def test_random_inputs_for_a_kv_decoder_are_consistent() -> None:
     from conftest import FIXTURES
 
-    out = dsp("run", str(FIXTURES / "gpt2_eager.onnx"), "--random-inputs", "--dim", "past=5", "--dim", "seq=3",
-              "--json")
+    out = dsp(
+        "run", str(FIXTURES / "gpt2_eager.onnx"), "--random-inputs", "--dim", "past=5", "--dim", "seq=3", "--json"
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["outputs"]["present.0.key"]["shape"] == [1, 4, 8, 16]  # past 5 + 3 new tokens

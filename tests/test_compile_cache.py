@@ -110,8 +110,9 @@ print(json.dumps({"ok": ok, "stats": model.stats.as_dict()}))
 def test_two_processes_compile_the_same_model_at_once(cache_dir: Path) -> None:
     env = {**os.environ, "DSP_CACHE_DIR": str(cache_dir)}
     args = [sys.executable, "-c", _WORKER, str(GPT2), str(FIXTURES / "gpt2_eager.golden.npz")]
-    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)

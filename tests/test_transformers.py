@@ -35,8 +35,9 @@ def test_prefill_and_decode_match_torch(decoder, mode: str) -> None:
         feeds = {n: golden[f"step{k}.{n}"] for n in model.input_names}
         outs = model.run(feeds)
         for out in model.output_names:
-            np.testing.assert_allclose(outs[out], golden[f"step{k}.{out}"], rtol=1e-4, atol=1e-4,
-                                       err_msg=f"{name} step {k} output {out}")
+            np.testing.assert_allclose(
+                outs[out], golden[f"step{k}.{out}"], rtol=1e-4, atol=1e-4, err_msg=f"{name} step {k} output {out}"
+            )
 
 
 def test_chained_decode_reproduces_greedy_tokens(decoder) -> None:

@@ -31,9 +31,11 @@ from dsp_core.errors import DSPError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph, Node, Value
 from dsp_core.llm.kv import FixedKVGraph
+from dsp_core.llm.sampling import GREEDY, Sampling
 from dsp_core.ops.registry import Trait, has_op, lookup
 
 TOKENS = "tokens"
+UNIFORMS = "dsp/block/uniforms"  # [k, B] float64: a sampled block's random numbers, fed per block
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask")
 
 
@@ -41,8 +43,14 @@ class BlockUnrollError(DSPError):
     """The decode graph cannot be unrolled into a K-step block (the reason names what)."""
 
 
-def unroll(fixed: FixedKVGraph, k: int) -> Graph:
-    """The K-step greedy block graph of a fixed-KV decode graph."""
+def unroll(fixed: FixedKVGraph, k: int, sampling: Sampling = GREEDY) -> Graph:
+    """The K-step block graph of a fixed-KV decode graph.
+
+    Greedy: copy ``i``'s token is the graph's own ArgMax (``next_token``). Sampled: the
+    block takes one more input, ``UNIFORMS`` [k, B] float64, and copy ``i`` draws its
+    token with ``dsp::Sample`` (the sampling's temperature, top-k, top-p as attributes)
+    from its logits and row ``i`` of the uniforms.
+    """
     if k < 1:
         raise BlockUnrollError(f"a block needs k >= 1 steps, got {k}")
     g = fixed.graph
@@ -62,9 +70,12 @@ def unroll(fixed: FixedKVGraph, k: int) -> Graph:
         variables=set(g.variables),
     )
     block.initializers["dsp/block/range"] = np.arange(fixed.max_length, dtype=np.int64)
+    if not sampling.greedy:
+        block.inputs.append(Value(UNIFORMS, "float64", (k, fixed.batch)))
     static = shape_static(g)
+    chosen = [f"b{i}/{fixed.next_token}" if sampling.greedy else f"b{i}/dsp_token" for i in range(k)]
     for i in range(k):
-        feeds = _step_feeds(block, fixed, buffers, i)
+        feeds = _step_feeds(block, fixed, buffers, i, chosen)
         if i:
             feeds.update({out: f"b0/{out}" for j in static for out in g.nodes[j].outputs if out})
         for j, node in enumerate(g.nodes):
@@ -82,11 +93,19 @@ def unroll(fixed: FixedKVGraph, k: int) -> Graph:
             )
         for name, info in g.value_info.items():
             block.value_info[f"b{i}/{name}"] = Value(f"b{i}/{name}", info.dtype, info.shape)
-    steps = [f"b{i}/{fixed.next_token}" for i in range(k)]
-    block.nodes.append(Node("Concat", steps, [TOKENS], {"axis": 1}, "dsp/block/tokens"))
+        if not sampling.greedy:
+            _sample_node(block, fixed, sampling, i)
+    block.nodes.append(Node("Concat", chosen, [TOKENS], {"axis": 1}, "dsp/block/tokens"))
     block.outputs = [Value(TOKENS, "int64", (fixed.batch, k))]
     block.validate()
     return block
+
+
+def block_key(batch: int, k: int, sampling: Sampling = GREEDY) -> tuple[Any, ...]:
+    """The key of a block plan: (batch, k) when greedy, plus what the sampling bakes in."""
+    if sampling.greedy:
+        return (batch, k)
+    return (batch, k, sampling.temperature, sampling.top_k, sampling.top_p)
 
 
 def shape_static(g: Graph) -> set[int]:
@@ -114,7 +133,27 @@ def _name(name: str, i: int, feeds: dict[str, str], g: Graph) -> str:
     return f"b{i}/{name}"
 
 
-def _step_feeds(block: Graph, fixed: FixedKVGraph, buffers: dict[str, str], i: int) -> dict[str, str]:
+def _sample_node(block: Graph, fixed: FixedKVGraph, sampling: Sampling, i: int) -> None:
+    """Copy ``i``'s token drawn from its logits with row ``i`` of the block's uniforms."""
+    row = f"dsp/block/row{i}"
+    block.initializers[row] = np.array(i, dtype=np.int64)
+    block.nodes.append(Node("Gather", [UNIFORMS, row], [f"b{i}/dsp_uniform"], {"axis": 0}, f"b{i}/dsp_uniform"))
+    attrs = {"temperature": float(sampling.temperature), "top_k": int(sampling.top_k), "top_p": float(sampling.top_p)}
+    block.nodes.append(
+        Node(
+            "Sample",
+            [f"b{i}/{fixed.logits}", f"b{i}/dsp_uniform"],
+            [f"b{i}/dsp_token"],
+            attrs,
+            f"b{i}/dsp_sample",
+            "dsp",
+        )
+    )
+
+
+def _step_feeds(
+    block: Graph, fixed: FixedKVGraph, buffers: dict[str, str], i: int, chosen: list[str]
+) -> dict[str, str]:
     """Copy ``i``'s inputs: the block's own for i == 0, else computed from copy ``i - 1`` (glue nodes)."""
     if i == 0:
         return {name: name for name in (*STEP_INPUTS, fixed.position_input, *buffers)}
@@ -140,7 +179,7 @@ def _step_feeds(block: Graph, fixed: FixedKVGraph, buffers: dict[str, str], i: i
     glue.append(Node("Add", ["position_ids", position_step], [f"b{i}/position_ids"], {}, f"b{i}/dsp_positions"))
     block.nodes.extend(glue)
     feeds = {
-        "input_ids": f"{prev}{fixed.next_token}",
+        "input_ids": chosen[i - 1],
         "position_ids": f"b{i}/position_ids",
         "attention_mask": f"b{i}/attention_mask",
         pos: f"b{i}/{pos}",
@@ -159,7 +198,11 @@ def _onnx_dtype(g: Graph, name: str) -> int:
 
 
 class BlockHook:
-    """``DecodeLoop.block_hook`` for greedy blocks of exactly K steps: one plan run per block."""
+    """``DecodeLoop.block_hook`` for blocks of exactly K steps: one plan run per block.
+
+    A sampled block is fed the block's uniforms ([K, B], drawn by the session's sampler
+    in the same order as the one-step path draws them).
+    """
 
     def __init__(self, model: Any, state: Any, k: int) -> None:
         self.model = model
@@ -174,7 +217,8 @@ class BlockHook:
 
     def _run(self, out: Any, uniforms: Any, offset: int) -> None:
         state, xp = self.state, self.state.xp
-        tokens = self.model.run(state.feeds)[TOKENS]
+        feeds = state.feeds if uniforms is None else {**state.feeds, UNIFORMS: uniforms}
+        tokens = self.model.run(feeds)[TOKENS]
         out[:, offset : offset + self.k] = tokens
         start = state.kv_position.copy()
         state.kv_position += self.k  # device-side, like DecodeState.advance, K at once

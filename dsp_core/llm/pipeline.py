@@ -45,7 +45,7 @@ import numpy as np
 
 from dsp_core.errors import DSPError, InputError
 from dsp_core.ir import dtypes
-from dsp_core.llm.block import BlockHook, unroll
+from dsp_core.llm.block import UNIFORMS, BlockHook, block_key, unroll
 from dsp_core.llm.kv import FixedKVGraph, fixed_kv_buffers, past_inputs
 from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
@@ -342,12 +342,12 @@ class GenerationSession:
         stop_at = _first_stops(out[:, :n], stops)
         if stop_at is None and n < max_new_tokens:
             loop = DecodeLoop(self.decoder, self.state, sampler)
-            block_model = self.pipeline._blocks.get((self.batch, k_max))  # built and warmed by warmup()
-            if block_model is not None and sampling.greedy:
-                loop.block_hook = BlockHook(block_model, self.state, k_max)
             self.state.set_position(self.position)
             assert self.pending is not None
             self.state.input_ids[...] = self.state.xp.asarray(self.pending)
+            if k_max > 1 and max_new_tokens - n >= k_max and self.pipeline.captures_blocks(self.batch):
+                block_model = self.pipeline.block_model(self.batch, k_max, sampling, self)
+                loop.block_hook = BlockHook(block_model, self.state, k_max)
             dev = self.state.block_buffer(k_max) if self.state.xp is not np else None
             while n < max_new_tokens:
                 k = min(k_max, max_new_tokens - n)
@@ -456,37 +456,49 @@ class GenerationPipeline:
                 break
         state.clear()
         session.reset_position()
-        if self.block_size > 1 and self.captures_blocks(batch):
-            self.block_model(batch, self.block_size)
+        # Block plans are built when a generation first runs a full block (block_model),
+        # for the sampling it uses, warmed on that session's buffers.
 
     def captures_blocks(self, batch: int = 1) -> bool:
-        """Whether greedy decoding runs K-step block plans (``block_capture``, or by default on a device)."""
+        """Whether decoding runs K-step block plans (``block_capture``, or by default on a device)."""
         if self.block_capture is not None:
             return bool(self.block_capture)
         return self.decoder(batch).xp is not np
 
-    def block_model(self, batch: int, k: int) -> CompiledModel:
-        """The K-step greedy block plan for ``batch`` rows (built, frozen and warmed on first use).
+    def block_model(
+        self, batch: int, k: int, sampling: Sampling = GREEDY, session: GenerationSession | None = None
+    ) -> CompiledModel:
+        """The K-step block plan for ``batch`` rows and ``sampling`` (built, frozen and warmed on first use).
 
-        Warming runs on the default session's buffers and clears them: call it before that
-        session holds anything (``warmup`` does).
+        One plan per (batch, k) for greedy decoding, and per (batch, k, temperature,
+        top_k, top_p) for sampling (the seed is not part of it: the uniforms are fed).
+        Warming runs the block on ``session``'s buffers at its position (it writes only
+        the K positions the block is about to write), or, without a session, on the
+        default session's buffers, cleared after: call that before the default session
+        holds anything (``warmup`` does).
         """
-        key = (batch, k)
+        key = block_key(batch, k, sampling)
         if key not in self._blocks:
             decoder = self.decoder(batch)
-            model = CompiledModel(unroll(decoder.fixed, k), self.mode, registry=self.prefill_model.registry)
+            model = CompiledModel(unroll(decoder.fixed, k, sampling), self.mode, registry=self.prefill_model.registry)
             model.dsp.mark_variable(state_inputs(decoder.fixed, model))
             model.dsp.freeze()
             if decoder.xp is not np:
                 model.outputs_on_device = True
-            session = self._session(batch)
-            session.state.set_position(0)
-            for _ in range(WARMUP_STEPS):  # on the default session's buffers, cleared after
-                model.run(session.state.feeds)
+            scratch = session is None
+            state = self._session(batch).state if session is None else session.state
+            if scratch:
+                state.set_position(0)
+            feeds = dict(state.feeds)
+            if not sampling.greedy:
+                feeds[UNIFORMS] = np.full((k, batch), 0.5)
+            for _ in range(WARMUP_STEPS):
+                model.run(feeds)
                 if model.dsp.phase in (PlanPhase.REPLAYING, PlanPhase.REPLAY_BLOCKED):
                     break
-            session.state.clear()
-            session.reset_position()
+            if scratch:
+                state.clear()
+                self._session(batch).reset_position()
             self._blocks[key] = model
         return self._blocks[key]
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core.ops.llm import sample_tokens
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -58,29 +60,13 @@ class Sampler:
     def pick(self, logits: Any, uniform: Any = None) -> Any:
         """The chosen token of each row, int64 [B] (an array: nothing goes to the host).
 
-        Computed in the namespace of ``logits`` (numpy, or cupy for device logits).
+        Computed in the namespace of ``logits`` (numpy, or cupy for device logits), by the
+        same code as the in-plan ``dsp::Sample`` op (dsp_core.ops.llm.sample_tokens).
         """
         xp = namespace_of(logits, self.xp)
-        if self.sampling.greedy:
-            return xp.argmax(logits, axis=-1).astype(xp.int64)
         s = self.sampling
-        x = logits.astype(xp.float64) / s.temperature
-        vocab = x.shape[-1]
-        if 0 < s.top_k < vocab:
-            kth = -xp.partition(-x, s.top_k - 1, axis=-1)[:, s.top_k - 1 : s.top_k]
-            x = xp.where(x < kth, -xp.inf, x)
-        if s.top_p < 1.0:
-            order = xp.argsort(-x, axis=-1)
-            ranked = xp.take_along_axis(x, order, axis=-1)
-            probs = _softmax(xp, ranked)
-            before = xp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
-            ranked = xp.where(before >= s.top_p, -xp.inf, ranked)  # the best token always stays
-            x = xp.empty_like(x)
-            x[xp.arange(x.shape[0])[:, None], order] = ranked  # put_along_axis, in numpy and cupy alike
-        cdf = xp.cumsum(_softmax(xp, x), axis=-1)
-        target = xp.asarray(uniform).reshape(-1, 1) * cdf[:, -1:]
-        chosen = (cdf <= target).sum(axis=-1)
-        return xp.minimum(chosen, vocab - 1).astype(xp.int64)
+        u = None if s.greedy else xp.asarray(uniform)
+        return sample_tokens(xp, logits, u, s.temperature, s.top_k, s.top_p)
 
 
 def namespace_of(x: Any, default: Any = np) -> Any:
@@ -92,9 +78,3 @@ def namespace_of(x: Any, default: Any = np) -> Any:
 
         return cupy
     return default
-
-
-def _softmax(xp: Any, x: Any) -> Any:
-    shifted = x - x.max(axis=-1, keepdims=True)
-    e = xp.exp(shifted)
-    return e / e.sum(axis=-1, keepdims=True)

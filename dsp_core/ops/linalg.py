@@ -26,7 +26,6 @@ Array = Any
 Dims = tuple[int | str | None, ...]
 
 
-
 # ---------------------------------------------------------------------------
 # Helpers shared by the kernels
 

@@ -856,8 +856,9 @@ def _read_value_ids(r: _Reader, what: str, n_values: int) -> tuple[int, ...]:
 class _ConstantReader:
     """Reads the CONSTANTS section: inline arrays, or references fetched with ``resolve``."""
 
-    def __init__(self, r: _Reader, externals: list[External], resolve: Resolver | None,
-                 by_digest: Resolver | None = None) -> None:
+    def __init__(
+        self, r: _Reader, externals: list[External], resolve: Resolver | None, by_digest: Resolver | None = None
+    ) -> None:
         self.r = r
         self.externals = externals
         self.resolve = resolve
@@ -929,7 +930,12 @@ class _ConstantReader:
         return self._checked(name, arr, dtype, shape, digest)
 
     def _checked(
-        self, name: str, arr: np.ndarray, dtype: np.dtype[Any], shape: tuple[int, ...], digest: bytes,
+        self,
+        name: str,
+        arr: np.ndarray,
+        dtype: np.dtype[Any],
+        shape: tuple[int, ...],
+        digest: bytes,
         verify_bytes: bool = True,
     ) -> np.ndarray:
         """``arr`` if it has the layout and the bytes the plan was written with."""

@@ -108,8 +108,11 @@ def _store(cache: DiskCache, key: str, model: CompiledModel, stats: CacheStats) 
 
 def _big_constants(plan: Plan) -> list[tuple[Plan, int]]:
     """(plan, constant index) of every constant stored by reference, sub-plans included."""
-    out = [(plan, k) for k, a in plan.constants.items()
-           if a.nbytes > _INLINE_LIMIT and plan.externals[k].cls is ExternalClass.CONSTANT]
+    out = [
+        (plan, k)
+        for k, a in plan.constants.items()
+        if a.nbytes > _INLINE_LIMIT and plan.externals[k].cls is ExternalClass.CONSTANT
+    ]
     for region in plan.regions.values():
         for sub in region.subplans.values():
             out += _big_constants(sub)

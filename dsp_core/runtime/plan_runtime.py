@@ -260,8 +260,11 @@ class PlanRuntime:
             assert self.template is not None
             outs = self.executor.output_flat
             n_ext = len(self.plan.externals)
-            cached = frozenset(outs) if self._has_islands else frozenset(
-                i for i in outs if self.template[i] is not None or i <= n_ext)
+            cached = (
+                frozenset(outs)
+                if self._has_islands
+                else frozenset(i for i in outs if self.template[i] is not None or i <= n_ext)
+            )
             self.__dict__["_owned_cache"] = cached
         return cached
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsp_core.llm import GenerationPipeline
+from dsp_core.llm import GenerationPipeline, Sampling
+from dsp_core.llm.block import block_key
 from dsp_core.runtime.lifecycle import PlanPhase
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -24,7 +25,7 @@ def test_block_of_k_tokens_is_one_replay_on_the_gpu(name: str) -> None:
     pipe = GenerationPipeline(
         FIXTURES / f"{name}.onnx", max_length=64, mode="cuda_graphs", block_size=8, block_capture=True
     )
-    pipe.generate(golden["prompt"], 8)  # warm-up of both plans
+    pipe.generate(golden["prompt"], 9)  # warm-up of both plans (1 token from the prefill, 1 block)
     block = pipe._blocks[(1, 8)]
     assert block.resolved_backends() == ["cuda_graphs"] and block.dsp.phase is PlanPhase.REPLAYING
     before, step_before = block.dsp.runtime.counters(), pipe.decode_model.dsp.runtime.counters()
@@ -72,3 +73,23 @@ def test_sessions_switching_on_the_gpu_keep_their_tokens() -> None:
     reference = fresh.append(np.concatenate([golden["prompt"], np.array([tokens]), more], axis=1))
     np.testing.assert_allclose(continued, reference, rtol=2e-3, atol=2e-3 * max(1.0, float(np.abs(reference).max())))
     assert a.generate(9).token_list() == fresh.generate(9).token_list()
+
+
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_sdpa23"])
+def test_sampled_blocks_on_the_gpu_choose_the_one_step_paths_tokens(name: str) -> None:
+    """Sampling inside the captured block (dsp::Sample on CuPy, uniforms fed per block)."""
+    prompt = np.load(FIXTURES / f"{name}.golden.npz")["prompt"]
+    sampling = Sampling(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    one_step = GenerationPipeline(
+        FIXTURES / f"{name}.onnx", max_length=64, mode="cuda_graphs", block_size=8, block_capture=False
+    )
+    want = one_step.generate(prompt, 1 + 3 * 8, sampling=sampling).token_list()
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="cuda_graphs", block_size=8)
+    assert pipe.generate(prompt, 1 + 3 * 8, sampling=sampling).token_list() == want
+    block = pipe._blocks[block_key(1, 8, sampling)]
+    assert block.resolved_backends() == ["cuda_graphs"] and block.dsp.phase is PlanPhase.REPLAYING
+    b0, s0 = block.dsp.runtime.counters(), pipe.decode_model.dsp.runtime.counters()
+    assert pipe.generate(prompt, 1 + 3 * 8, sampling=sampling).token_list() == want
+    b1, s1 = block.dsp.runtime.counters(), pipe.decode_model.dsp.runtime.counters()
+    assert b1["replays"] - b0["replays"] == 3 and b1["captures"] == b0["captures"] and b1["recaptures"] == 0
+    assert s1["executions"] == s0["executions"]
