@@ -125,3 +125,53 @@ def test_capacity_and_misuse_errors(gpt2: GenerationPipeline) -> None:
         gpt2.generate(np.arange(60)[None], 10)
     with pytest.raises(DSPError, match="append"):
         gpt2.session().generate(3)
+
+
+def test_switching_sessions_swaps_kv_prefixes_instead_of_recapturing() -> None:
+    """Sessions share the plans' resident arrays; a switch copies KV prefixes, plans never re-capture."""
+    g = golden("gpt2_eager")
+    pipe = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_capture=True)
+    a, b = pipe.session(), pipe.session()
+    a.append(g["prompt"])
+    b.append(np.array([[5, 6, 7]]))
+    tokens_b = b.generate(9).token_list()
+    tokens = a.generate(9).token_list()
+    for _ in range(2):  # alternate, a block each
+        tokens_b += b.generate(8).token_list()
+        tokens += a.generate(8).token_list()
+    assert tokens == g["greedy_tokens"][:25].tolist()
+    alone = pipe.session()
+    alone.append(np.array([[5, 6, 7]]))
+    assert tokens_b == alone.generate(25).token_list()
+    assert pipe.swaps >= 6
+    for model in (pipe.decode_model, *pipe._blocks.values()):
+        assert model.dsp.runtime.counters()["recaptures"] == 0, model.dsp.runtime.counters()
+
+
+def test_sessions_in_threads_are_serialised_and_keep_their_tokens() -> None:
+    import threading
+
+    g = golden("gpt2_eager")
+    pipe = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_size=4)
+    prompts = [g["prompt"], np.array([[5, 6, 7]]), np.array([[11, 12]]), np.array([[40, 41, 42, 43]])]
+    want = []
+    for prompt in prompts:
+        s = pipe.session()
+        s.append(prompt)
+        want.append(s.generate(20).token_list())
+    got: dict[int, list[int]] = {}
+
+    def work(i: int) -> None:
+        s = pipe.session()
+        s.append(prompts[i])
+        got[i] = []
+        for _ in range(5):
+            got[i] += s.generate(4).token_list()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(prompts))] == want
+    assert want[0] == g["greedy_tokens"][:20].tolist()

@@ -35,7 +35,9 @@ outputs); its presents are copied into the device buffers.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +157,15 @@ class DecodeState:
         self.position_ids += 1
         self.attention_mask[:, self.kv_position] = 1
 
+    def save(self, length: int) -> dict[str, Any]:
+        """Copies of the KV buffers' first ``length`` positions (a session being swapped out)."""
+        return {name: buf[:, :, :length].copy() for name, buf in self.buffers.items()}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Write ``save``'s copies back at the start of the buffers (in place)."""
+        for name, part in saved.items():
+            self.buffers[name][:, :, : part.shape[2]] = part
+
     def clear(self) -> None:
         """Zero the KV buffers (in place: their addresses stay)."""
         for buf in self.buffers.values():
@@ -220,16 +231,19 @@ class GenerationSession:
     """Generation state that persists across calls: KV buffers, position, the pending token.
 
     ``append(ids)`` feeds more tokens after what the session holds (no new prefill of the
-    earlier ones); ``generate(n)`` continues from there. Sessions are independent: each
-    owns its buffers (switching sessions makes the shared decode plan re-capture once,
-    since its inputs' addresses differ).
+    earlier ones); ``generate(n)`` continues from there. Sessions are independent, and
+    they share the plans without re-capturing them: the plans read one *resident* set of
+    decode arrays per batch size (fixed addresses), and a session is swapped in when it
+    runs — the previous one's valid KV prefix is copied out, this one's copied back (two
+    device copies of the tokens held, instead of a re-capture). Calls of one pipeline's
+    sessions are serialised (``pipeline.lock``).
     """
 
     def __init__(self, pipeline: GenerationPipeline, batch: int = 1) -> None:
         self.pipeline = pipeline
         self.batch = batch
         self.decoder = pipeline.decoder(batch)
-        self.state = DecodeState(self.decoder)
+        self.saved: dict[str, Any] | None = None  # this session's KV prefix while swapped out
         self.position = 0
         self.pending: np.ndarray | None = None  # [B, 1]: chosen but not yet fed
         self.last_logits: np.ndarray | None = None  # [B, V] after the last fed token
@@ -237,6 +251,11 @@ class GenerationSession:
         self.last_append_seconds = 0.0
 
     # -- state -------------------------------------------------------------------------
+    @property
+    def state(self) -> DecodeState:
+        """The decode arrays, with this session swapped in (see the class doc)."""
+        return self.pipeline.activate(self)
+
     @property
     def tokens(self) -> np.ndarray:
         """Every token of the session: appended and generated (pending included), [B, n]."""
@@ -255,6 +274,10 @@ class GenerationSession:
     # -- feeding -----------------------------------------------------------------------
     def append(self, ids: Any) -> np.ndarray:
         """Feed ``ids`` ([B, n] or [n]) after the retained state; returns the last position's logits [B, V]."""
+        with self.pipeline.lock:
+            return self._append(ids)
+
+    def _append(self, ids: Any) -> np.ndarray:
         start = time.perf_counter()
         ids = np.asarray(ids, dtype=np.int64)
         ids = ids[None, :] if ids.ndim == 1 else ids
@@ -315,6 +338,17 @@ class GenerationSession:
         block_size: int | None = None,
     ) -> GenerationResult:
         """Continue the sequence by up to ``max_new_tokens`` tokens, K decode steps per host call."""
+        with self.pipeline.lock:
+            return self._generate(max_new_tokens, sampling, stop_tokens, on_tokens, block_size)
+
+    def _generate(
+        self,
+        max_new_tokens: int,
+        sampling: Sampling | None,
+        stop_tokens: Sequence[int],
+        on_tokens: Callable[[np.ndarray], None] | None,
+        block_size: int | None,
+    ) -> GenerationResult:
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if self.pending is None and self.last_logits is None:
@@ -426,8 +460,36 @@ class GenerationPipeline:
         # is a graph launch there); on the CPU a block replay saves nothing.
         self.block_capture = block_capture
         self._decoders: dict[int, Decoder] = {}
-        self._blocks: dict[tuple[int, int], CompiledModel] = {}
+        self._blocks: dict[tuple[Any, ...], CompiledModel] = {}
         self._default: GenerationSession | None = None
+        self._resident: dict[int, DecodeState] = {}  # per batch: the arrays the decode plans read
+        self._owners: dict[int, weakref.ref[GenerationSession]] = {}  # per batch: the session swapped in
+        self.swaps = 0  # sessions swapped in (each: the KV prefixes copied out and back)
+        self.lock = threading.RLock()
+
+    def activate(self, session: GenerationSession) -> DecodeState:
+        """Swap ``session`` into its batch size's resident decode arrays; returns them.
+
+        The session swapped out keeps a copy of its valid KV prefix (positions
+        ``0 .. position - 1``; the rest of a buffer is never read unmasked), and the one
+        swapped in gets its own back. A session that never held tokens needs no copy.
+        """
+        batch = session.batch
+        state = self._resident.get(batch)
+        if state is None:
+            state = self._resident[batch] = DecodeState(self.decoder(batch))
+        ref = self._owners.get(batch)
+        owner = ref() if ref is not None else None
+        if owner is session:
+            return state
+        if owner is not None and owner.position > 0:
+            owner.saved = state.save(owner.position)
+        if session.saved is not None:
+            state.restore(session.saved)
+            session.saved = None
+        self._owners[batch] = weakref.ref(session)
+        self.swaps += 1
+        return state
 
     # -- plans -------------------------------------------------------------------------
     def decoder(self, batch: int = 1) -> Decoder:
@@ -535,8 +597,9 @@ class GenerationPipeline:
         """Prefill ``input_ids`` ([B, n] or [n]) on the default session, then generate."""
         ids = np.asarray(input_ids, dtype=np.int64)
         ids = ids[None, :] if ids.ndim == 1 else ids
-        self.warmup(ids.shape[0])
-        session = self._session(ids.shape[0])
-        session.reset_position()
-        session.append(ids)
-        return session.generate(max_new_tokens, sampling, stop_tokens, on_tokens, block_size)
+        with self.lock:
+            self.warmup(ids.shape[0])
+            session = self._session(ids.shape[0])
+            session.reset_position()
+            session.append(ids)
+            return session.generate(max_new_tokens, sampling, stop_tokens, on_tokens, block_size)

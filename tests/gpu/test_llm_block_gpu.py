@@ -54,9 +54,9 @@ def test_auto_on_a_gpu_decodes_in_blocks_by_default(name: str) -> None:
 
 
 def test_sessions_switching_on_the_gpu_keep_their_tokens() -> None:
-    """Two sessions (their own device KV buffers) alternate blocks: the shared block plan
-    re-captures on each switch (its inputs moved) and each session keeps its own tokens;
-    a session continued by 5 tokens equals a fresh prefill of the whole sequence."""
+    """Two sessions alternate blocks: each switch swaps KV prefixes into the resident
+    device arrays (no re-capture of the shared block plan), each session keeps its own
+    tokens, and a session continued by 5 tokens equals a fresh prefill of the whole sequence."""
     golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
     pipe = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="auto", block_size=8)
     a, b = pipe.session(), pipe.session()
@@ -66,7 +66,7 @@ def test_sessions_switching_on_the_gpu_keep_their_tokens() -> None:
     b.generate(9)
     tokens += a.generate(8).token_list()
     assert tokens == [int(t) for t in golden["greedy_tokens"][:17]]
-    assert pipe._blocks[(1, 8)].dsp.runtime.counters()["recaptures"] >= 1
+    assert pipe._blocks[(1, 8)].dsp.runtime.counters()["recaptures"] == 0 and pipe.swaps >= 3
     more = np.array([[3, 141, 59, 26, 535]])
     continued = a.append(more)
     fresh = pipe.session()
