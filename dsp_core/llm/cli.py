@@ -35,7 +35,7 @@ def add_llm_commands(sub: Any) -> None:
         "--block-capture",
         choices=["auto", "on", "off"],
         default="auto",
-        help="greedy K-step blocks as one plan (one graph launch per K tokens); auto: on a device",
+        help="K decode steps (greedy or sampled) as one plan: one graph launch per K tokens; auto: on a device",
     )
     gen.add_argument("--json", action="store_true", help="print the result and metrics as JSON at the end")
     gen.set_defaults(func=cmd_generate)

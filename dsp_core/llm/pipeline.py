@@ -166,11 +166,6 @@ class DecodeState:
         for name, part in saved.items():
             self.buffers[name][:, :, : part.shape[2]] = part
 
-    def clear(self) -> None:
-        """Zero the KV buffers (in place: their addresses stay)."""
-        for buf in self.buffers.values():
-            buf[...] = 0
-
 
 class DecodeLoop:
     """K decode steps per host call over the replayed decode plan (see the module doc for the GPU hook)."""
@@ -455,8 +450,8 @@ class GenerationPipeline:
             raise InputError(f"model {self.graph.name!r} has no past_key_values.N.* inputs: not a KV-cache decoder")
         self.max_length = int(max_length)
         self.block_size = int(block_size)
-        # Greedy blocks of block_size steps as one plan (dsp_core/llm/block.py): one
-        # replay per block. None: on where the decode state lives on a device (a replay
+        # Blocks of block_size decode steps (greedy or sampled) as one plan
+        # (dsp_core/llm/block.py): one replay per block. None: on where the decode state lives on a device (a replay
         # is a graph launch there); on the CPU a block replay saves nothing.
         self.block_capture = block_capture
         self._decoders: dict[int, Decoder] = {}
@@ -504,22 +499,30 @@ class GenerationPipeline:
         return self.decoder(1).model
 
     def warmup(self, batch: int = 1) -> None:
-        """Drive the decode plan to REPLAYING (or REPLAY_BLOCKED) on the default session's buffers, then clear them."""
+        """Drive the decode plan to REPLAYING (or REPLAY_BLOCKED) on a throwaway session's arrays."""
         decoder = self.decoder(batch)
         if decoder.warmed:
             return
         decoder.warmed = True
-        session = self._session(batch)
-        state = session.state
-        state.set_position(0)
-        for _ in range(WARMUP_STEPS):
-            decoder.model.run(state.feeds)
-            if decoder.model.dsp.phase in (PlanPhase.REPLAYING, PlanPhase.REPLAY_BLOCKED):
-                break
-        state.clear()
-        session.reset_position()
+        self._drive(decoder.model, batch)
         # Block plans are built when a generation first runs a full block (block_model),
-        # for the sampling it uses, warmed on that session's buffers.
+        # for the sampling it uses, warmed on that session's arrays.
+
+    def _drive(self, model: CompiledModel, batch: int, session: GenerationSession | None = None, **extra: Any) -> None:
+        """Run ``model`` on ``session``'s decode arrays until it replays (or cannot capture).
+
+        Without a session, a throwaway one at position 0: swapping it in keeps whatever
+        the other sessions hold (activate), and what the runs write at its positions is
+        never read by another session unmasked, so nothing needs clearing after.
+        """
+        if session is None:
+            session = GenerationSession(self, batch)
+            session.state.set_position(0)
+        feeds = {**session.state.feeds, **extra}
+        for _ in range(WARMUP_STEPS):
+            model.run(feeds)
+            if model.dsp.phase in (PlanPhase.REPLAYING, PlanPhase.REPLAY_BLOCKED):
+                break
 
     def captures_blocks(self, batch: int = 1) -> bool:
         """Whether decoding runs K-step block plans (``block_capture``, or by default on a device)."""
@@ -534,10 +537,9 @@ class GenerationPipeline:
 
         One plan per (batch, k) for greedy decoding, and per (batch, k, temperature,
         top_k, top_p) for sampling (the seed is not part of it: the uniforms are fed).
-        Warming runs the block on ``session``'s buffers at its position (it writes only
-        the K positions the block is about to write), or, without a session, on the
-        default session's buffers, cleared after: call that before the default session
-        holds anything (``warmup`` does).
+        Warming runs the block on ``session``'s arrays at its position (it writes only
+        the K positions the block is about to write), or, without a session, on a
+        throwaway session's.
         """
         key = block_key(batch, k, sampling)
         if key not in self._blocks:
@@ -547,20 +549,8 @@ class GenerationPipeline:
             model.dsp.freeze()
             if decoder.xp is not np:
                 model.outputs_on_device = True
-            scratch = session is None
-            state = self._session(batch).state if session is None else session.state
-            if scratch:
-                state.set_position(0)
-            feeds = dict(state.feeds)
-            if not sampling.greedy:
-                feeds[UNIFORMS] = np.full((k, batch), 0.5)
-            for _ in range(WARMUP_STEPS):
-                model.run(feeds)
-                if model.dsp.phase in (PlanPhase.REPLAYING, PlanPhase.REPLAY_BLOCKED):
-                    break
-            if scratch:
-                state.clear()
-                self._session(batch).reset_position()
+            uniforms = {} if sampling.greedy else {UNIFORMS: np.full((k, batch), 0.5)}
+            self._drive(model, batch, session, **uniforms)
             self._blocks[key] = model
         return self._blocks[key]
 
