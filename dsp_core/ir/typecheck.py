@@ -1,0 +1,282 @@
+"""Compile-time dtype checking: every node's inputs against its op schema's type constraints.
+
+ONNX's op schemas say, per formal input and output, a type parameter (``T``) and the
+types it may take (``tensor(float)``, ``seq(tensor(int64))``, ...). ``check_types`` walks
+a graph in topological order, binds each node's type parameters from its inputs' element
+types and raises DTypeError when an input's type is not allowed, or when two inputs bound
+to one parameter disagree (Add(int32, float32)). Output types follow from the bound
+parameter or a fixed type; where no input binds the parameter (Cast's ``to``,
+RandomNormal's ``dtype``) DSP's own shape rule, the subgraph's outputs or the declared
+value_info say; otherwise the type stays unknown, and nothing is checked against it.
+
+Types are kept as ONNX type strings ("tensor(float)"); ops without an ONNX schema at the
+model's opset (DSP's own domains, model-local functions) are not checked here: the plan
+compiler reports what it cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import onnx
+from onnx import defs
+
+from dsp_core.errors import DSPError, DTypeError
+from dsp_core.ir import dtypes
+from dsp_core.ir.graph import Graph, Node, Value
+
+# DSP dtype name <-> ONNX element name as type strings spell it ("float32" <-> "float").
+_ELEM_OF_DTYPE: dict[str, str] = {
+    name: onnx.TensorProto.DataType.Name(dtypes.to_onnx(name)).lower() for name in dtypes.DTYPE_NAMES
+}
+_DTYPE_OF_ELEM: dict[str, str] = {elem: name for name, elem in _ELEM_OF_DTYPE.items()}
+_UNSUPPORTED = "unsupported:"  # how the importer names element types DSP lacks (string, complex)
+
+_VARIADIC = defs.OpSchema.FormalParameterOption.Variadic
+
+
+@dataclass(frozen=True)
+class _Formal:
+    """One formal input or output: its name, type parameter (or fixed type) and arity."""
+
+    name: str
+    param: str
+    variadic: bool
+    homogeneous: bool
+
+
+@dataclass(frozen=True)
+class _Signature:
+    """What type checking needs of one op schema, read once per (domain, op, opset)."""
+
+    inputs: tuple[_Formal, ...]
+    outputs: tuple[_Formal, ...]
+    allowed: Mapping[str, frozenset[str]]  # type parameter (or fixed type) -> allowed types
+
+    def formal(self, formals: tuple[_Formal, ...], index: int) -> _Formal | None:
+        """The formal that actual argument ``index`` binds to (the last one if variadic)."""
+        if index < len(formals):
+            return formals[index]
+        if formals and formals[-1].variadic:
+            return formals[-1]
+        return None
+
+    def binds(self, formal: _Formal) -> bool:
+        """True when arguments of ``formal`` share one type (every non-heterogeneous formal)."""
+        return formal.homogeneous or not formal.variadic
+
+
+def _formal(param: defs.OpSchema.FormalParameter) -> _Formal:
+    return _Formal(param.name, param.type_str, param.option == _VARIADIC, bool(param.is_homogeneous))
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(domain: str, op_type: str, opset: int) -> _Signature | None:
+    """The schema of ``domain::op_type`` in effect at ``opset``, or None when ONNX has none."""
+    try:
+        schema = defs.get_schema(op_type, opset, domain)
+    except defs.SchemaError:
+        return None
+    allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+    for param in (*schema.inputs, *schema.outputs):
+        # A formal typed directly ("tensor(int64)") rather than by a parameter allows just that type.
+        allowed.setdefault(param.type_str, frozenset({param.type_str}))
+    return _Signature(
+        inputs=tuple(_formal(p) for p in schema.inputs),
+        outputs=tuple(_formal(p) for p in schema.outputs),
+        allowed=allowed,
+    )
+
+
+def _type_of_dtype(dtype: str | None) -> str | None:
+    """'float32' -> 'tensor(float)'; None for an unknown dtype."""
+    if dtype is None:
+        return None
+    if dtype.startswith(_UNSUPPORTED):
+        return f"tensor({dtype[len(_UNSUPPORTED) :]})"
+    elem = _ELEM_OF_DTYPE.get(dtype)
+    return None if elem is None else f"tensor({elem})"
+
+
+def _type_of_value(value: Value | None) -> str | None:
+    """The type string of a declared value; sequences and optionals without element type are unknown."""
+    if value is None or value.kind != "tensor":
+        return None
+    return _type_of_dtype(value.dtype)
+
+
+def _dtype_of_type(type_str: str) -> str | None:
+    """'tensor(float)' -> 'float32'; None for sequences, optionals and types DSP lacks."""
+    if type_str.startswith("tensor(") and type_str.endswith(")"):
+        return _DTYPE_OF_ELEM.get(type_str[7:-1])
+    return None
+
+
+def _show(type_str: str) -> str:
+    """A type string as messages print it: DSP's dtype names inside ONNX's wrappers."""
+    if type_str.startswith("tensor(") and type_str.endswith(")"):
+        elem = type_str[7:-1]
+        return _DTYPE_OF_ELEM.get(elem, elem)
+    for wrapper in ("seq(", "optional("):
+        if type_str.startswith(wrapper) and type_str.endswith(")"):
+            return f"{wrapper}{_show(type_str[len(wrapper) : -1])})"
+    return type_str
+
+
+def _allowed_text(allowed: frozenset[str]) -> str:
+    return ", ".join(sorted(_show(t) for t in allowed))
+
+
+def check_types(graph: Graph) -> dict[str, str]:
+    """Check every node's input dtypes against its op schema; return the dtypes found per value.
+
+    Raises DTypeError naming the node, the input, the expected and the got type. The
+    result maps each value whose tensor dtype is known to its DSP dtype name.
+    """
+    types = _check_graph(graph, {}, {})
+    found: dict[str, str] = {}
+    for name, type_str in types.items():
+        dtype = _dtype_of_type(type_str)
+        if dtype is not None:
+            found[name] = dtype
+    return found
+
+
+def _check_graph(graph: Graph, outer: Mapping[str, str], seeds: Mapping[str, str]) -> dict[str, str]:
+    """Type-check ``graph`` (a subgraph sees ``outer``); return the types of the values it defines."""
+    local: dict[str, str] = {}
+    for value in graph.inputs:
+        type_str = _type_of_value(value) or seeds.get(value.name)
+        if type_str is not None:
+            local[value.name] = type_str
+    for name, array in graph.initializers.items():
+        try:
+            local[name] = f"tensor({_ELEM_OF_DTYPE[dtypes.normalize(array.dtype)]})"
+        except (DSPError, KeyError):
+            local.pop(name, None)
+
+    def type_of(name: str) -> str | None:
+        found = local.get(name)
+        return found if found is not None else outer.get(name)
+
+    declared = {v.name: v for v in graph.outputs}
+    declared.update(graph.value_info)
+    for node in graph.nodes:
+        opset = graph.opsets.get(node.domain)
+        sig = None if opset is None else _signature(node.domain, node.op_type, opset)
+        in_types = [type_of(name) if name else None for name in node.inputs]
+        sub_outputs = _check_subgraphs(node, in_types, {**outer, **local} if outer else local, opset)
+        out_types = _node_types(node, sig, in_types) if sig is not None else [None] * len(node.outputs)
+        fallback: list[str | None] | None = None
+        for k, name in enumerate(node.outputs):
+            if not name:
+                continue
+            type_str = out_types[k]
+            if type_str is None:
+                if fallback is None:
+                    fallback = sub_outputs or _rule_types(node, in_types, opset)
+                type_str = fallback[k] if k < len(fallback) else None
+            if type_str is None:
+                type_str = _type_of_value(declared.get(name))
+            if type_str is not None:
+                local[name] = type_str
+    return local
+
+
+def _node_types(node: Node, sig: _Signature, in_types: list[str | None]) -> list[str | None]:
+    """Check one node's inputs against ``sig``; return its output types (None: not bound)."""
+    bound: dict[str, tuple[str, int]] = {}  # type parameter -> (type, index of the input that bound it)
+    for index, type_str in enumerate(in_types):
+        if type_str is None:
+            continue
+        formal = sig.formal(sig.inputs, index)
+        if formal is None:  # more inputs than the schema has: the compiler's arity check reports it
+            continue
+        allowed = sig.allowed.get(formal.param)
+        if allowed is not None and type_str not in allowed:
+            raise DTypeError(
+                f'{node.label()}: input {index} ("{node.inputs[index]}", {formal.name}) is {_show(type_str)}, '
+                f"expected one of {_allowed_text(allowed)} (type {formal.param}); "
+                "insert a Cast or fix the model's types"
+            )
+        if not sig.binds(formal):
+            continue
+        first = bound.get(formal.param)
+        if first is None:
+            bound[formal.param] = (type_str, index)
+        elif first[0] != type_str:
+            raise DTypeError(
+                f'{node.label()}: input {index} ("{node.inputs[index]}") is {_show(type_str)}, expected '
+                f'{_show(first[0])} like input {first[1]} ("{node.inputs[first[1]]}") '
+                f"(type {formal.param}; allowed: {_allowed_text(allowed or frozenset())})"
+            )
+    out: list[str | None] = []
+    for k in range(len(node.outputs)):
+        formal = sig.formal(sig.outputs, k)
+        if formal is None or not sig.binds(formal):
+            out.append(None)
+        elif formal.param in bound:
+            out.append(bound[formal.param][0])
+        else:
+            allowed = sig.allowed.get(formal.param, frozenset())
+            out.append(next(iter(allowed)) if len(allowed) == 1 else None)
+    return out
+
+
+def _rule_types(node: Node, in_types: list[str | None], opset: int | None) -> list[str | None]:
+    """Output types from DSP's shape rule for the op, when it has one and it can tell."""
+    from dsp_core.ops.registry import TensorInfo, lookup
+
+    try:
+        rule = lookup(node.op_type, node.domain, opset).shape_rule
+    except DSPError:
+        return []
+    if rule is None:
+        return []
+    infos = [
+        None if not name else TensorInfo(_dtype_of_type(t) if t else None, None)
+        for name, t in zip(node.inputs, in_types)
+    ]
+    try:
+        results = rule(node.attrs, *infos)
+    except Exception:  # noqa: BLE001  (a rule that cannot tell without shapes leaves the type unknown)
+        return []
+    if not results:
+        return []
+    return [None if r is None else _type_of_dtype(r.dtype) for r in results]
+
+
+def _check_subgraphs(
+    node: Node, in_types: list[str | None], scope: Mapping[str, str], opset: int | None
+) -> list[str | None] | None:
+    """Check the node's subgraphs; return the node's output types they imply (If/Loop/Scan)."""
+    subs = list(Graph.subgraphs_of(node))
+    if not subs:
+        return None
+    implied: list[str | None] | None = None
+    for _, key, sub in subs:
+        seeds = _body_seeds(node, key, sub, in_types, opset)
+        types = _check_graph(sub, scope, seeds)
+        outs = [types.get(v.name) or scope.get(v.name) or _type_of_value(v) for v in sub.outputs]
+        if node.op_type == "Loop" and key == "body":
+            implied = outs[1:]  # the body's first output is its condition
+        elif node.op_type in ("If", "Scan") and key in ("then_branch", "body"):
+            implied = outs
+    return implied
+
+
+def _body_seeds(node: Node, key: str, sub: Graph, in_types: list[str | None], opset: int | None) -> dict[str, str]:
+    """Types of a Loop's or Scan's body inputs, from the node's inputs, for bodies that leave them undeclared."""
+    names = [v.name for v in sub.inputs]
+    if node.op_type == "Loop" and key == "body":
+        carried = in_types[2:]
+        return _zip_known(names, ["tensor(int64)", "tensor(bool)", *carried])
+    if node.op_type == "Scan" and key == "body" and opset is not None and opset >= 9:
+        return _zip_known(names, in_types)
+    return {}
+
+
+def _zip_known(names: list[str], types: list[str | None]) -> dict[str, str]:
+    return {name: t for name, t in zip(names, types) if t is not None}
