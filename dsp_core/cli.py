@@ -636,7 +636,8 @@ def cmd_cache_verify(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(
-            f"{report['objects_ok']} objects and {report['refs_ok']} refs ok; {report['quarantined']} quarantined; "
+            f"{report['objects_ok']} objects, {report['refs_ok']} refs and {report['weights_ok']} weights ok; "
+            f"{report['quarantined']} quarantined; "
             f"{report['dangling_refs_removed']} dangling refs removed; override: {report['override_ok']} ok, "
             f"{report['override_bad']} bad"
         )

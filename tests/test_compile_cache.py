@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from conftest import FIXTURES
 
@@ -92,7 +93,11 @@ def test_edited_model_file_misses(cache_dir: Path, tmp_path: Path) -> None:
     path.write_bytes(GPT2.read_bytes())
     dsp.compile(path)
     assert dsp.compile(path).stats.disk_hits == 1
-    os.utime(path, ns=(1, 1))  # a rewritten file has a new mtime
+    os.utime(path, ns=(1, 1))  # a new mtime, the same bytes: the same model (identity is content)
+    assert dsp.compile(path).stats.disk_hits == 1
+    edited = onnx.load(str(path))
+    edited.doc_string = "edited"
+    path.write_bytes(edited.SerializeToString())
     assert dsp.compile(path).stats.disk_hits == 0
 
 

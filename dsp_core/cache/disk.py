@@ -27,6 +27,7 @@ single atomic rename of a complete file:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import importlib.util
@@ -37,6 +38,8 @@ import os
 import platform
 import re
 import secrets
+import shutil
+import stat
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -57,14 +60,20 @@ FORMAT_VERSION = 1
 # magic, format version, flags (must be 0), fingerprint length, payload length, blake2b-16 of payload
 _HEADER = struct.Struct("<4sHHIQ16s")
 OBJECT_SUFFIX = ".dsp1"
+WEIGHT_MAGIC = b"DSPW"
+WEIGHT_SUFFIX = ".dspw"
+# magic, format version, flags (must be 0), byte length, digest of the bytes (plan.constant_digest)
+_WEIGHT_HEADER = struct.Struct("<4sHHQ16s")
 REF_FORMAT = "dsp-cache-ref/1"
 DEFAULT_MAX_BYTES = 4 << 30  # holds the plans and weights of a few 1B-parameter fp16 models
 QUARANTINE_KEEP = 64  # newest quarantined entries kept; older ones are pruned so quarantine cannot fill a disk
 STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a crashed writer
 _MAX_FINGERPRINT_BYTES = 1 << 16
+_MAX_REF_BYTES = _MAX_FINGERPRINT_BYTES + 4096  # a ref is one line of JSON around a fingerprint
 _TEMP_PREFIX = ".tmp-"
 _KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _OBJECT_RE = re.compile(r"[0-9a-f]{16}\.dsp1")
+_WEIGHT_RE = re.compile(r"[0-9a-f]{32}\.dspw")
 _SIZE_RE = re.compile(r"(\d+)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -234,16 +243,46 @@ def parse_ref(raw: bytes, key: str) -> dict[str, Any]:
         raise _Invalid(f"garbage ref: object {ref.get('object')!r} is not 16 hex digits + {OBJECT_SUFFIX}")
     if not isinstance(ref.get("checksum"), str) or not isinstance(ref.get("fingerprint"), str):
         raise _Invalid("garbage ref: checksum or fingerprint missing")
+    size = ref.get("size")
+    if type(size) is not int or size < 0:
+        raise _Invalid(f"garbage ref: size {size!r} is not a byte count")
     return ref
 
 
+def weight_header(digest: bytes, nbytes: int) -> bytes:
+    """A weight file's 32-byte header (magic, version, flags, length, digest); the raw bytes follow it."""
+    return _WEIGHT_HEADER.pack(WEIGHT_MAGIC, FORMAT_VERSION, 0, nbytes, digest)
+
+
+def check_weight_header(head: bytes, digest: bytes, nbytes: int | None) -> int:
+    """The byte length a weight file's header declares, validated; raises _Invalid with the reason."""
+    if len(head) < _WEIGHT_HEADER.size:
+        raise _Invalid(f"truncated: {len(head)} bytes, shorter than the {_WEIGHT_HEADER.size}-byte header")
+    magic, version, flags, length, named = _WEIGHT_HEADER.unpack_from(head)
+    if magic != WEIGHT_MAGIC:
+        raise _Invalid(f"bad magic: expected {WEIGHT_MAGIC!r}, got {magic!r}")
+    if version != FORMAT_VERSION or flags:
+        raise _Invalid(f"unsupported weight format version {version}, flags {flags:#06x}")
+    if named != digest:
+        raise _Invalid(f"header names digest {named.hex()}, the file name says {digest.hex()}")
+    if nbytes is not None and length != nbytes:
+        raise _Invalid(f"header says {length} bytes, the plan expects {nbytes}")
+    return int(length)
+
+
+def weight_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """plan.constant_digest of an array whose C-order bytes are ``data``."""
+    return constant_digest(np.frombuffer(data, np.uint8))
+
+
 # -- files ------------------------------------------------------------------------------
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+def _atomic_write(path: Path, *parts: bytes | memoryview) -> None:
+    """Write ``parts`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     tmp = path.with_name(f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
     try:
         with open(tmp, "xb") as f:
-            f.write(data)
+            for data in parts:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -264,13 +303,90 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _read_file(path: Path) -> tuple[bytes, int] | None:
-    """(contents, inode) of ``path``, or None when it does not exist."""
+def _open_regular(path: Path) -> tuple[io.FileIO, os.stat_result] | None:
+    """``path`` opened for reading if it is a regular file; None when absent; _BadFile otherwise.
+
+    Links are not followed and the open does not block (a FIFO opens at once), then
+    fstat decides: a symlink, FIFO, directory, socket or device is refused, never read.
+    """
     try:
-        with open(path, "rb") as f:
-            return f.read(), os.fstat(f.fileno()).st_ino
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EMLINK):
+            raise
+        raise _BadFile(path, f"not a regular file ({_kind(path)}): refused", _lstat_inode(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _BadFile(path, f"not a regular file ({_kind(path)}): refused", st.st_ino)
+    return io.FileIO(fd, "rb", closefd=True), st
+
+
+def _kind(path: Path) -> str:
+    """What a non-regular directory entry is, in words (for reasons)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "gone"
+    if stat.S_ISLNK(mode):
+        return f"a symbolic link to {os.readlink(path)!r}"
+    for test, word in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return word
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file"
+
+
+def _lstat_inode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return -1
+
+
+def _read_exactly(f: io.FileIO, n: int) -> bytearray | None:
+    """The next ``n`` bytes of ``f`` into memory this process owns; None if the file ends first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            return None
+        got += k
+    return buf
+
+
+def _read_file(path: Path, limit: int) -> tuple[bytes, int] | None:
+    """(contents, inode) of the regular file ``path``, at most ``limit`` bytes; None when absent.
+
+    _BadFile when it is not a regular file or is larger than ``limit``.
+    """
+    opened = _open_regular(path)
+    if opened is None:
+        return None
+    f, st = opened
+    with f:
+        if st.st_size > limit:
+            raise _BadFile(path, f"{st.st_size} bytes, more than the {limit} such a file can hold", st.st_ino)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise _BadFile(path, f"more than the {limit} bytes such a file can hold", st.st_ino)
+    return data, st.st_ino
+
+
+def _entries(directory: Path) -> Iterator[os.DirEntry[str]]:
+    """Every entry of ``directory`` but temp files, whatever its type; nothing when it does not exist."""
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        if not entry.name.startswith(_TEMP_PREFIX):
+            yield entry
 
 
 def _files(directory: Path) -> Iterator[os.DirEntry[str]]:
@@ -299,6 +415,20 @@ def _unlink(path: Path | str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _remove_any(path: Path) -> bool:
+    """Remove a file, link, FIFO or directory tree that stands where a cache file should; False if gone."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+            return True
+        return _unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("dsp cache: could not remove %s: %s", path, exc)
+        return False
 
 
 def _remove_stale_temps(directory: Path, now: float) -> None:
@@ -513,14 +643,22 @@ class DiskCache:
         return payload
 
     def _load(self, layout: _Layout, key: str) -> tuple[bytes, Path] | None:
-        """(payload, object path) for ``key`` in ``layout``; None when absent; _BadFile when invalid."""
+        """(payload, object path) for ``key`` in ``layout``; None when absent; _BadFile when invalid.
+
+        A ref written by another build (its fingerprint is not this build's) is a miss, not
+        damage: that entry is good for its own environment. A ref of this build naming an
+        object that disagrees with it (fingerprint, checksum, size) is damage.
+        """
         ref_path = layout.refs / key
         got = self._read_ref(ref_path, key)
         if got is None:
             return None
         ref, ref_inode = got
+        if ref["fingerprint"] != self.build_fingerprint:
+            log.info("dsp cache: %s was written by another build (%s): a miss", ref_path, ref["fingerprint"])
+            return None
         obj_path = layout.objects / ref["object"]
-        found = self._read_object(obj_path)
+        found = self._read_object(obj_path, ref["size"])
         if found is None:  # evicted by another process since the ref was written: a plain miss
             return None
         payload, header = found
@@ -531,7 +669,7 @@ class DiskCache:
         return payload, obj_path
 
     def _read_ref(self, path: Path, key: str) -> tuple[dict[str, Any], int] | None:
-        got = _read_file(path)
+        got = _read_file(path, _MAX_REF_BYTES)
         if got is None:
             return None
         try:
@@ -539,14 +677,40 @@ class DiskCache:
         except _Invalid as bad:
             raise _BadFile(path, bad.reason, got[1]) from None
 
-    def _read_object(self, path: Path) -> tuple[bytes, EntryHeader] | None:
-        got = _read_file(path)
-        if got is None:
+    def _read_object(self, path: Path, declared: int | None = None) -> tuple[bytes, EntryHeader] | None:
+        """(payload, header) of an object, validated; reads no more than its header declares.
+
+        ``declared`` is the payload size the ref names: an object whose header says
+        otherwise is not read further.
+        """
+        opened = _open_regular(path)
+        if opened is None:
             return None
-        try:
-            return decode_entry(got[0], self.build_fingerprint)
-        except _Invalid as bad:
-            raise _BadFile(path, bad.reason, got[1]) from None
+        f, st = opened
+        with f:
+            try:
+                blob = self._read_object_bytes(f, st, declared)
+                return decode_entry(blob, self.build_fingerprint)
+            except _Invalid as bad:
+                raise _BadFile(path, bad.reason, st.st_ino) from None
+
+    def _read_object_bytes(self, f: io.FileIO, st: os.stat_result, declared: int | None) -> bytes:
+        head = f.read(min(st.st_size, _HEADER.size + _MAX_FINGERPRINT_BYTES))
+        header = parse_header(head)
+        total = header.offset + header.payload_len
+        if declared is not None and header.payload_len != declared:
+            raise _Invalid(f"header says {header.payload_len} payload bytes, the ref names {declared}")
+        if declared is None and header.payload_len > max(self.max_bytes, 1 << 30):
+            raise _Invalid(f"implausible payload length {header.payload_len} (the cache holds {self.max_bytes})")
+        if st.st_size < total:
+            have = st.st_size - header.offset
+            raise _Invalid(f"truncated: header says {header.payload_len} payload bytes, file has {have}")
+        if st.st_size > total:
+            raise _Invalid(f"{st.st_size - total} trailing bytes after the {header.payload_len}-byte payload")
+        rest = _read_exactly(f, total - len(head)) if total > len(head) else bytearray()
+        if rest is None:
+            raise _Invalid(f"truncated while reading: header says {header.payload_len} payload bytes")
+        return bytes(head[:total]) + bytes(rest)
 
     def reject(self, key: str, reason: str) -> bool:
         """Quarantine the cache's object for ``key`` when the caller finds its payload unusable.
@@ -565,7 +729,7 @@ class DiskCache:
             return False
         path = self._layout.objects / got[0]["object"]
         try:
-            inode = os.stat(path).st_ino
+            inode = os.lstat(path).st_ino
         except FileNotFoundError:
             return False
         return self._quarantine(_BadFile(path, f"rejected by the caller: {reason}", inode))
@@ -599,33 +763,33 @@ class DiskCache:
 
     # -- weights ------------------------------------------------------------------------
     def put_weight(self, digest: str, array: np.ndarray) -> Path | None:
-        """Store a large constant as ``weights/<digest>.npy`` (no pickle), once; None if off or failed.
+        """Store a large constant's bytes as ``weights/<digest>.dspw``, once; None if off or failed.
 
-        Plans keep big constants by reference (their digest); the weights live beside them
-        so a warm start reads them straight from here, memory-mapped, without the model file.
+        Plans keep big constants by reference (their digest) with their dtype and shape;
+        the file holds a 32-byte header and the raw C-order bytes, nothing to interpret.
         """
         _check_key(digest)
         if not self.enabled:
             return None
-        path = self._layout.weights / f"{digest}.npy"
-        if path.exists():
-            return path
+        path = self._layout.weights / f"{digest}{WEIGHT_SUFFIX}"
+        if os.path.lexists(path):
+            return path  # judged when read: a bad one is quarantined there and written again
         try:
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             self._layout.weights.mkdir(parents=True, exist_ok=True)
-            buf = io.BytesIO()
-            np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-            _atomic_write(path, buf.getvalue())
+            _atomic_write(path, weight_header(bytes.fromhex(digest), data.nbytes), data.data)
         except (OSError, ValueError) as exc:
             self._emit("write_error", path, f"{type(exc).__name__}: {exc}")
             return None
         self._enforce_bound(keep=path.name)
         return path
 
-    def weight(self, digest: str) -> np.ndarray | None:
-        """A stored constant, memory-mapped read-only (override dir first); None if absent or unreadable.
+    def weight(self, digest: str, nbytes: int) -> bytearray | None:
+        """A stored constant's ``nbytes`` bytes, read into memory (override dir first); None if absent or bad.
 
-        The bytes are checked against the digest here: a damaged file is quarantined (an
-        override one reported) and never returned.
+        Read, not memory-mapped: a later change to the file cannot reach a live model. The
+        bytes are checked against the digest here: a damaged file (or one that is not a
+        regular file) is quarantined (an override one reported) and never returned.
         """
         _check_key(digest)
         if not self.enabled or self.force_recompile:
@@ -633,32 +797,57 @@ class DiskCache:
         override = self._override
         candidates = ([(override, True)] if override is not None else []) + [(self._layout, False)]
         for layout, is_override in candidates:
-            path = layout.weights / f"{digest}.npy"
+            path = layout.weights / f"{digest}{WEIGHT_SUFFIX}"
             try:
-                # A plain read-only ndarray over the mapping: np.memmap results would make
-                # every kernel output a memmap subclass, which is slow.
-                array = np.asarray(np.load(path, mmap_mode="r", allow_pickle=False))
-            except FileNotFoundError:
+                data = self._read_weight(path, nbytes)
+            except _BadFile as bad:
+                self._reject_weight(bad, is_override)
                 continue
-            except (OSError, ValueError) as exc:
-                self._reject_weight(path, f"unreadable weight file: {exc}", is_override)
+            except OSError as exc:
+                self._emit("read_error", path, f"{type(exc).__name__}: {exc}")
                 continue
-            if constant_digest(array).hex() != digest:
-                self._reject_weight(path, "weight bytes do not match their digest", is_override)
+            if data is None:
                 continue
             if not is_override:
                 with contextlib.suppress(OSError):
                     os.utime(path)  # LRU: a read is a use
-            return array
+            return data
         return None
 
-    def _reject_weight(self, path: Path, reason: str, is_override: bool) -> None:
+    def _read_weight(self, path: Path, nbytes: int | None) -> bytearray | None:
+        """The verified bytes of a weight file; None when absent; _BadFile when damaged.
+
+        ``nbytes`` is what the plan declares (None in verify: the header's length, bounded
+        by the file's size); nothing beyond it is read.
+        """
+        try:
+            digest = bytes.fromhex(path.name.removesuffix(WEIGHT_SUFFIX))
+        except ValueError:
+            digest = b""
+        opened = _open_regular(path)
+        if opened is None:
+            return None
+        f, st = opened
+        with f:
+            try:
+                length = check_weight_header(f.read(_WEIGHT_HEADER.size), digest, nbytes)
+                if st.st_size != _WEIGHT_HEADER.size + length:
+                    raise _Invalid(f"wrong size: {st.st_size} bytes, the header says {_WEIGHT_HEADER.size + length}")
+                data = _read_exactly(f, length)
+                if data is None:
+                    raise _Invalid("truncated while reading")
+                if weight_digest(data) != digest:
+                    raise _Invalid("weight bytes do not match their digest")
+            except _Invalid as bad:
+                raise _BadFile(path, bad.reason, st.st_ino) from None
+        return data
+
+    def _reject_weight(self, bad: _BadFile, is_override: bool) -> None:
         """Quarantine a bad weight file of the cache; only report one of the override dir."""
         if is_override:
-            self._emit("override_rejected", path, reason)
+            self._emit("override_rejected", bad.path, bad.reason)
             return
-        with contextlib.suppress(OSError):
-            self._quarantine(_BadFile(path, reason, os.stat(path).st_ino))
+        self._quarantine(bad)
 
     def _enforce_bound(self, keep: str) -> None:
         """Evict least-recently-used objects (by mtime) until under max_bytes, never ``keep``."""
@@ -692,10 +881,10 @@ class DiskCache:
         """Remove refs whose object is gone (evicted); unreadable refs are left to get/verify."""
         dropped = 0
         for entry in _files(self._layout.refs):
-            got = _read_file(Path(entry.path))
             try:
+                got = _read_file(Path(entry.path), _MAX_REF_BYTES)
                 name = parse_ref(got[0], entry.name)["object"] if got else None
-            except _Invalid:
+            except (_Invalid, _BadFile, OSError):
                 continue
             # An object is written before its ref, so a missing one was removed, not yet to come.
             if name is not None and not (self._layout.objects / name).exists():
@@ -710,7 +899,7 @@ class DiskCache:
         try:
             qdir.mkdir(parents=True, exist_ok=True)
             # Only the inode that was judged: a concurrent put may have renamed a good file here since.
-            if os.stat(bad.path).st_ino != bad.inode:
+            if os.lstat(bad.path).st_ino != bad.inode:
                 return False
             os.replace(bad.path, dest)
             dest.with_name(dest.name + ".reason").write_text(f"{bad.path}\n{bad.reason}\n")
@@ -732,7 +921,7 @@ class DiskCache:
         dated = sorted((st.st_mtime, Path(e.path)) for e in entries if (st := _stat(e)) is not None)
         for _, reason in dated[:-QUARANTINE_KEEP]:
             _unlink(reason)
-            _unlink(reason.with_suffix(""))
+            _remove_any(reason.with_suffix(""))
 
     def _emit(self, kind: str, path: Path, reason: str, **extra: str) -> None:
         """Record an event and pass it to every listener (a failing listener is logged, not raised)."""
@@ -758,22 +947,25 @@ class DiskCache:
         """One ls row: reads the ref and the object's header only (verify reads the payloads)."""
         row: dict[str, Any] = {"key": key, "source": source, "object": None, "size": None, "mtime": None}
         row.update(fingerprint_ok=None, status="ok")
-        got = _read_file(layout.refs / key)
         try:
+            got = _read_file(layout.refs / key, _MAX_REF_BYTES)
             ref = parse_ref(got[0], key) if got else None
         except _Invalid as bad:
+            return {**row, "status": bad.reason}
+        except _BadFile as bad:
             return {**row, "status": bad.reason}
         if ref is None:
             return {**row, "status": "gone"}
         row["object"] = ref["object"]
         path = layout.objects / ref["object"]
         try:
-            st = path.stat()
-            with open(path, "rb") as f:
+            opened = _open_regular(path)
+            if opened is None:
+                return {**row, "status": "dangling: object gone"}
+            f, st = opened
+            with f:
                 header = parse_header(f.read(_HEADER.size + _MAX_FINGERPRINT_BYTES))
-        except FileNotFoundError:
-            return {**row, "status": "dangling: object gone"}
-        except _Invalid as bad:
+        except (_Invalid, _BadFile) as bad:
             return {**row, "status": bad.reason}
         row.update(size=st.st_size, mtime=st.st_mtime, fingerprint_ok=header.fingerprint == self.build_fingerprint)
         if st.st_size != header.offset + header.payload_len:
@@ -808,17 +1000,25 @@ class DiskCache:
             dirs.append(self._layout.quarantine)
         removed = 0
         for directory in dirs:
-            with contextlib.suppress(FileNotFoundError):
-                removed += sum(_unlink(e.path) for e in os.scandir(directory) if e.is_file(follow_symlinks=False))
+            removed += sum(_remove_any(Path(e.path)) for e in _entries(directory))
         return removed
 
     def verify(self) -> dict[str, Any]:
         """Check every entry in full; quarantine bad ones, drop dangling refs; counts and problems."""
         before = self.stats.quarantines
-        report: dict[str, Any] = {"objects_ok": 0, "refs_ok": 0, "dangling_refs_removed": 0}
+        report: dict[str, Any] = {"objects_ok": 0, "refs_ok": 0, "weights_ok": 0, "dangling_refs_removed": 0}
         report.update(override_ok=0, override_bad=0, problems=[])
-        for entry in sorted(_files(self._layout.objects), key=_name):
-            report["objects_ok"] += self._judge(functools.partial(self._read_object, Path(entry.path)), report)
+        for entry in sorted(_entries(self._layout.objects), key=_name):
+            path = Path(entry.path)
+            check = functools.partial(self._read_object, path) if _OBJECT_RE.fullmatch(entry.name) else None
+            report["objects_ok"] += self._judge(check or functools.partial(_stray, path), report)
+        for entry in sorted(_entries(self._layout.weights), key=_name):
+            path = Path(entry.path)
+            if entry.name.endswith(".npy") and entry.is_file(follow_symlinks=False):
+                _unlink(path)  # the memory-mapped format of earlier builds: never read now
+                continue
+            judge = functools.partial(self._read_weight, path, None) if _WEIGHT_RE.fullmatch(entry.name) else None
+            report["weights_ok"] += self._judge(judge or functools.partial(_stray, path), report)
         for key in _keys(self._layout):
             report["refs_ok"] += self._judge(functools.partial(self._load, self._layout, key), report)
         report["dangling_refs_removed"] = self._drop_dangling_refs()
@@ -840,15 +1040,23 @@ class DiskCache:
             else:
                 self._quarantine(bad)
             return False
+        except OSError as exc:  # unreadable (permissions, I/O error): reported, left in place
+            report["problems"].append({"path": str(exc.filename), "reason": f"unreadable: {exc}"})
+            return False
         if found is None and override is not None:  # the cache's own dangling refs are swept, not reported
             report["problems"].append({"path": str(override.root), "reason": "a ref names a missing object"})
         return found is not None
 
 
 def _keys(layout: _Layout) -> list[str]:
-    """Names of the refs in ``layout``, sorted."""
-    return sorted(entry.name for entry in _files(layout.refs))
+    """Names of the refs in ``layout``, sorted: every entry, so a FIFO or link in place of one is judged."""
+    return sorted(entry.name for entry in _entries(layout.refs) if _KEY_RE.fullmatch(entry.name))
 
 
 def _name(entry: os.DirEntry[str]) -> str:
     return entry.name
+
+
+def _stray(path: Path) -> None:
+    """A file whose name is no entry of the cache: bad, whatever it holds."""
+    raise _BadFile(path, f"not a cache entry ({_kind(path)} of an unexpected name)", _lstat_inode(path))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import logging
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -32,10 +33,14 @@ from dsp_core.ops.registry import Trait, has_op, lookup
 from dsp_core.plan.compiler import content_hash
 from dsp_core.plan.plan import Dim, External, ExternalClass, Plan, Region, Slot, ValueInfo, constant_digest
 
+log = logging.getLogger("dsp.plan")
+
 MAGIC = b"DSP1"
 VERSION = 1
 
 Resolver = Callable[[str], "np.ndarray | None"]
+# by_digest(digest hex, byte length) -> the constant's C-order bytes, already verified, or None
+WeightReader = Callable[[str, int], "bytes | bytearray | memoryview | None"]
 
 _HEADER = struct.Struct("<4sHHQ16s")  # magic, version, flags, payload length, blake2b-16(payload)
 _U8 = struct.Struct("<B")
@@ -857,7 +862,7 @@ class _ConstantReader:
     """Reads the CONSTANTS section: inline arrays, or references fetched with ``resolve``."""
 
     def __init__(
-        self, r: _Reader, externals: list[External], resolve: Resolver | None, by_digest: Resolver | None = None
+        self, r: _Reader, externals: list[External], resolve: Resolver | None, by_digest: WeightReader | None = None
     ) -> None:
         self.r = r
         self.externals = externals
@@ -908,7 +913,7 @@ class _ConstantReader:
     def _resolved(self, ext: External, dtype: np.dtype[Any], shape: tuple[int, ...], digest: bytes) -> np.ndarray:
         name = ext.name
         if self.by_digest is not None:
-            found = self.by_digest(digest.hex())
+            found = self._from_store(name, dtype, shape, digest)
             if found is not None:  # by_digest vouches for the bytes: only the layout is checked here
                 return self._checked(name, found, dtype, shape, digest, verify_bytes=False)
         if self.resolve is None:
@@ -928,6 +933,25 @@ class _ConstantReader:
                 "the model no longer has it: recompile"
             )
         return self._checked(name, arr, dtype, shape, digest)
+
+    def _from_store(self, name: str, dtype: np.dtype[Any], shape: tuple[int, ...], digest: bytes) -> np.ndarray | None:
+        """The constant from ``by_digest`` (e.g. the cache's weight files) as a read-only array, or None.
+
+        The store hands over bytes this process owns (never a mapping of a file another
+        process may change); a store that fails is a miss, so ``resolve`` gets its turn.
+        """
+        assert self.by_digest is not None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        try:
+            data = self.by_digest(digest.hex(), nbytes)
+        except Exception as exc:  # noqa: BLE001  (a weight store must never fail a load)
+            log.warning("DSP1 plan: weight store failed for constant %r (%r); reading it from the model", name, exc)
+            return None
+        if data is None or memoryview(data).nbytes != nbytes:
+            return None
+        arr = np.frombuffer(data, dtype=dtype).reshape(shape)
+        arr.flags.writeable = False
+        return arr
 
     def _checked(
         self,
@@ -957,7 +981,7 @@ class _ConstantReader:
 class _Decoder:
     """Decodes plan records (recursively for regions) and verifies each one whole."""
 
-    def __init__(self, resolve: Resolver | None, by_digest: Resolver | None = None) -> None:
+    def __init__(self, resolve: Resolver | None, by_digest: WeightReader | None = None) -> None:
         self.resolve = resolve
         self.by_digest = by_digest
 
@@ -1060,12 +1084,13 @@ def loads(
     data: bytes,
     *,
     resolve: Resolver | None = None,
-    by_digest: Resolver | None = None,
+    by_digest: WeightReader | None = None,
     _verify_checksum: bool = True,
 ) -> Plan:
-    """Parse DSP1 bytes into a Plan; by-reference constants come from ``by_digest(digest hex)``
-    (e.g. the disk cache's weight files, which must return only arrays whose digest they
-    verified) or ``resolve(name)`` (e.g. the model's initializers, checked here)."""
+    """Parse DSP1 bytes into a Plan; by-reference constants come from ``by_digest(digest hex, nbytes)``
+    (e.g. the disk cache's weight files, which must return only bytes whose digest they
+    verified, read into memory this process owns) or ``resolve(name)`` (e.g. the model's
+    initializers, checked here)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PlanFormatError(f"DSP1 data must be bytes, got {type(data).__name__}")
     data = bytes(data)

@@ -1,11 +1,12 @@
 """``dsp.compile`` with the disk cache: a warm start skips import, shape inference and compiling.
 
-The entry of a model is keyed by what identifies its bytes without reading them all (a
-file's resolved path, size and modification time; the digest of given bytes or proto)
-plus DSP's version. Its payload is the default-output plan in DSP1 with large constants
-by reference; those constants are stored as weight files keyed by their digest and are
-memory-mapped back. Any entry that fails to load is rejected (quarantined) and the model
-compiled again: a cache can make DSP faster, never wrong.
+The entry of a model is keyed by its content: the blake2b of its bytes and of every
+external-data file it names, plus DSP's version (a file's stat is only a memo of its
+digest, re-validated; see ``file_digest``). Its payload is the default-output plan in
+DSP1 with large constants by reference; those constants are stored as weight files keyed
+by their digest and read back into memory, verified. Any entry that fails to load is
+rejected (quarantined) and the model compiled again: a cache can make DSP faster, never
+wrong.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import onnx
 
 from dsp_core import diag
 from dsp_core.backends.modes import GraphExecutionMode
@@ -30,54 +36,197 @@ log = logging.getLogger("dsp.cache")
 _INLINE_LIMIT = 1 << 16  # constants larger than this live in weight files
 
 
-def model_key(source: Any, version: str) -> str | None:
-    """The disk-cache key of a model source, or None when it cannot be keyed cheaply."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source).resolve()
+def model_key(source: Any, version: str, base_dir: str | os.PathLike[str] | None = None) -> str | None:
+    """The disk-cache key of a model source: its content, external data included; None if unreadable.
+
+    A path is keyed by the blake2b of its bytes (``file_digest``), never by its name, size
+    or modification time alone, and so are the files its external data names (relative
+    to its directory; for bytes or a proto, relative to ``base_dir``).
+    """
+    base: Path | None
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source).resolve()
+            if not stat.S_ISREG(path.stat().st_mode):
+                return None  # a directory, FIFO...: import_model says what is wrong with it
+            digest, mentions = file_digest(path)
+            model_bytes, base = None, path.parent
+        else:
+            model_bytes = source if isinstance(source, bytes) else source.SerializeToString()
+            digest = hashlib.blake2b(model_bytes, digest_size=_DIGEST_SIZE).hexdigest()
+            mentions = _LOCATION_KEY in model_bytes
+            base = Path(base_dir).resolve() if base_dir is not None else None
+        parts = [digest]
+        if mentions:  # only then can it have external data: parse it to know which files
+            parts += _external_parts(digest, path if model_bytes is None else model_bytes, base)
+    except OSError as exc:
+        log.info("DSP disk cache: %s cannot be keyed (%s); compiling without the cache", _describe(source), exc)
+        return None
+    return DiskCache.key("dsp-model/2", *parts, version)
+
+
+# -- content identity ---------------------------------------------------------------------
+_DIGEST_SIZE = 32
+_CHUNK = 1 << 22
+_LOCATION_KEY = b"location"  # the key of every external-data entry, stored verbatim in the protobuf
+# A file changed less than this long ago may change again within the same timestamp tick
+# (file times are coarse, and a clock can lag): its digest is not memoized (git's "racy" rule).
+_RACY_NS = 2_000_000_000
+_MEMO_MAX = 256
+# (path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) -> (blake2b hex, mentions "location")
+_memo: dict[tuple[str, int, int, int, int, int], tuple[str, bool]] = {}
+_locations_memo: dict[str, tuple[str, ...]] = {}  # model content digest -> its external-data locations
+_memo_lock = threading.Lock()
+
+
+def _signature(path: Path, st: os.stat_result) -> tuple[str, int, int, int, int, int]:
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def file_digest(path: Path) -> tuple[str, bool]:
+    """(blake2b hex of the file's bytes, whether they contain b"location"), memoized by stat.
+
+    The memo is only a shortcut: it is keyed by everything stat says about the file,
+    ctime included (cp -p, rsync -t and tar keep mtime and size, but any write or rename
+    moves ctime, which no user call can set back), and a file changed within _RACY_NS of
+    being hashed is never memoized.
+    """
+    st = os.stat(path)
+    sig = _signature(path, st)
+    with _memo_lock:
+        hit = _memo.get(sig)
+    if hit is not None:
+        return hit
+    found = _hash_file(path)
+    after = os.stat(path)
+    settled = time.time_ns() - max(after.st_ctime_ns, after.st_mtime_ns) > _RACY_NS
+    if _signature(path, after) == sig and settled:
+        with _memo_lock:
+            if len(_memo) >= _MEMO_MAX:
+                _memo.pop(next(iter(_memo)))
+            _memo[sig] = found
+    return found
+
+
+def _hash_file(path: Path) -> tuple[str, bool]:
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    mentions, tail = False, b""
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            if not mentions:
+                edge = len(_LOCATION_KEY) - 1
+                mentions = buf.find(_LOCATION_KEY, 0, n) >= 0 or _LOCATION_KEY in tail + bytes(view[: min(n, edge)])
+                tail = bytes(view[max(0, n - edge) : n])
+    return h.hexdigest(), mentions
+
+
+def _external_parts(digest: str, model: Path | bytes, base: Path | None) -> list[str]:
+    """``location=<digest of that file>`` for every external-data file the model names."""
+    with _memo_lock:
+        locations = _locations_memo.get(digest)
+    if locations is None:
+        locations = _external_locations(model)
+        with _memo_lock:
+            if len(_locations_memo) >= _MEMO_MAX:
+                _locations_memo.pop(next(iter(_locations_memo)))
+            _locations_memo[digest] = locations
+    parts = []
+    for location in locations:
+        if base is None:
+            parts.append(f"{location}=no base_dir")
+            continue
+        target = (base / location).resolve()
         try:
-            st = path.stat()
-        except OSError:
-            return None
-        ident = f"{path}|{st.st_size}|{st.st_mtime_ns}"
-    elif isinstance(source, bytes):
-        ident = hashlib.sha256(source).hexdigest()
-    else:  # an onnx.ModelProto
-        ident = hashlib.sha256(source.SerializeToString()).hexdigest()
-    return DiskCache.key("dsp-model", ident, version)
+            parts.append(f"{location}={file_digest(target)[0] if target.is_file() else 'not a file'}")
+        except OSError as exc:
+            parts.append(f"{location}=unreadable: {exc.strerror}")
+    return parts
+
+
+def _external_locations(model: Path | bytes) -> tuple[str, ...]:
+    """The sorted external-data locations a model names (none when it does not parse: import says why)."""
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(model.read_bytes() if isinstance(model, Path) else model)
+    except Exception:  # noqa: BLE001  (not a model: import_model raises the real ModelLoadError)
+        return ()
+    found: set[str] = set()
+    graphs: list[Any] = [proto.graph]
+    for function in proto.functions:
+        _node_tensors(function.node, found, graphs)
+    while graphs:
+        g = graphs.pop()
+        for t in g.initializer:
+            _tensor_location(t, found)
+        for sparse in g.sparse_initializer:
+            _tensor_location(sparse.values, found)
+            _tensor_location(sparse.indices, found)
+        _node_tensors(g.node, found, graphs)
+    return tuple(sorted(found))
+
+
+def _node_tensors(nodes: Any, found: set[str], graphs: list[Any]) -> None:
+    for node in nodes:
+        for attr in node.attribute:
+            for t in [attr.t, *attr.tensors]:
+                _tensor_location(t, found)
+            for sparse in [attr.sparse_tensor, *attr.sparse_tensors]:
+                _tensor_location(sparse.values, found)
+                _tensor_location(sparse.indices, found)
+            graphs += [attr.g, *attr.graphs]
+
+
+def _tensor_location(t: Any, found: set[str]) -> None:
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        found.update(e.value for e in t.external_data if e.key == "location")
 
 
 def compile_cached(
-    source: Any, mode: GraphExecutionMode, strict: bool, version: str, force_recompile: bool = False
+    source: Any,
+    mode: GraphExecutionMode,
+    strict: bool,
+    version: str,
+    force_recompile: bool = False,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> CompiledModel:
     """Compile ``source`` for ``mode``, through the disk cache when it is on."""
     cache = DiskCache.from_config()
     diag.watch_disk_cache(cache)  # diag: quarantines, read/write errors -> CACHE events
     stats = CacheStats()
-    key = model_key(source, version) if cache.enabled else None
+    key = model_key(source, version, base_dir) if cache.enabled else None
     if key is not None and not force_recompile:
-        model = _warm(cache, key, source, mode, strict, stats)
+        model = _warm(cache, key, source, mode, strict, stats, base_dir)
         if model is not None:
             return model
-    model = CompiledModel(import_model(source), mode, strict, stats=stats)
+    model = CompiledModel(import_model(source, base_dir=base_dir), mode, strict, stats=stats)
     if key is not None:
         _store(cache, key, model, stats)
     return model
 
 
 def _warm(
-    cache: DiskCache, key: str, source: Any, mode: GraphExecutionMode, strict: bool, stats: CacheStats
+    cache: DiskCache,
+    key: str,
+    source: Any,
+    mode: GraphExecutionMode,
+    strict: bool,
+    stats: CacheStats,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> CompiledModel | None:
     payload = cache.get(key)
     stats.quarantines = cache.stats.quarantines
     if payload is None:
         return None
-    initializers = _LazyInitializers(source)
+    initializers = _LazyInitializers(source, base_dir)
     try:
         # Weights come from the cache's files; one evicted (or damaged) is read from the
         # model itself, checked against the same digest, rather than recompiling.
         plan = serialize.loads(payload, by_digest=cache.weight, resolve=initializers.get)
         model = CompiledModel(None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats)
-    except DSPError as exc:
+    except Exception as exc:  # noqa: BLE001  (whatever a cache entry does, it only costs a recompile)
         cache.reject(key, f"{type(exc).__name__}: {exc}")
         stats.quarantines += 1
         log.warning("DSP disk cache: entry for %s rejected (%s); recompiling", _describe(source), exc)
@@ -122,8 +271,9 @@ def _big_constants(plan: Plan) -> list[tuple[Plan, int]]:
 class _LazyInitializers:
     """The model's graph and initializers, imported only if a warm start needs them."""
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, base_dir: str | os.PathLike[str] | None = None) -> None:
         self._source = source
+        self._base_dir = base_dir
         self._graph: Any = None
 
     @property
@@ -134,7 +284,7 @@ class _LazyInitializers:
     def graph(self) -> Any:
         """The imported graph (with static shape inference, as a cold compile does)."""
         if self._graph is None:
-            self._graph = import_model(self._source)
+            self._graph = import_model(self._source, base_dir=self._base_dir)
         return self._graph
 
     def get(self, name: str) -> Any:
