@@ -17,6 +17,7 @@ from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import DSPError
 from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
+from dsp_core.ir.typecheck import check_types
 from dsp_core.runtime.loader import compile_cached
 from dsp_core.runtime.model import CompiledModel
 
@@ -33,6 +34,7 @@ def compile(  # noqa: A001  (the public name the API promises)
     strict: bool = False,
     force_recompile: bool | None = None,
     outputs_on_device: bool = False,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> CompiledModel:
     """Compile a model (path, bytes, onnx.ModelProto or dsp Graph) for ``mode``.
 
@@ -42,14 +44,19 @@ def compile(  # noqa: A001  (the public name the API promises)
     ``force_recompile`` (or DSP_FORCE_RECOMPILE=1) ignores what it holds.
     ``outputs_on_device=True`` returns a GPU backend's outputs as device (CuPy) arrays
     instead of numpy (``model.outputs_on_device`` can be changed later).
+    ``base_dir`` is the directory a model given as bytes or a proto reads its external
+    data from (a path's own directory is used for a path; bytes have none).
     """
     parsed = GraphExecutionMode.parse(mode)
     if isinstance(model, Graph):
         model.validate()
+        check_types(model)
         compiled = CompiledModel(model, parsed, strict=strict)
     else:
         force = config.get("force_recompile", force_recompile)
-        compiled = compile_cached(_as_source(model), parsed, strict, __version__, force_recompile=force)
+        compiled = compile_cached(
+            _as_source(model), parsed, strict, __version__, force_recompile=force, base_dir=base_dir
+        )
     compiled.outputs_on_device = outputs_on_device
     return compiled
 

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `dsp ops list | head`: the reader left; not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush is quiet)
         return 0
+    except Exception as exc:  # noqa: BLE001  (a DSP bug: one line saying where, not a 40-line traceback)
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        print(
+            f"dsp: internal error: {type(exc).__name__}: {exc} (at {frame.filename}:{frame.lineno}); "
+            "this is a DSP bug, please report it with the model that caused it",
+            file=sys.stderr,
+        )
+        return 3
 
 
 def _parser() -> argparse.ArgumentParser:

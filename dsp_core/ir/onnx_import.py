@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -11,30 +12,34 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
+from dsp_core import config
 from dsp_core.errors import DSPError, DTypeError, GraphError, ModelLoadError
-from dsp_core.ir import dtypes
+from dsp_core.ir import dtypes, onnx_inference
+from dsp_core.ir.external_data import load_external_data
 from dsp_core.ir.graph import Dim, Graph, Node, Value
+from dsp_core.ir.typecheck import check_types
+from dsp_core.ops.registry import has_op, lookup
 
 ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto
 
 
-def load_model(source: ModelSource) -> onnx.ModelProto:
-    """Read an ONNX model from a path, raw bytes or a ModelProto; raise ModelLoadError."""
+def load_model(source: ModelSource, base_dir: str | os.PathLike[str] | None = None) -> onnx.ModelProto:
+    """Read an ONNX model from a path, raw bytes or a ModelProto; raise ModelLoadError.
+
+    External data is read from the model file's own directory, or from ``base_dir`` for
+    bytes and protos (which have no directory): see :func:`load_external_data`.
+    """
     if isinstance(source, onnx.ModelProto):
-        return source
+        return load_external_data(source, base_dir, "the given ModelProto")
     if isinstance(source, bytes):
-        return _parse(source, "the given bytes")
+        return load_external_data(_parse(source, "the given bytes"), base_dir, "the given bytes")
     path = Path(source)
     if not path.exists():
         raise ModelLoadError(f"model file {path} does not exist")
     if path.is_dir():
         raise ModelLoadError(f"{path} is a directory, not an ONNX model file")
     model = _parse(path.read_bytes(), str(path))
-    try:
-        onnx.external_data_helper.load_external_data_for_model(model, str(path.parent))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: cannot read its external data: {exc}") from exc
-    return model
+    return load_external_data(model, path.parent if base_dir is None else base_dir, str(path))
 
 
 def _parse(data: bytes, where: str) -> onnx.ModelProto:
@@ -50,38 +55,95 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
     return model
 
 
-def import_model(source: ModelSource, infer_shapes: bool = True) -> Graph:
-    """Import an ONNX model into an ir.Graph, with static shapes inferred where known."""
-    model = load_model(source)
-    if infer_shapes:
-        model = _with_inferred_shapes(model)
-    opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in model.opset_import}
+def import_model(
+    source: ModelSource, infer_shapes: bool = True, base_dir: str | os.PathLike[str] | None = None
+) -> Graph:
+    """Import an ONNX model into an ir.Graph, with static shapes inferred where known.
+
+    DSP's own checks run first (names are text and unique, every read is defined, nodes
+    fit their op's arity, declared sizes are within bounds); only a model that passed them
+    is given to ONNX's shape inference, and that runs sandboxed (``onnx_inference``).
+    """
+    model = load_model(source, base_dir)
     try:
+        opsets = {_opset_domain(o.domain): o.version for o in model.opset_import}
         graph = _import_graph(model.graph, opsets, outer=frozenset())
     except DSPError:
         raise
     except (ValueError, TypeError, KeyError) as exc:
-        raise ModelLoadError(f"cannot import ONNX graph {model.graph.name!r}: {exc}") from exc
+        raise ModelLoadError(f"cannot import ONNX graph {_printable(model.graph.name)!r}: {exc}") from exc
     graph.validate()
+    check_types(graph)
+    _check_bounds(graph)
+    if infer_shapes:
+        inferred = onnx_inference.infer(
+            model, float(config.get("shape_inference_timeout")), int(config.get("shape_inference_memory_mb"))
+        )
+        if inferred is not None:
+            _merge_inferred(graph, inferred.graph)
     return graph
 
 
-def _with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ONNX's static shape inference, when it succeeds; the model unchanged otherwise."""
-    try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001  (inference is an optimisation; the model stays valid)
-        return model
+def _opset_domain(domain: Any) -> str:
+    name = _text(domain, "an opset import's domain")
+    return "" if name == "ai.onnx" else name
+
+
+def _text(value: Any, what: str) -> str:
+    """A proto string field as str; GraphError when it holds bytes that are not UTF-8."""
+    if isinstance(value, str):
+        return value
+    raise GraphError(f"{what} is not UTF-8 text: {_printable(value)!r}")
+
+
+def _printable(value: Any) -> str:
+    return value if isinstance(value, str) else bytes(value).decode("utf-8", "backslashreplace")
+
+
+def _merge_inferred(graph: Graph, inferred: onnx.GraphProto) -> None:
+    """Take the value_info (and refined output types) ONNX inferred into ``graph`` and its subgraphs."""
+    for info in inferred.value_info:
+        if isinstance(info.name, str) and info.name:
+            graph.value_info[info.name] = _value(info)
+    for i, info in enumerate(inferred.output):
+        if i < len(graph.outputs) and info.name == graph.outputs[i].name:
+            graph.outputs[i] = _value(info)
+    for node, proto in zip(graph.nodes, inferred.node):
+        for attr in proto.attribute:
+            held = node.attrs.get(attr.name) if isinstance(attr.name, str) else None
+            if attr.type == onnx.AttributeProto.GRAPH and isinstance(held, Graph):
+                _merge_inferred(held, attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS and isinstance(held, list):
+                for sub, sub_proto in zip(held, attr.graphs):
+                    if isinstance(sub, Graph):
+                        _merge_inferred(sub, sub_proto)
+
+
+def _check_bounds(graph: Graph) -> None:
+    """GraphError for a declared tensor larger than DSP_MAX_TENSOR_ELEMENTS (subgraphs included)."""
+    limit = int(config.get("max_tensor_elements"))
+    declared = [*graph.inputs, *graph.outputs, *graph.value_info.values()]
+    for v in declared:
+        dims = [d for d in (v.shape or ()) if isinstance(d, int)]
+        if math.prod(dims) > limit:
+            raise GraphError(
+                f"value {v.name!r} is declared with shape {list(v.shape or ())}: more than {limit:,} elements "
+                "(DSP_MAX_TENSOR_ELEMENTS bounds declared sizes; raise it if the model really needs more)"
+            )
+    for node in graph.nodes:
+        for _, _, sub in Graph.subgraphs_of(node):
+            _check_bounds(sub)
 
 
 def _value(info: onnx.ValueInfoProto) -> Value:
+    name = _text(info.name, "a value name")
     t = info.type
     if t.HasField("sequence_type"):
-        return Value(info.name, None, None, kind="sequence")
+        return Value(name, None, None, kind="sequence")
     if t.HasField("optional_type"):
-        return Value(info.name, None, None, kind="optional")
+        return Value(name, None, None, kind="optional")
     if not t.HasField("tensor_type"):
-        return Value(info.name, None, None)
+        return Value(name, None, None)
     tt = t.tensor_type
     try:
         dtype = dtypes.from_onnx(tt.elem_type) if tt.elem_type else None
@@ -89,8 +151,15 @@ def _value(info: onnx.ValueInfoProto) -> Value:
         dtype = f"unsupported:{onnx.TensorProto.DataType.Name(tt.elem_type).lower()}"
     shape: tuple[Dim, ...] | None = None
     if tt.HasField("shape"):
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
-    return Value(info.name, dtype, shape)
+        shape = tuple(_dim(d) for d in tt.shape.dim)
+    return Value(name, dtype, shape)
+
+
+def _dim(d: onnx.TensorShapeProto.Dimension) -> Dim:
+    """A declared dim: an int, a symbolic name, or None (unknown; a negative value counts as unknown)."""
+    if d.HasField("dim_value"):
+        return d.dim_value if d.dim_value >= 0 else None
+    return d.dim_param if isinstance(d.dim_param, str) and d.dim_param else None
 
 
 def tensor_to_array(t: onnx.TensorProto) -> np.ndarray:
@@ -122,42 +191,87 @@ def attribute_value(attr: onnx.AttributeProto, opsets: dict[str, int], outer: fr
 
 
 def _import_graph(g: onnx.GraphProto, opsets: dict[str, int], outer: frozenset[str]) -> Graph:
-    initializers = {t.name: tensor_to_array(t) for t in g.initializer}
+    gname = _text(g.name, "a graph name") or "graph"
+    initializers: dict[str, np.ndarray] = {}
+    for t in g.initializer:
+        name = _text(t.name, f"an initializer name of graph {gname!r}")
+        if name in initializers:
+            raise GraphError(f"graph {gname!r} defines initializer {name!r} twice (ONNX names are unique)")
+        initializers[name] = tensor_to_array(t)
     for sparse in g.sparse_initializer:
-        raise DTypeError(f"sparse initializer {sparse.values.name!r} is not supported")
+        raise DTypeError(f"sparse initializer {_printable(sparse.values.name)!r} is not supported")
     inputs = [_value(v) for v in g.input]
+    _unique([v.name for v in inputs], f"graph {gname!r} lists input")
     scope = set(initializers) | {v.name for v in inputs}
     nodes: list[Node] = []
     visible = outer | frozenset(scope)
+    max_outputs = int(config.get("max_node_outputs"))
     for i, n in enumerate(g.node):
-        attrs = {a.name: attribute_value(a, opsets, visible | frozenset(scope)) for a in n.attribute}
-        node = Node(
-            op_type=n.op_type,
-            inputs=list(n.input),
-            outputs=list(n.output),
-            attrs=attrs,
-            name=n.name or f"{n.op_type}_{i}",
-            domain="" if n.domain == "ai.onnx" else n.domain,
-        )
+        node = _node(n, i, opsets, visible | frozenset(scope), gname, max_outputs)
         nodes.append(node)
-        scope.update(o for o in n.output if o)
+        scope.update(o for o in node.outputs if o)
+    outputs = [_value(v) for v in g.output]
+    _unique([v.name for v in outputs], f"graph {gname!r} lists output")
     reads = {name for node in nodes for name in node.inputs if name}
-    reads |= {o.name for o in g.output}
+    reads |= {o.name for o in outputs}
     for node in nodes:
         for _, _, sub in Graph.subgraphs_of(node):
             reads |= sub.outer_names
     used_outer = frozenset(name for name in reads if name not in scope and name in outer)
     missing = sorted(name for name in reads if name not in scope and name not in outer and name)
     if missing:
-        raise GraphError(f"graph {g.name!r} reads undefined values: {', '.join(missing[:5])}")
+        raise GraphError(f"graph {gname!r} reads undefined values: {', '.join(missing[:5])}")
     value_info = {v.name: _value(v) for v in g.value_info}
     return Graph(
-        name=g.name or "graph",
+        name=gname,
         inputs=inputs,
-        outputs=[_value(v) for v in g.output],
+        outputs=outputs,
         nodes=nodes,
         initializers=initializers,
         value_info=value_info,
         opsets=dict(opsets),
         outer_names=used_outer,
     )
+
+
+def _node(
+    n: onnx.NodeProto, i: int, opsets: dict[str, int], visible: frozenset[str], gname: str, max_outputs: int
+) -> Node:
+    """One NodeProto as a Node; GraphError for non-text names, repeated attributes, too many outputs."""
+    op_type = _text(n.op_type, f"the op type of node {i} of graph {gname!r}")
+    name = _text(n.name, f"the name of {op_type} node {i}") or f"{op_type}_{i}"
+    label = f'{op_type} node "{name}"'
+    attrs: dict[str, Any] = {}
+    for a in n.attribute:
+        key = _text(a.name, f"an attribute name of {label}")
+        if key in attrs:
+            raise GraphError(f"{label} has attribute {key!r} twice")
+        try:
+            attrs[key] = attribute_value(a, opsets, visible)
+        except UnicodeDecodeError:
+            raise GraphError(f"attribute {key!r} of {label} holds a string that is not UTF-8") from None
+    if len(n.output) > max_outputs:
+        raise GraphError(
+            f"{label} names {len(n.output):,} outputs, more than {max_outputs:,} "
+            "(DSP_MAX_NODE_OUTPUTS bounds them; raise it if the model really needs more)"
+        )
+    node = Node(
+        op_type=op_type,
+        inputs=[_text(x, f"an input name of {label}") for x in n.input],
+        outputs=[_text(x, f"an output name of {label}") for x in n.output],
+        attrs=attrs,
+        name=name,
+        domain=_opset_domain(n.domain),
+    )
+    _unique([o for o in node.outputs if o], f"{label} names output")
+    if has_op(node.op_type, node.domain):
+        lookup(node.op_type, node.domain).check_arity(node.label(), len(node.inputs), len(node.outputs), attrs)
+    return node
+
+
+def _unique(names: list[str], what: str) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise GraphError(f"{what} {name!r} twice (ONNX names are unique)")
+        seen.add(name)

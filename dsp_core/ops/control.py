@@ -8,8 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsp_core import config
 from dsp_core.errors import KernelError
 from dsp_core.ops.registry import KernelContext, Trait, op
+
+
+def _iteration_bound() -> int:
+    """The most iterations a Loop or Scan may run (DSP_MAX_LOOP_ITERATIONS)."""
+    return int(config.get("max_loop_iterations"))
+
+
+def _too_many(ctx: KernelContext, what: str, limit: int) -> KernelError:
+    return KernelError(
+        f'{what} node "{ctx.node_name}" would run more than {limit:,} iterations '
+        "(DSP_MAX_LOOP_ITERATIONS bounds them; raise it if the model really needs more)"
+    )
 
 
 def _formal_inputs(runner: Any) -> list[str]:
@@ -37,8 +50,11 @@ def loop(ctx: KernelContext, max_trip: Any, cond: Any, *carried: Any, body: Any 
     state = list(carried)
     n_scan = ctx.n_outputs - len(state)
     scans: list[list[Any]] = [[] for _ in range(n_scan)]
+    limit = _iteration_bound()
     i = 0
     while keep_going and (trips is None or i < trips):
+        if i >= limit:
+            raise _too_many(ctx, "Loop", limit)
         out = _call(runner, [xp.asarray(i, dtype=xp.int64), xp.asarray(keep_going), *state])
         keep_going = bool(xp.asarray(out[0]).reshape(-1)[0])
         state = out[1 : 1 + len(state)]
@@ -82,6 +98,9 @@ def scan(
     if len(lengths) != 1:
         raise KernelError(f"Scan: scan inputs disagree on the sequence length: {sorted(lengths)}")
     steps = lengths.pop()
+    limit = _iteration_bound()
+    if steps > limit:
+        raise _too_many(ctx, "Scan", limit)
     n_out = ctx.n_outputs - n_state
     collected: list[list[Any]] = [[] for _ in range(n_out)]
     for t in range(steps):

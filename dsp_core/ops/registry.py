@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import enum
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from dsp_core.errors import UnsupportedOpError
+from dsp_core.errors import GraphError, UnsupportedOpError
 
 
 class Trait(enum.Flag):
@@ -103,6 +103,22 @@ class OpDef:
     def has(self, trait: Trait) -> bool:
         """True when this op carries ``trait``."""
         return bool(self.traits & trait)
+
+    def check_arity(self, label: str, n_inputs: int, n_outputs: int, attrs: Mapping[str, Any]) -> None:
+        """GraphError unless a node with these inputs, outputs and attributes fits this op."""
+        for what, n, (lo, hi) in (("inputs", n_inputs, self.inputs), ("outputs", n_outputs, self.outputs)):
+            if n < lo or (hi >= 0 and n > hi):
+                want = f"{lo}" if lo == hi else f"{lo}..{'any' if hi < 0 else hi}"
+                raise GraphError(f"{label} has {n} {what}; {self.name} has {want}")
+        unknown = {k for k, v in attrs.items() if not _is_graph(v)} - set(self.attrs)
+        if unknown:
+            raise GraphError(f"{label} has attribute(s) {', '.join(sorted(unknown))} that {self.name} does not define")
+
+
+def _is_graph(value: Any) -> bool:
+    from dsp_core.ir.graph import Graph
+
+    return isinstance(value, Graph)
 
 
 _TABLE: dict[tuple[str, str], OpDef] = {}

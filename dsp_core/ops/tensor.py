@@ -381,9 +381,16 @@ def split(
 ) -> tuple[Array, ...]:
     """``x`` cut along ``axis`` into the given sizes, or into equal parts."""
     axis = _axis(axis, x.ndim)
+    if num_outputs is not None and num_outputs != ctx.n_outputs:
+        raise ValueError(f"num_outputs={num_outputs}, but the node names {ctx.n_outputs} outputs")
     sizes = _ints(_first_given(split_input, split))
     if not sizes:
         sizes = _split_sizes(x.shape[axis], ctx.n_outputs, num_outputs)
+    elif len(sizes) != ctx.n_outputs or sum(sizes) != x.shape[axis] or min(sizes) < 0:
+        raise ValueError(
+            f"split sizes {sizes[:8]}{'...' if len(sizes) > 8 else ''} must be {ctx.n_outputs} non-negative "
+            f"sizes summing to the axis length {x.shape[axis]}"
+        )
     bounds = [0]
     for s in sizes:
         bounds.append(bounds[-1] + s)

@@ -234,22 +234,17 @@ class _Builder:
     def _fold_constant(self, node: Node, opdef: OpDef) -> None:
         import numpy
 
+        _check_arity(node, opdef)
         ctx = KernelContext(numpy, self.graph.opsets.get("", 1), 0, 1, node.name)
-        array = np.asarray(opdef.kernel(ctx, **node.attrs))
+        try:
+            array = np.asarray(opdef.kernel(ctx, **node.attrs))
+        except (TypeError, ValueError) as exc:
+            raise GraphError(f"{node.label()}: {exc}") from None
         self._external(node.outputs[0], ExternalClass.CONSTANT, array)
 
 
 def _check_arity(node: Node, opdef: OpDef) -> None:
-    lo, hi = opdef.inputs
-    n = len(node.inputs)
-    if n < lo or (hi >= 0 and n > hi):
-        want = f"{lo}" if lo == hi else f"{lo}..{'any' if hi < 0 else hi}"
-        raise GraphError(f"{node.label()} has {n} inputs; {node.op_type} takes {want}")
-    unknown = {k for k, v in node.attrs.items() if not isinstance(v, Graph)} - set(opdef.attrs)
-    if unknown:
-        raise GraphError(
-            f"{node.label()} has attribute(s) {', '.join(sorted(unknown))} that {node.op_type} does not define"
-        )
+    opdef.check_arity(node.label(), len(node.inputs), len(node.outputs), node.attrs)
 
 
 def _frozen_attrs(node: Node, opdef: OpDef) -> dict[str, Any]:
