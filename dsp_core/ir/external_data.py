@@ -23,7 +23,7 @@ import onnx
 from dsp_core.errors import ModelLoadError
 
 # Bits per element of every ONNX element type with a fixed size (strings have none).
-_BITS = {
+_BITS: dict[int, int] = {
     onnx.TensorProto.FLOAT: 32,
     onnx.TensorProto.UINT8: 8,
     onnx.TensorProto.INT8: 8,
