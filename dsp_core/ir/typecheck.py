@@ -35,16 +35,18 @@ _DTYPE_OF_ELEM: dict[str, str] = {elem: name for name, elem in _ELEM_OF_DTYPE.it
 _UNSUPPORTED = "unsupported:"  # how the importer names element types DSP lacks (string, complex)
 
 _VARIADIC = defs.OpSchema.FormalParameterOption.Variadic
+_MAX_OPSET = 2**31 - 1
 
 
 @dataclass(frozen=True)
 class _Formal:
-    """One formal input or output: its name, type parameter (or fixed type) and arity."""
+    """One formal input or output: its name, type parameter (or fixed type), arity and allowed types."""
 
     name: str
     param: str
     variadic: bool
     homogeneous: bool
+    allowed: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,6 @@ class _Signature:
 
     inputs: tuple[_Formal, ...]
     outputs: tuple[_Formal, ...]
-    allowed: Mapping[str, frozenset[str]]  # type parameter (or fixed type) -> allowed types
 
     def formal(self, formals: tuple[_Formal, ...], index: int) -> _Formal | None:
         """The formal that actual argument ``index`` binds to (the last one if variadic)."""
@@ -68,25 +69,49 @@ class _Signature:
         return formal.homogeneous or not formal.variadic
 
 
-def _formal(param: defs.OpSchema.FormalParameter) -> _Formal:
-    return _Formal(param.name, param.type_str, param.option == _VARIADIC, bool(param.is_homogeneous))
-
-
-@functools.lru_cache(maxsize=4096)
-def _signature(domain: str, op_type: str, opset: int) -> _Signature | None:
-    """The schema of ``domain::op_type`` in effect at ``opset``, or None when ONNX has none."""
-    try:
-        schema = defs.get_schema(op_type, opset, domain)
-    except defs.SchemaError:
-        return None
+def _allowed_by_param(schema: defs.OpSchema) -> dict[str, frozenset[str]]:
     allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
     for param in (*schema.inputs, *schema.outputs):
         # A formal typed directly ("tensor(int64)") rather than by a parameter allows just that type.
         allowed.setdefault(param.type_str, frozenset({param.type_str}))
+    return allowed
+
+
+def _get_schema(domain: str, op_type: str, opset: int | None) -> defs.OpSchema | None:
+    try:
+        if opset is None:
+            return defs.get_schema(op_type, domain)
+        # ONNX's C++ side takes an int32 version: a larger one means "the latest schema".
+        return defs.get_schema(op_type, min(opset, _MAX_OPSET), domain)
+    except (defs.SchemaError, TypeError):  # TypeError: a name that is not valid text
+        return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(domain: str, op_type: str, opset: int) -> _Signature | None:
+    """The schema of ``domain::op_type`` in effect at ``opset``, or None when ONNX has none.
+
+    An input also allows what the op's latest schema allows for the same formal: ONNX
+    widens type sets across versions (Cast took uint2 from opset 25) and DSP's kernel of
+    an op implements the widest, so a type added later runs correctly at any opset.
+    """
+    schema = _get_schema(domain, op_type, opset)
+    if schema is None:
+        return None
+    allowed = _allowed_by_param(schema)
+    latest = _get_schema(domain, op_type, None)
+    later: dict[str, frozenset[str]] = {}
+    if latest is not None and latest.since_version > schema.since_version:
+        latest_allowed = _allowed_by_param(latest)
+        later = {p.name: latest_allowed[p.type_str] for p in latest.inputs}
+
+    def formal(p: defs.OpSchema.FormalParameter, widen: bool) -> _Formal:
+        types = allowed[p.type_str] | (later.get(p.name, frozenset()) if widen else frozenset())
+        return _Formal(p.name, p.type_str, p.option == _VARIADIC, bool(p.is_homogeneous), types)
+
     return _Signature(
-        inputs=tuple(_formal(p) for p in schema.inputs),
-        outputs=tuple(_formal(p) for p in schema.outputs),
-        allowed=allowed,
+        inputs=tuple(formal(p, True) for p in schema.inputs),
+        outputs=tuple(formal(p, False) for p in schema.outputs),
     )
 
 
@@ -194,8 +219,8 @@ def _node_types(node: Node, sig: _Signature, in_types: list[str | None]) -> list
         formal = sig.formal(sig.inputs, index)
         if formal is None:  # more inputs than the schema has: the compiler's arity check reports it
             continue
-        allowed = sig.allowed.get(formal.param)
-        if allowed is not None and type_str not in allowed:
+        allowed = formal.allowed
+        if type_str not in allowed:
             raise DTypeError(
                 f'{node.label()}: input {index} ("{node.inputs[index]}", {formal.name}) is {_show(type_str)}, '
                 f"expected one of {_allowed_text(allowed)} (type {formal.param}); "
@@ -210,7 +235,7 @@ def _node_types(node: Node, sig: _Signature, in_types: list[str | None]) -> list
             raise DTypeError(
                 f'{node.label()}: input {index} ("{node.inputs[index]}") is {_show(type_str)}, expected '
                 f'{_show(first[0])} like input {first[1]} ("{node.inputs[first[1]]}") '
-                f"(type {formal.param}; allowed: {_allowed_text(allowed or frozenset())})"
+                f"(type {formal.param}; allowed: {_allowed_text(allowed)})"
             )
     out: list[str | None] = []
     for k in range(len(node.outputs)):
@@ -220,8 +245,7 @@ def _node_types(node: Node, sig: _Signature, in_types: list[str | None]) -> list
         elif formal.param in bound:
             out.append(bound[formal.param][0])
         else:
-            allowed = sig.allowed.get(formal.param, frozenset())
-            out.append(next(iter(allowed)) if len(allowed) == 1 else None)
+            out.append(next(iter(formal.allowed)) if len(formal.allowed) == 1 else None)
     return out
 
 
