@@ -138,7 +138,7 @@ x = np.linspace(-1, 1, 128, dtype=np.float32).reshape(1, 128)
 out = {}
 if action == "verify":
     report = DiskCache.from_config().verify()
-    out = {"problems": report["problems"], "weights_ok": report["weights_ok"]}
+    out = {"problems": report["problems"], "weights_ok": report.get("weights_ok")}
 elif action == "compile":
     model = dsp.compile(model_path)
     out = {"y": model.run({"x": x})["y"].tolist(), "stats": model.stats.as_dict()}
