@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PLUGINS := plugins/cpu_ref plugins/cuda_graphs
 TEST_DISTS := tests/dists/dsp_test_backends
 
-.PHONY: demo test gpu-test lint typecheck node-suite bench fixtures clean
+.PHONY: demo test gpu-test lint typecheck node-suite bench fuzz fixtures clean
 
 $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS) $(TEST_DISTS))
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ node-suite: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_overhead.py
+
+# Fuzzes dsp.compile/run with mutated ONNX models (docs/fuzzing.md); exits 1 on a crash,
+# hang, blow-up or non-DSPError. FUZZ_TIME seconds (default 120; no limit with FUZZ_CASES),
+# FUZZ_CASES inputs, FUZZ_JOBS workers, FUZZ_MEM_MB cap, FUZZ_TIMEOUT per case, FUZZ_SEED, FUZZ_OUT.
+fuzz: $(STAMP)
+	FUZZ_TIME="$(FUZZ_TIME)" FUZZ_CASES="$(FUZZ_CASES)" FUZZ_JOBS="$(FUZZ_JOBS)" FUZZ_MEM_MB="$(FUZZ_MEM_MB)" \
+	FUZZ_TIMEOUT="$(FUZZ_TIMEOUT)" FUZZ_SEED="$(FUZZ_SEED)" FUZZ_OUT="$(FUZZ_OUT)" $(BIN)/python scripts/fuzz.py
 
 # Regenerates tests/fixtures (needs torch; uses its own venv, not needed by tests).
 fixtures:

@@ -654,6 +654,12 @@ BYTE_MUTATORS: list[tuple[Callable[[bytearray, random.Random, Corpus], str], int
 ]
 
 
+# How often a case starts from each kind of seed: the node suite's ~1,900 small models
+# mostly; the known findings often (their neighbourhoods hide siblings); the fixtures
+# rarely (each costs ~20 ms to compile where a node model costs ~1 ms).
+SEED_WEIGHTS = {"node": 0.82, "repro": 0.10, "fixture": 0.03, "dir": 0.05}
+
+
 class Corpus:
     """The seeds, parsed once per worker, and what the mutators draw from them."""
 
@@ -673,6 +679,11 @@ class Corpus:
         self._node_pool = [n for p in self.parsed if p is not None for n in p.graph.node]
         self._proto_ops = [f for f, w in PROTO_MUTATORS for _ in range(w)]
         self._byte_ops = [f for f, w in BYTE_MUTATORS for _ in range(w)]
+        by_kind: dict[str, list[int]] = {}
+        for i, (name, _) in enumerate(seeds):
+            by_kind.setdefault(name.split(":")[0], []).append(i)
+        self._groups = list(by_kind.values())
+        self._group_weights = [SEED_WEIGHTS.get(kind, 0.05) for kind in by_kind]
 
     def random_node(self, rng: random.Random) -> Any | None:
         return rng.choice(self._node_pool) if self._node_pool else None
@@ -682,7 +693,8 @@ class Corpus:
         import onnx
 
         rng = random.Random(f"{seed}:{case_id}")
-        index = rng.randrange(len(self.seeds))
+        group = rng.choices(self._groups, self._group_weights)[0]
+        index = group[rng.randrange(len(group))]
         name, raw = self.seeds[index]
         proto, ops = self.parsed[index], []
         roll = rng.random()
@@ -755,7 +767,7 @@ def make_feeds(model: Any, rng: Any) -> dict[str, Any]:
             if v.shape is None
             else [symbols.setdefault(d, int(rng.integers(1, 4))) if not isinstance(d, int) else d for d in v.shape]
         )
-        if any(d < 0 for d in shape) or math.prod(shape) > MAX_FEED_ELEMENTS:
+        if any(d < 0 or d > MAX_FEED_ELEMENTS for d in shape) or math.prod(shape) > MAX_FEED_ELEMENTS:
             raise FeedError(f"input {v.name!r} shape {shape}")
         feeds[v.name] = random_array(dtype, shape, rng)
     return feeds
@@ -967,14 +979,16 @@ def worker_main(args: argparse.Namespace) -> int:
         os.ftruncate(cur, 0)
         os.pwrite(cur, data, 0)
         os.write(pipe, f"C\t{case_id}\t{seed_name}\t{','.join(ops)[:300]}\n".encode())
+        t = time.monotonic()
         outcome = run_case(target, data)
+        seconds = time.monotonic() - t
         path = ""
         if outcome.cls not in (OK, DSP) and kept[outcome.signature] < args.keep:
             kept[outcome.signature] += 1
             text = f"{outcome.cls} {outcome.key}\ncase {case_id} seed {args.seed} from {seed_name}: {ops}\n\n"
             path = str(save_reproducer(out, outcome.cls, case_id, data, text + outcome.detail, outcome.signature))
         sig = outcome.signature.replace("\t", " ").replace("\n", " ")
-        os.write(pipe, f"R\t{case_id}\t{outcome.cls}\t{outcome.key}\t{sig}\t{path}\n".encode())
+        os.write(pipe, f"R\t{case_id}\t{outcome.cls}\t{outcome.key}\t{sig}\t{path}\t{seconds:.3f}\n".encode())
         if outcome.cls == BLOWUP:
             return BLOWUP_EXIT
         if case_id % 4096 < args.jobs and os.fstat(2).st_size > 4 << 20:
@@ -1010,6 +1024,12 @@ class Tally:
     classes: Counter[str] = field(default_factory=Counter)
     signatures: dict[str, dict[str, Any]] = field(default_factory=dict)
     restarts: int = 0
+    slowest: list[tuple[float, int, str, str]] = field(default_factory=list)  # seconds, case, outcome, what
+
+    def add_time(self, seconds: float, case_id: int, outcome: str, what: str) -> None:
+        """Keep the ten slowest cases that finished: near-hangs the timeout does not count."""
+        if len(self.slowest) < 10 or seconds > self.slowest[-1][0]:
+            self.slowest = sorted([*self.slowest, (seconds, case_id, outcome, what)], reverse=True)[:10]
 
     @property
     def inputs(self) -> int:
@@ -1070,6 +1090,8 @@ class Supervisor:
         elif parts[0] == "R":
             case_id, cls, key, sig, path = int(parts[1]), parts[2], parts[3], parts[4], parts[5]
             self.tally.add(cls, key, sig, path)
+            if w.current is not None and float(parts[6]) > 0.5:
+                self.tally.add_time(float(parts[6]), case_id, f"{cls} {key}", w.current[2])
             w.current = None
             w.next_case = case_id + self.args.jobs
 
@@ -1221,6 +1243,7 @@ class Supervisor:
             "outcomes": {k.replace("\t", " "): n for k, n in t.keys.most_common()},
             "signatures": {k.replace("\t", " "): v for k, v in sorted(t.signatures.items())},
             "restarts": t.restarts,
+            "slowest": [{"seconds": round(s, 2), "case": c, "outcome": o, "from": what} for s, c, o, what in t.slowest],
         }
 
 
@@ -1241,6 +1264,10 @@ def print_report(summary: dict[str, Any], out: Path) -> None:
             continue
         example = entry["reproducers"][0] if entry["reproducers"] else "(not kept)"
         print(f"  {entry['count']:>8,}  {key}\n            {example}")
+    if summary["slowest"]:
+        print("\nslowest cases that finished (regenerate one: --seed S --regen CASE):")
+        for entry in summary["slowest"][:5]:
+            print(f"  {entry['seconds']:7.2f} s  case {entry['case']}  {entry['outcome']}  {entry['from'][:90]}")
     print(f"\nsummary: {out / 'summary.json'}")
 
 
@@ -1262,7 +1289,10 @@ def env_float(name: str, default: float) -> float:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "--time", type=float, default=env_float("FUZZ_TIME", 120), help="seconds to run (FUZZ_TIME; 0: no limit)"
+        "--time",
+        type=float,
+        default=None,
+        help="seconds to run (FUZZ_TIME; default 120, or no limit when --cases is given; 0: no limit)",
     )
     p.add_argument("--cases", type=int, default=env_int("FUZZ_CASES", 0), help="stop after N inputs (FUZZ_CASES)")
     p.add_argument("--jobs", type=int, default=env_int("FUZZ_JOBS", 2), help="worker processes (FUZZ_JOBS)")
@@ -1295,6 +1325,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--work", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.time is None:
+        args.time = env_float("FUZZ_TIME", 0 if args.cases else 120)
     if args.time == 0 and args.cases == 0 and not (args.replay or args.worker or args.regen is not None):
         p.error("give --time or --cases (FUZZ_TIME, FUZZ_CASES): it would run for ever")
     return args
