@@ -3,16 +3,24 @@
 Each slot goes to the first backend of the platform's fallback chain that is available
 and supports it; consecutive slots with the same winner form a segment. Every decline
 (backend, slot, typed reason) and each segment's bids are recorded for `dsp plan explain`.
+
+Every call into a backend is guarded: ``supports`` or ``cost`` raising (SystemExit too) or
+answering off-contract is that backend declining those slots (reason BACKEND_FAULT), and
+``assign`` treats a ``compile`` that fails the same way: the slots go to the next backend
+of the chain. Each such event is kept in ``Partition.faults``. Strict mode raises instead.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsp_core import diag
-from dsp_core.backends.base import Backend, Decline, DeclineReason, Registry, SlotView
+from dsp_core.backends.base import Backend, CompiledSegment, Decline, DeclineReason, Registry, SlotView
+from dsp_core.backends.guard import BackendFault, describe
 from dsp_core.backends.modes import (
     FALLBACK_CHAINS,
     GPU_MODES,
@@ -25,6 +33,34 @@ from dsp_core.ops.registry import Trait
 from dsp_core.plan.plan import Plan, Segment
 
 M = GraphExecutionMode
+log = logging.getLogger("dsp.backends")
+
+# slot -> declines forced on it by faults of earlier rounds (backend name, decline)
+Excluded = dict[int, list[tuple[str, Decline]]]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A backend that raised, hung or broke its contract in one call, and where."""
+
+    backend: str
+    stage: str  # "supports", "cost", "compile", "run", "warm", "replay", "output check", ...
+    segment: int  # the auction segment (-1: a slot-level fault of the auction)
+    slots: tuple[int, ...]
+    reason: str
+    fallback: str  # the backend that took over ("" when nothing did: strict mode raised)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form for `dsp plan explain`."""
+        span = [self.slots[0], self.slots[-1]] if self.slots else []
+        return {
+            "backend": self.backend,
+            "stage": self.stage,
+            "segment": self.segment,
+            "slots": span,
+            "reason": self.reason,
+            "fallback": self.fallback,
+        }
 
 
 @dataclass
@@ -38,6 +74,25 @@ class Partition:
     declines: dict[int, list[tuple[str, Decline]]] = field(default_factory=dict)  # slot -> declines
     bids: dict[int, dict[str, float]] = field(default_factory=dict)  # segment -> backend -> cost
     notes: list[str] = field(default_factory=list)
+    strict: bool = False
+    reference: Backend | None = None  # the SLOT_BY_SLOT oracle a failing segment falls back to
+    faults: list[Fault] = field(default_factory=list)
+
+    def record_fault(self, fault: Fault) -> None:
+        """Keep ``fault`` (explain, diagnostics) and say it once in the log."""
+        self.faults.append(fault)
+        taken = f"; {fault.fallback} takes over" if fault.fallback else ""
+        log.warning(
+            "DSP backend %s failed %s (segment %d): %s%s",
+            fault.backend,
+            fault.stage,
+            fault.segment,
+            fault.reason,
+            taken,
+        )
+        if diag.ON:
+            message = f"{fault.backend} failed {fault.stage}: {fault.reason}{taken}"
+            diag.emit(diag.Category.BACKEND, diag.Level.SUMMARY, "fault", message, 1, -1, fault.segment)
 
     def fallback_fraction(self, reference: str = "slot_by_slot") -> float:
         """Fraction of slots that ended on the reference backend while others were asked first."""
@@ -79,7 +134,7 @@ def candidates(registry: Registry, mode: GraphExecutionMode) -> tuple[list[Backe
                 b
                 for m in FALLBACK_CHAINS[platform]
                 for b in registry.for_mode(m)
-                if b.platform in (platform, "cpu") and b.availability().ok
+                if b.platform in (platform, "cpu") and available(b)
             ]
             if any(b.platform == platform for b in chain):
                 return _with_reference(chain, registry), notes
@@ -90,7 +145,7 @@ def candidates(registry: Registry, mode: GraphExecutionMode) -> tuple[list[Backe
     installed = registry.for_mode(mode)
     if not installed and not (mode in GPU_MODES and not gpu_present(registry)):
         raise BackendUnavailableError(f"no installed backend serves mode {mode.name}; {provider_hint(mode)}")
-    usable = [b for b in installed if b.availability().ok]
+    usable = [b for b in installed if available(b)]
     if usable:
         return _with_reference(usable, registry), notes
     reasons = "; ".join(f"{b.name}: {b.availability().reason}" for b in installed) or (
@@ -108,7 +163,7 @@ def candidates(registry: Registry, mode: GraphExecutionMode) -> tuple[list[Backe
 
 def gpu_present(registry: Registry) -> bool:
     """True when an available backend runs on a GPU platform, or CuPy sees a CUDA device."""
-    if any(b.platform != "cpu" and b.availability().ok for b in registry.backends):
+    if any(b.platform != "cpu" and available(b) for b in registry.backends):
         return True
     try:
         import cupy
@@ -120,26 +175,57 @@ def gpu_present(registry: Registry) -> bool:
 
 def _with_reference(chain: list[Backend], registry: Registry) -> list[Backend]:
     """Append the slot-by-slot reference so every slot has a taker."""
-    refs = [b for b in registry.for_mode(M.SLOT_BY_SLOT) if b.availability().ok]
+    refs = [b for b in registry.for_mode(M.SLOT_BY_SLOT) if available(b)]
     return chain + [b for b in refs if b not in chain]
+
+
+def available(backend: Backend) -> bool:
+    """``backend.availability().ok``, False when even that call breaks (a backend that overrides it)."""
+    try:
+        return bool(backend.availability().ok)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        log.warning("DSP backend %s: availability() raised %s; treated as unavailable", backend.name, describe(exc))
+        return False
+
+
+def reference_of(registry: Registry) -> Backend | None:
+    """The available SLOT_BY_SLOT backend: the oracle every failing segment falls back to."""
+    return next((b for b in registry.for_mode(M.SLOT_BY_SLOT) if available(b)), None)
 
 
 def _failures(registry: Registry) -> str:
     return "; ".join(f"{f.entry_point}: {f.error}" for f in registry.failures) or "none"
 
 
-def partition(plan: Plan, registry: Registry, mode: GraphExecutionMode, strict: bool = False) -> Partition:
-    """Cut ``plan`` into segments and give each to a backend; ``strict`` forbids fallback."""
+def partition(
+    plan: Plan,
+    registry: Registry,
+    mode: GraphExecutionMode,
+    strict: bool = False,
+    excluded: Excluded | None = None,
+) -> Partition:
+    """Cut ``plan`` into segments and give each to a backend; ``strict`` forbids fallback.
+
+    ``excluded`` holds declines forced by earlier faults (a raising ``cost`` or
+    ``compile``): those backends are not asked again for those slots.
+    """
     chain, notes = candidates(registry, mode)
     if mode not in (M.AUTO,) and strict:
         chain = [b for b in chain if b.mode is chain[0].mode]
-    result = Partition(mode, tuple(chain), [], {b.name: b for b in chain}, notes=notes)
+    result = Partition(
+        mode, tuple(chain), [], {b.name: b for b in chain}, notes=notes, strict=strict, reference=reference_of(registry)
+    )
+    forced = excluded or {}
     owners: list[Backend] = []
     for i in range(len(plan.slots)):
         view = slot_view(plan, i)
         winner = None
         for backend in chain:
-            decline = backend.supports(view)
+            decline = next((d for name, d in forced.get(i, ()) if name == backend.name), None)
+            if decline is None:
+                decline = _ask_supports(backend, view, plan, strict)
             if decline is None:
                 winner = backend
                 break
@@ -159,10 +245,121 @@ def partition(plan: Plan, registry: Registry, mode: GraphExecutionMode, strict: 
         owners.append(winner)
     result.segments = _segments(plan, owners)
     for seg in result.segments:
-        result.bids[seg.index] = {seg.backend: result.backends[seg.backend].cost(seg, plan)}
+        result.bids[seg.index] = {seg.backend: _ask_cost(result.backends[seg.backend], seg, plan, strict)}
     if diag.ON:
         diag.auction(plan, result)
     return result
+
+
+def _ask_supports(backend: Backend, view: SlotView, plan: Plan, strict: bool) -> Decline | None:
+    """``backend.supports(view)``, guarded: a raise or a wrong type is a BACKEND_FAULT decline."""
+    try:
+        answer = backend.supports(view)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001  (a backend that overrides the public method)
+        answer = Decline(DeclineReason.BACKEND_FAULT, f"{backend.name}.supports raised {describe(exc)}")
+    if answer is not None and not isinstance(answer, Decline):
+        answer = Decline(
+            DeclineReason.BACKEND_FAULT,
+            f"{backend.name}.supports returned {type(answer).__name__} {answer!r}, not a Decline or None",
+        )
+    if strict and answer is not None and answer.reason is DeclineReason.BACKEND_FAULT:
+        slot = plan.slots[view.index]
+        raise BackendFault(
+            f'backend {backend.name} failed on {slot.op} node "{slot.name}" (slot {view.index}): {answer.detail}; '
+            "strict mode: no fallback (compile without strict=True to let the next backend take it)"
+        )
+    return answer
+
+
+def _ask_cost(backend: Backend, seg: Segment, plan: Plan, strict: bool) -> float:
+    """``backend.cost``, guarded: BackendFault when it raises or is not a finite number."""
+    try:
+        bid = backend.cost(seg, plan)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        raise _CostFault(backend, seg, f"cost raised {describe(exc)}", strict) from exc
+    if isinstance(bid, bool) or not isinstance(bid, (int, float)) or not math.isfinite(bid):
+        raise _CostFault(backend, seg, f"cost returned {bid!r}, not a finite number", strict)
+    return float(bid)
+
+
+class _CostFault(BackendFault):
+    """A bid that could not be had: ``assign`` gives the segment to the next backend."""
+
+    def __init__(self, backend: Backend, seg: Segment, reason: str, strict: bool) -> None:
+        span = f"slots {seg.slots[0]}..{seg.slots[-1]}" if seg.slots else "no slots"
+        tail = "; strict mode: no fallback" if strict else ""
+        super().__init__(f"backend {backend.name} failed to bid for segment {seg.index} ({span}): {reason}{tail}")
+        self.backend, self.segment, self.reason, self.strict = backend, seg, reason, strict
+
+
+def assign(
+    plan: Plan, registry: Registry, mode: GraphExecutionMode, strict: bool = False
+) -> tuple[Partition, list[CompiledSegment]]:
+    """The auction, then each segment compiled by its winner; a bid or compile that fails falls through.
+
+    A backend whose ``cost`` or ``compile`` fails for a segment declines those slots
+    (BACKEND_FAULT, recorded in ``faults``) and the auction runs again without it there,
+    so the slots go to the next backend of the chain. Each round excludes at least one
+    (slot, backend) pair, so this ends. Strict mode raises a BackendFault instead.
+    """
+    excluded: Excluded = {}
+    faults: list[Fault] = []
+    while True:
+        try:
+            result = partition(plan, registry, mode, strict, excluded)
+        except _CostFault as exc:
+            if exc.strict:
+                raise
+            _exclude(excluded, faults, exc.backend.name, "cost", exc.segment, exc.reason)
+            continue
+        compiled: list[CompiledSegment] = []
+        for seg in result.segments:
+            backend = result.backends[seg.backend]
+            try:
+                compiled.append(backend.compile(plan, seg))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001  (any failure: the next backend takes the slots)
+                if strict or backend is result.reference:
+                    _release_all(compiled)
+                    if strict and not isinstance(exc, BackendError):
+                        raise BackendFault(f"backend {backend.name} failed to compile: {describe(exc)}") from exc
+                    raise
+                _release_all(compiled)
+                _exclude(excluded, faults, backend.name, "compile", seg, describe(exc))
+                break
+        else:
+            for fault in faults:  # the final segments: who took over each faulty slot
+                taker = next((s for s in result.segments if fault.slots and fault.slots[0] in s.slots), None)
+                index, name = (taker.index, taker.backend) if taker is not None else (-1, "")
+                result.record_fault(Fault(fault.backend, fault.stage, index, fault.slots, fault.reason, name))
+            return result, compiled
+
+
+def _exclude(excluded: Excluded, faults: list[Fault], backend: str, stage: str, seg: Segment, reason: str) -> None:
+    decline = Decline(DeclineReason.BACKEND_FAULT, f"{backend} failed {stage}: {reason}")
+    for s in seg.slots:
+        excluded.setdefault(s, []).append((backend, decline))
+    faults.append(Fault(backend, stage, seg.index, seg.slots, reason, ""))
+
+
+def _release_all(compiled: list[CompiledSegment]) -> None:
+    for c in compiled:
+        release_quietly(c)
+
+
+def release_quietly(compiled: CompiledSegment) -> None:
+    """``compiled.release()``; a failure there is logged, never raised (the segment is gone anyway)."""
+    try:
+        compiled.release()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        log.warning("DSP backend %s: release() raised %s (ignored)", compiled.backend.name, describe(exc))
 
 
 # A slot with these traits ends its segment: its output size (or what its subgraphs do)
@@ -201,6 +398,9 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
                 "n_slots": len(seg.slots),
                 "bids": result.bids.get(seg.index, {}),
                 "declines": declines,
+                "faults": [
+                    f.as_dict() for f in result.faults if f.segment == seg.index or set(f.slots) & set(seg.slots)
+                ],
             }
         )
     return {
@@ -209,7 +409,18 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
         "segments": segs,
         "fallback_fraction": result.fallback_fraction(),
         "notes": result.notes,
+        "faults": [f.as_dict() for f in result.faults],
     }
 
 
-__all__ = ["Decline", "DeclineReason", "Partition", "candidates", "explain", "partition", "slot_view"]
+__all__ = [
+    "Decline",
+    "DeclineReason",
+    "Fault",
+    "Partition",
+    "assign",
+    "candidates",
+    "explain",
+    "partition",
+    "slot_view",
+]

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from dsp_core.backends.guard import BackendFault, call_with_timeout, describe
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import BackendError, BackendUnavailableError
 
@@ -68,6 +69,7 @@ class DeclineReason(enum.Enum):
     DYNAMIC_SHAPE = "dynamic_shape"
     CONTROL_FLOW = "control_flow"
     UNAVAILABLE = "unavailable"
+    BACKEND_FAULT = "backend_fault"  # its hook raised or answered off-contract: recorded, never fatal
     OTHER = "other"
 
 
@@ -204,12 +206,18 @@ class Backend:
 
     # -- availability ---------------------------------------------------------------
     def availability(self) -> Availability:
-        """Whether this backend can run here (probed once, then remembered)."""
+        """Whether this backend can run here (probed once, under DSP_PLUGIN_TIMEOUT, then remembered)."""
         if self._availability is None:
+            what = f"backend {self.name}'s availability probe"
             try:
-                self._availability = self._availability_probe()
+                answer = call_with_timeout(self._availability_probe, what)
+                if not isinstance(answer, Availability):
+                    raise BackendFault(f"{what} returned {type(answer).__name__}, not an Availability")
+                self._availability = answer
+            except BackendFault as exc:  # it hung, raised SystemExit, or answered off-contract
+                self._availability = Availability.no(str(exc))
             except Exception as exc:  # noqa: BLE001  (a probe must never break discovery)
-                self._availability = Availability.no(f"availability probe raised {type(exc).__name__}: {exc}")
+                self._availability = Availability.no(f"availability probe raised {describe(exc)}")
         return self._availability
 
     def _availability_probe(self) -> Availability:
@@ -223,7 +231,18 @@ class Backend:
         bad = [d for d in slot.input_dtypes + slot.output_dtypes if d is not None and d not in self.contract.dtypes]
         if bad:
             return Decline(DeclineReason.UNSUPPORTED_DTYPE, f"{bad[0]} is not among {self.name}'s dtypes")
-        return self._supports(slot)
+        try:
+            answer = self._supports(slot)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (isolation: a raising predicate declines)
+            return Decline(DeclineReason.BACKEND_FAULT, f"{self.name}._supports raised {describe(exc)}")
+        if answer is not None and not isinstance(answer, Decline):
+            return Decline(
+                DeclineReason.BACKEND_FAULT,
+                f"{self.name}._supports returned {type(answer).__name__} {answer!r}, not a Decline or None",
+            )
+        return answer
 
     def _runs_excluded_ops_eagerly(self) -> bool:
         return False
@@ -246,11 +265,17 @@ class Backend:
             compiled = self._compile(plan, segment)
         except BackendError:
             raise
-        except Exception as exc:
-            raise BackendError(
-                f"backend {self.name} failed to compile segment {segment.index} "
-                f"(slots {segment.slots[0]}..{segment.slots[-1]}): {type(exc).__name__}: {exc}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (SystemExit too: the caller falls back)
+            span = f"slots {segment.slots[0]}..{segment.slots[-1]}" if segment.slots else "no slots"
+            raise BackendFault(
+                f"backend {self.name} failed to compile segment {segment.index} ({span}): {describe(exc)}"
             ) from exc
+        if not isinstance(compiled, CompiledSegment):
+            raise BackendFault(
+                f"backend {self.name}._compile returned {type(compiled).__name__}, not a CompiledSegment"
+            )
         compiled.compile_seconds = time.perf_counter() - start  # type: ignore[attr-defined]
         return compiled
 

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from dsp_core import config, diag
-from dsp_core.backends.auction import Partition, explain, partition
+from dsp_core.backends.auction import Fault, Partition, assign, explain, release_quietly
 from dsp_core.backends.base import CompiledSegment, Registry
 from dsp_core.backends.discovery import discover
+from dsp_core.backends.guard import BackendFault, describe
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.cache.memory import CacheStats, LivePlan, PlanCache, ShapeSignature, available_host_bytes
 from dsp_core.diag import Category, Level, flight
@@ -26,10 +27,11 @@ from dsp_core.errors import InputError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph, Value
 from dsp_core.plan.compiler import Declined, check_outputs, compile_plan
-from dsp_core.plan.plan import ExternalClass, Plan
+from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_core.runtime.handle import DspHandle
 from dsp_core.runtime.legacy import run_graph
 from dsp_core.runtime.plan_runtime import PlanRuntime
+from dsp_core.runtime.units import OutputSpec, bind_symbols, check_published, output_specs, unit_io
 
 
 @dataclass(frozen=True)
@@ -44,12 +46,20 @@ class FeedSpec:
 
 
 class Executor:
-    """One plan made runnable: its partition, compiled segments and value-list template."""
+    """One plan made runnable: its partition, compiled segments and value-list template.
 
-    def __init__(self, plan: Plan, part: Partition) -> None:
+    A segment whose backend fails while running (raises anything, or writes an output
+    that is not what the plan declares) is given to the reference backend for good and
+    the step is run again from its feeds; the fault is kept in ``partition.faults``.
+    Strict mode raises a BackendFault instead.
+    """
+
+    def __init__(self, plan: Plan, part: Partition, compiled: list[CompiledSegment] | None = None) -> None:
         self.plan = plan
         self.partition = part
-        self.segments: list[CompiledSegment] = [part.backends[seg.backend].compile(plan, seg) for seg in part.segments]
+        self.segments: list[CompiledSegment] = (
+            compiled if compiled is not None else [part.backends[s.backend].compile(plan, s) for s in part.segments]
+        )
         if diag.ON:
             for seg in self.segments:
                 seconds = float(getattr(seg, "compile_seconds", 0.0))
@@ -60,15 +70,76 @@ class Executor:
             template[plan.flat(plan.external_ref(k))] = array
         self.template = template
         self.output_flat = tuple(plan.flat(r) for r in plan.outputs)
+        self.checks: list[tuple[OutputSpec, ...]] = [self._specs(c) for c in self.segments]
+
+    def _specs(self, compiled: CompiledSegment) -> tuple[OutputSpec, ...]:
+        """What a segment's published outputs must be; nothing for the reference (the oracle)."""
+        if compiled.backend is self.partition.reference:
+            return ()
+        slots = compiled.segment.slots
+        return output_specs(self.plan, slots, unit_io(self.plan, slots, frozenset())[1])
 
     def run(self, staged: list[tuple[int, Any]]) -> list[Any]:
         """Run every segment on a fresh value list; returns the outputs in order."""
-        values = self.template.copy()
-        for flat, array in staged:
-            values[flat] = array
-        for segment in self.segments:
-            segment.run(values)
-        return [values[i] for i in self.output_flat]
+        while True:
+            values = self.template.copy()
+            for flat, array in staged:
+                values[flat] = array
+            symbols = bind_symbols(self.plan, staged) if any(self.checks) else {}
+            k = 0
+            try:
+                for k, segment in enumerate(self.segments):
+                    segment.run(values)
+                    if self.checks[k]:
+                        check_published(segment.backend, self.plan, self.checks[k], values, symbols)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001  (a backend's fault: its segment goes to the reference)
+                self.fail_segment(k, "run", exc)
+                continue
+            return [values[i] for i in self.output_flat]
+
+    def can_fall_back(self, backend: Any) -> bool:
+        """True when a fault of ``backend`` can be met by running on the reference."""
+        ref = self.partition.reference
+        return ref is not None and backend is not ref and not self.partition.strict
+
+    def fail_segment(self, k: int, stage: str, exc: BaseException) -> None:
+        """Segment ``k``'s backend failed at ``stage``: the reference runs it from now on (or raise)."""
+        compiled = self.segments[k]
+        backend, seg = compiled.backend, self.partition.segments[k]
+        if not self.can_fall_back(backend):
+            raise_fault(backend.name, stage, seg, exc, self.partition.strict)
+        ref = self.partition.reference
+        assert ref is not None
+        moved = Segment(seg.index, ref.name, ref.mode.name, seg.slots)
+        replacement = ref.compile(self.plan, moved)
+        release_quietly(compiled)
+        self.partition.segments[k] = moved
+        self.partition.backends.setdefault(ref.name, ref)
+        self.segments[k], self.checks[k] = replacement, ()
+        self.partition.record_fault(Fault(backend.name, stage, seg.index, seg.slots, describe(exc), ref.name))
+
+    def segment_of(self, slots: tuple[int, ...]) -> int:
+        """Index in ``segments`` of the auction segment holding ``slots`` (-1 if none)."""
+        first = slots[0] if slots else -1
+        return next((k for k, s in enumerate(self.partition.segments) if first in s.slots), -1)
+
+
+def raise_fault(backend: str, stage: str, seg: Segment, exc: BaseException, strict: bool) -> None:
+    """Re-raise a segment's failure: as it is from the reference, as a BackendFault in strict mode."""
+    if not strict:
+        if isinstance(exc, Exception):
+            raise exc
+        span = f"slots {seg.slots[0]}..{seg.slots[-1]}" if seg.slots else "no slots"
+        raise BackendFault(
+            f"backend {backend} failed {stage} of segment {seg.index} ({span}): {describe(exc)}"
+        ) from exc
+    span = f"slots {seg.slots[0]}..{seg.slots[-1]}" if seg.slots else "no slots"
+    raise BackendFault(
+        f"backend {backend} failed {stage} of segment {seg.index} ({span}): {describe(exc)}; "
+        "strict mode: no fallback (compile without strict=True to fall back to the reference)"
+    ) from exc
 
 
 class CompiledModel:
@@ -268,7 +339,8 @@ class CompiledModel:
         return check_outputs(self.graph, outputs)
 
     def _executor(self, plan: Plan) -> Executor:
-        return Executor(plan, partition(plan, self.registry, self.mode, self.strict))
+        part, compiled = assign(plan, self.registry, self.mode, self.strict)
+        return Executor(plan, part, compiled)
 
     def _prepare(self, names: tuple[str, ...]) -> Executor | Declined:
         entry = self._executors.get(names)

@@ -8,6 +8,13 @@ Islands then go warm-up -> compile -> capture -> replay; identity keys guard eve
 replay, and drift is met by an in-place refresh where the backend's contract allows it,
 else by a recapture, each counted. Two consecutive clean steps with every island
 replaying make the plan REPLAYING; with no island able to capture it is REPLAY_BLOCKED.
+
+Faults: any lifecycle call of a unit's backend that raises (SystemExit included), and
+any output that does not match the plan's declaration (checked on a unit's first runs
+and after each capture), fail that unit: it moves to FAILED with the reason, the
+reference backend runs its slots from then on (here and in the executor, for later
+live plans), and the step is run again from its feeds, so the call's result is right.
+Strict mode raises a BackendFault instead. A failing ``release`` is logged and ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dsp_core import config, diag
+from dsp_core.backends.auction import Fault, release_quietly
 from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStatus
+from dsp_core.backends.guard import describe
 from dsp_core.diag import Category, Level
 from dsp_core.errors import DSPError
 from dsp_core.ops.registry import Trait
@@ -29,13 +38,25 @@ from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_core.runtime.lifecycle import (
     PLAN_TRANSITIONS,
     SLOT_TRANSITIONS,
+    LifecycleError,
     PlanPhase,
     SegmentPhase,
     SlotPhase,
     StateMachine,
 )
 from dsp_core.runtime.staging import ConstantSnapshot, Staging, injected_fault, placement
-from dsp_core.runtime.units import IdentityKeys, Unit, UnitKind, buffer_address, split_units, unit_io
+from dsp_core.runtime.units import (
+    IdentityKeys,
+    Unit,
+    UnitKind,
+    bind_symbols,
+    buffer_address,
+    check_budget,
+    check_published,
+    output_specs,
+    split_units,
+    unit_io,
+)
 
 if TYPE_CHECKING:
     from dsp_core.runtime.model import Executor
@@ -77,6 +98,7 @@ class PlanRuntime:
         self.recent_recaptures: deque[int] = deque(maxlen=RECAPTURE_WINDOW)
         self.flags: list[str] = []
         self.lock = threading.Lock()
+        self._timed_unit: Unit | None = None  # diag: the unit a timed step is running (for fault recovery)
         self._names = {k: e.name for k, e in enumerate(self.plan.externals)}
 
     # -- queries ---------------------------------------------------------------------------
@@ -148,8 +170,7 @@ class PlanRuntime:
         for seg in self.executor.partition.segments:
             mine = tuple(s for s in seg.slots if s in sealed)
             if mine:
-                backend = self.executor.partition.backends[seg.backend]
-                backend.compile(plan, Segment(seg.index, seg.backend, seg.mode, mine)).run(values)
+                self._run_sealed(seg, mine, values)
         template: list[Any] = list(self.executor.template)
         for s in sorted(sealed):
             for v in plan.slots[s].outputs:
@@ -169,6 +190,30 @@ class PlanRuntime:
         self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)
         if not any(u.kind is UnitKind.ISLAND for u in self.units):
             self.machine.move(PlanPhase.REPLAY_BLOCKED, "no segment can capture", self.executions)
+
+    def _run_sealed(self, seg: Segment, mine: tuple[int, ...], values: list[Any]) -> None:
+        """Compute the sealed slots of ``seg`` once; a backend that fails here hands the segment to the reference."""
+        backend = self.executor.partition.backends[seg.backend]
+        piece = Segment(seg.index, seg.backend, seg.mode, mine)
+        try:
+            compiled = backend.compile(self.plan, piece)
+            compiled.run(values)
+            if backend is not self.executor.partition.reference:
+                outputs = unit_io(self.plan, mine, frozenset())[1]
+                specs = output_specs(self.plan, mine, outputs)
+                check_published(
+                    backend, self.plan, specs, values, bind_symbols(self.plan, self._feed_stand_ins(values))
+                )
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (the reference computes them instead)
+            self.executor.fail_segment(self.executor.segment_of(seg.slots), "sealed run", exc)
+            ref = self.executor.partition.reference
+            assert ref is not None
+            ref.compile(self.plan, Segment(seg.index, ref.name, ref.mode.name, mine)).run(values)
+
+    def _feed_stand_ins(self, values: list[Any]) -> list[tuple[int, Any]]:
+        return [(flat, values[flat]) for flat, _, _ in self.feed_shapes]
 
     def _detect_sealed(self) -> set[int]:
         """Slots that depend on no fed input and draw no random numbers.
@@ -196,28 +241,52 @@ class PlanRuntime:
     def _build_units(self, sealed: set[int], owner: dict[int, Segment]) -> list[Unit]:
         units: list[Unit] = []
         frozen = frozenset(sealed)
-        for seg in self.executor.partition.segments:
-            backend = self.executor.partition.backends[seg.backend]
+        for k, seg in enumerate(self.executor.partition.segments):
             live = Segment(seg.index, seg.backend, seg.mode, tuple(s for s in seg.slots if s not in sealed))
-            for kind, slots in split_units(self.plan, live, backend):
-                piece = Segment(len(units), seg.backend, seg.mode, slots)
-                inputs, outputs, constants = unit_io(self.plan, slots, frozen)
-                unit = Unit(
-                    len(units), kind, piece, backend, backend.compile(self.plan, piece), inputs, outputs, constants
-                )
-                unit.machine.owner = (self.diag_id, unit.index, -1)
-                if diag.ON:
-                    self._diag_unit_built(unit)
-                if kind is not UnitKind.ISLAND:
-                    reason = (
-                        "gap: ops its profile cannot capture"
-                        if kind is UnitKind.GAP
-                        else f"backend {backend.name} does not capture: runs eagerly"
-                    )
-                    unit.machine.move(S.FAILED, reason, self.executions)
-                    unit.reason = reason
-                units.append(unit)
+            built = self._segment_units(k, live, frozen, len(units))
+            units.extend(built)
         return units
+
+    def _segment_units(self, k: int, live: Segment, frozen: frozenset[int], first: int) -> list[Unit]:
+        """The units of auction segment ``k``; a failing compile hands the whole segment to the reference."""
+        while True:
+            seg = self.executor.partition.segments[k]
+            backend = self.executor.partition.backends[seg.backend]
+            units: list[Unit] = []
+            try:
+                for kind, slots in split_units(self.plan, live, backend):
+                    piece = Segment(first + len(units), seg.backend, seg.mode, slots)
+                    compiled = backend.compile(self.plan, piece)
+                    units.append(self._unit(piece.index, kind, piece, backend, compiled, frozen, k))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001  (raises when there is nothing to fall back to)
+                for unit in units:
+                    release_quietly(unit.compiled)
+                self.executor.fail_segment(k, "compile", exc)
+                continue
+            return units
+
+    def _unit(
+        self, index: int, kind: UnitKind, piece: Segment, backend: Any, compiled: Any, frozen: frozenset[int], k: int
+    ) -> Unit:
+        inputs, outputs, constants = unit_io(self.plan, piece.slots, frozen)
+        unit = Unit(index, kind, piece, backend, compiled, inputs, outputs, constants, origin=k)
+        if backend is not self.executor.partition.reference:
+            unit.checks = output_specs(self.plan, piece.slots, outputs)
+            unit.unchecked = check_budget(backend) if unit.checks else 0
+        unit.machine.owner = (self.diag_id, unit.index, -1)
+        if diag.ON:
+            self._diag_unit_built(unit)
+        if kind is not UnitKind.ISLAND:
+            reason = (
+                "gap: ops its profile cannot capture"
+                if kind is UnitKind.GAP
+                else f"backend {backend.name} does not capture: runs eagerly"
+            )
+            unit.machine.move(S.FAILED, reason, self.executions)
+            unit.reason = reason
+        return unit
 
     # -- frozen steps ----------------------------------------------------------------------
     def _frozen_step(self, feeds: list[tuple[int, Any]]) -> list[Any]:
@@ -234,11 +303,20 @@ class PlanRuntime:
             self._diag_staged(feeds, staged)
         self.snapshot.check_identity(self.plan.constants, self._names)
         step_clean = True
-        if diag.TIMED:  # diag: a span per unit for the trace
-            step_clean = self._run_units_timed(values)
-        else:
-            for unit in self.units:
-                step_clean &= self._run_unit(unit, values)
+        unit: Unit | None = None
+        try:
+            if diag.TIMED:  # diag: a span per unit for the trace
+                step_clean = self._run_units_timed(values, feeds)
+            else:
+                for unit in self.units:
+                    step_clean &= self._run_unit(unit, values)
+                    if unit.unchecked:
+                        self._check(unit, values, feeds)
+        except (KeyboardInterrupt, LifecycleError):
+            raise  # the user's, or a broken invariant of the core: never hidden
+        except BaseException as exc:  # noqa: BLE001  (a backend's fault: the reference takes the unit)
+            self._fail_unit(self._timed_unit if diag.TIMED else unit, exc)
+            return self._frozen_step(feeds)  # again from the feeds; ends: each fault moves a unit to the reference
         self._after_step(step_clean)
         owned = self._owned_flats
         return [_owned(values[i]) if i in owned else values[i] for i in self.executor.output_flat]
@@ -282,6 +360,39 @@ class PlanRuntime:
             self.__dict__["_staged_cache"] = cached
         return cached[1]
 
+    def _check(self, unit: Unit, values: list[Any], feeds: list[tuple[int, Any]]) -> None:
+        """Compare the unit's outputs with the plan's declarations (its first runs after freezing or capturing)."""
+        unit.unchecked -= 1
+        check_published(unit.backend, self.plan, unit.checks, values, bind_symbols(self.plan, feeds))
+
+    def _fail_unit(self, unit: Unit | None, exc: BaseException) -> None:
+        """``unit``'s backend failed: FAILED with the reason, the reference runs it from now on (or raise)."""
+        if unit is None or not self.executor.can_fall_back(unit.backend):
+            from dsp_core.runtime.model import raise_fault
+
+            seg = unit.segment if unit is not None else Segment(-1, "", "", ())
+            name = unit.backend.name if unit is not None else "?"
+            stage = unit.phase.name.lower() if unit is not None else "step"
+            raise_fault(name, f"a step ({stage})", seg, exc, self.executor.partition.strict)
+        assert unit is not None
+        stage, failed = unit.phase.name.lower(), unit.backend.name
+        reason = f"{failed} failed while {stage}: {describe(exc)}"
+        ref = self.executor.partition.reference
+        assert ref is not None
+        replacement = ref.compile(self.plan, Segment(unit.index, ref.name, ref.mode.name, unit.segment.slots))
+        release_quietly(unit.compiled)
+        unit.compiled, unit.backend, unit.checks, unit.unchecked = replacement, ref, (), 0
+        unit.reason = reason
+        if unit.phase is not S.FAILED:
+            unit.machine.move(S.FAILED, reason, self.executions)
+        self._diag(Category.BACKEND, "fault", unit, reason, 1)
+        k = unit.origin
+        if 0 <= k < len(self.executor.segments) and self.executor.segments[k].backend.name == failed:
+            self.executor.fail_segment(k, stage, exc)  # later live plans start on the reference too
+        else:
+            seg = unit.segment
+            self.executor.partition.record_fault(Fault(failed, stage, k, seg.slots, describe(exc), ref.name))
+
     def _run_unit(self, unit: Unit, values: list[Any]) -> bool:
         """Run one unit according to its phase; True when the step was a clean replay."""
         if unit.kind is not UnitKind.ISLAND or unit.phase is S.FAILED:
@@ -322,6 +433,7 @@ class PlanRuntime:
             self._run_eagerly(unit, values)
             return False
         unit.machine.move(S.REPLAYING, "captured", self.executions)
+        unit.unchecked = check_budget(unit.backend) if unit.checks else 0  # a new recording: check what it writes
         generation = unit.keys.generation + 1 if unit.keys is not None else 0
         unit.keys = IdentityKeys((), self._addresses(unit, values), self._constant_ids(unit, values), 0, generation)
         self._dispatch(unit, values, redispatched=False)
@@ -466,12 +578,15 @@ class PlanRuntime:
                 message = f"input {self._names.get(flat - 1, flat)}"  # external k lives at flat 1 + k
                 diag.emit(Category.TRANSFER, Level.DETAILED, "stage", message, array.nbytes, self.diag_id, -1, -1)
 
-    def _run_units_timed(self, values: list[Any]) -> bool:
+    def _run_units_timed(self, values: list[Any], feeds: list[tuple[int, Any]]) -> bool:
         """The units of one frozen step, each timed as a span (trace category 'unit')."""
         clean = True
         for unit in self.units:
+            self._timed_unit = unit
             start = time.perf_counter_ns()
             clean &= self._run_unit(unit, values)
+            if unit.unchecked:
+                self._check(unit, values, feeds)
             spent = time.perf_counter_ns() - start
             label = f"{unit.kind.value} {unit.phase.name.lower()} on {unit.backend.name}"
             diag.emit(Category.TIMING, Level.FULL, "unit", label, spent, self.diag_id, unit.index, -1, start)
@@ -484,7 +599,7 @@ class PlanRuntime:
             if self.phase is PlanPhase.SLOT_BY_SLOT:
                 return
             for unit in self.units:
-                unit.compiled.release()
+                release_quietly(unit.compiled)
             self.units = []
             self.template = None
             self.__dict__.pop("_owned_cache", None)
@@ -500,7 +615,7 @@ class PlanRuntime:
     def release(self) -> None:
         """Free every unit's buffers and recordings, the staging buffers and bridges (the plan left the cache)."""
         for unit in self.units:
-            unit.compiled.release()
+            release_quietly(unit.compiled)
         self.staging.invalidate()
         self.bridges.clear()
 
