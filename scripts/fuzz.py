@@ -21,6 +21,7 @@ what each outcome means; any crash, hang, blow-up or non-DSPError makes the exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import faulthandler
 import importlib.util
@@ -1148,6 +1149,8 @@ class Supervisor:
         assert w.proc is not None
         rc = w.proc.wait()
         os.close(w.fd)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.proc.pid, signal.SIGKILL)  # what it started (DSP's inference sandbox) goes too
         text = self.fault_text(w)
         if w.current is not None and w.current[0] >= 0:
             if rc < 0:
