@@ -12,8 +12,9 @@ onnxscript, onnxruntime; none of these is a project dependency):
 What it writes (see tests/fixtures/README.md for the npz key layout):
 
 * four tiny decoders with a KV cache, random weights (GPT-2 and Llama, each
-  with eager attention at opset 18 and with sdpa attention at opset 23), each
-  with ``<name>.golden.npz``: a 7-token prefill plus 4 greedy decode steps
+  with eager attention at opset 18 and with sdpa attention at opset 23), and
+  the same GPT-2 exported by torch's TorchScript (legacy) exporter at opset 17
+  (``gpt2_torchscript``), each with ``<name>.golden.npz``: a 7-token prefill plus 4 greedy decode steps
   (exact feeds and torch outputs), 32 greedy tokens and a batch-2 prefill;
 * ``cnn.onnx`` (opset 17) with ``cnn.golden.npz``;
 * ``external_data/mlp.onnx`` + ``external_data/mlp.onnx.data`` with
@@ -73,6 +74,9 @@ PINNED = {
     "onnxruntime": "1.32.0",
     "numpy": "2.4.6",
 }
+
+# Files of the fixture folder this script does not write (left out of report.json's sizes).
+NOT_MADE_HERE = ("report.json", "README.md", "tokenizer.json")
 
 _T0 = time.time()
 
@@ -209,6 +213,49 @@ def export_decoder(wrapper: DecoderWrapper, opset: int, path: Path) -> onnx.Mode
         )
     model = prog.model_proto
     save_inline(model, path)
+    return onnx.load(str(path))
+
+
+def export_decoder_torchscript(wrapper: DecoderWrapper, opset: int, path: Path) -> onnx.ModelProto:
+    """Export with torch's TorchScript (legacy) exporter, as ``torch.onnx.export(dynamo=False)`` users do.
+
+    Default settings (constant folding on), ``dynamic_axes`` on batch, seq, past and
+    total. The graph differs from the dynamo export: Constant nodes, ``/name/Op_N``
+    names, a transposed copy of the tied ``lm_head`` weight, and layer 0's past key
+    read through a one-input ``Concat`` before its growth Concat (issue 17 item 7).
+    """
+    n_layers, kv_heads, head_dim = kv_dims(wrapper.model)
+    batch, seq, past_len = 2, 3, 4  # the same trace inputs as export_decoder
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, past_len + seq, dtype=torch.int64)
+    pos = torch.arange(past_len, past_len + seq).unsqueeze(0).repeat(batch, 1)
+    past = [torch.randn(batch, kv_heads, past_len, head_dim, generator=g) for _ in range(2 * n_layers)]
+    ins, outs = input_names(n_layers), output_names(n_layers)
+    dyn: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total"},
+        "position_ids": {0: "batch", 1: "seq"},
+        "logits": {0: "batch", 1: "seq"},
+    }
+    dyn.update({name: {0: "batch", 2: "past"} for name in ins[3:]})
+    dyn.update({name: {0: "batch", 2: "total"} for name in outs[1:]})
+    tmp = path.with_suffix(".tmp.onnx")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TracerWarnings of the legacy exporter
+        torch.onnx.export(
+            wrapper,
+            (ids, mask, pos, past),
+            str(tmp),
+            input_names=ins,
+            output_names=outs,
+            dynamic_axes=dyn,
+            opset_version=opset,
+            dynamo=False,
+        )
+    proto = onnx.load(str(tmp))
+    tmp.unlink()
+    save_inline(proto, path)
     return onnx.load(str(path))
 
 
@@ -518,13 +565,13 @@ def export_with_external_data(model, example, path: Path, opset: int, in_name: s
 # --------------------------------------------------------------------------- #
 
 
-def make_decoder(name, builder, attn, opset, out_dir: Path, tol: float, report: dict):
+def make_decoder(name, builder, attn, opset, out_dir: Path, tol: float, report: dict, exporter=None):
     log(f"{name}: building ({attn} attention, opset {opset})")
     model = builder(attn)
     wrapper = DecoderWrapper(model).eval()
     path = out_dir / f"{name}.onnx"
     log(f"{name}: exporting -> {path}")
-    proto = export_decoder(wrapper, opset, path)
+    proto = (exporter or export_decoder)(wrapper, opset, path)
     ops = op_types(proto)
     log(f"{name}: {len(proto.graph.node)} nodes, opset {opset_of(proto)}, ops {ops}")
     log(f"{name}: computing torch goldens")
@@ -642,12 +689,18 @@ def main(argv=None) -> int:
         if versions[pkg] != want:
             log(f"WARNING: {pkg} {versions[pkg]} differs from {want} used for the committed fixtures")
     report: dict = {"versions": versions}
+    previous = out_dir / "report.json"
+    if args.only and previous.is_file():  # a partial run keeps the other fixtures' entries
+        report = {**json.loads(previous.read_text()), "versions": versions}
 
     jobs = {
         "gpt2_eager": lambda: make_decoder("gpt2_eager", build_gpt2, "eager", 18, out_dir, args.tol, report),
         "gpt2_sdpa23": lambda: make_decoder("gpt2_sdpa23", build_gpt2, "sdpa", 23, out_dir, args.tol, report),
         "llama_eager": lambda: make_decoder("llama_eager", build_llama, "eager", 18, out_dir, args.tol, report),
         "llama_sdpa23": lambda: make_decoder("llama_sdpa23", build_llama, "sdpa", 23, out_dir, args.tol, report),
+        "gpt2_torchscript": lambda: make_decoder(
+            "gpt2_torchscript", build_gpt2, "eager", 17, out_dir, args.tol, report, export_decoder_torchscript
+        ),
         "cnn": lambda: make_cnn(out_dir, args.tol, report),
         "mlp": lambda: make_mlp(out_dir, args.tol, report),
     }
@@ -659,7 +712,7 @@ def main(argv=None) -> int:
     sizes = {
         str(p.relative_to(out_dir)): p.stat().st_size
         for p in sorted(out_dir.rglob("*"))
-        if p.is_file() and p.name != "report.json"
+        if p.is_file() and p.name not in NOT_MADE_HERE
     }
     report["sizes"] = sizes
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -112,8 +112,13 @@ def test_rewrite_declines_with_the_culprit() -> None:
     graph = dsp.compile(FIXTURES / "gpt2_eager.onnx").graph
     with pytest.raises(KVTransformError, match="max_length"):
         fixed_kv_buffers(graph, batch=1, max_length=1)
-    graph.nodes.append(Node("Identity", ["past_key_values.0.key"], ["odd"], {}, "odd_read"))
+    graph.nodes.append(Node("Neg", ["past_key_values.0.key"], ["odd"], {}, "odd_read"))
     with pytest.raises(KVTransformError, match="odd_read"):
+        fixed_kv_buffers(graph, batch=1, max_length=8)
+    # an Identity copy of the cache is the buffer itself (TorchScript exports): what reads the copy is judged
+    graph.nodes[-1] = Node("Identity", ["past_key_values.0.key"], ["copy"], {}, "copy")
+    graph.nodes.append(Node("Neg", ["copy"], ["odd"], {}, "odd_read_of_a_copy"))
+    with pytest.raises(KVTransformError, match="odd_read_of_a_copy"):
         fixed_kv_buffers(graph, batch=1, max_length=8)
     plain = dsp.compile(FIXTURES / "cnn.onnx").graph
     with pytest.raises(KVTransformError, match="no past_key_values"):

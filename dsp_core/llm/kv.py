@@ -43,6 +43,7 @@ from dsp_core.ir.graph import Graph, Node, Value
 PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 POSITION_INPUT = "kv_position"
 NEXT_TOKEN = "next_token"
+PASS_THROUGH = ("Identity", "Concat")  # with one input: the output is the input (see _is_pass_through)
 
 
 class KVTransformError(DSPError):
@@ -60,6 +61,8 @@ class KVGrowth:
     present: str  # the Concat output (becomes the KVScatter output, aliasing the buffer)
     axis: int  # the sequence axis, negative
     node: str  # the Concat node's name
+    aliases: tuple[str, ...] = ()  # values equal to the past through pass-through nodes (TorchScript exports)
+    passes: tuple[str, ...] = ()  # the pass-through nodes' names (dropped: their readers read the buffer)
 
 
 @dataclass
@@ -83,23 +86,29 @@ def past_inputs(graph: Graph) -> list[str]:
 
 
 def find_kv_growth(graph: Graph) -> list[KVGrowth]:
-    """Every ``Concat(past_key_values.N.*, new, axis=seq)`` of the graph; KVTransformError if one is missing."""
+    """Every ``Concat(past_key_values.N.*, new, axis=seq)`` of the graph; KVTransformError if one is missing.
+
+    The past may reach its growth Concat through pass-through nodes (``Identity``, a
+    one-input ``Concat``): torch's TorchScript exporter writes
+    ``Concat(past_key_values.0.key)`` once, whose output the mask logic's ``Shape`` and
+    the growth Concat both read. Those copies are recorded as ``aliases`` of the past.
+    """
     pasts = past_inputs(graph)
     if not pasts:
         raise KVTransformError(
             f"graph {graph.name!r} has no past_key_values.N.key/value inputs: not a decoder with a KV cache"
         )
     _check_fused_attention(graph, set(pasts))
+    readers = _readers(graph)
     found: list[KVGrowth] = []
     for past in pasts:
         match = PAST.match(past)
         assert match is not None
-        concat = [n for n in graph.nodes if n.op_type == "Concat" and n.inputs and n.inputs[0] == past]
-        if len(concat) != 1 or len(concat[0].inputs) != 2:
-            raise KVTransformError(
-                f"input {past!r}: expected one Concat({past}, new, axis=seq) growing the cache, "
-                f"found {len(concat)} Concat node(s) reading it first"
-            )
+        aliases, passes = _aliases(graph, past, readers)
+        names = {past, *aliases}
+        concat = [n for n in graph.nodes if n.op_type == "Concat" and len(n.inputs) == 2 and n.inputs[0] in names]
+        if len(concat) != 1:
+            raise KVTransformError(_growth_missing(past, concat, names, readers))
         node = concat[0]
         info = graph.info(past)
         rank = len(info.shape) if info is not None and info.shape is not None else 4
@@ -108,9 +117,68 @@ def find_kv_growth(graph: Graph) -> list[KVGrowth]:
         if axis != -2:
             raise KVTransformError(f"{node.label()}: joins {past!r} on axis {axis}, expected the sequence axis -2")
         found.append(
-            KVGrowth(int(match.group(1)), match.group(2), past, node.inputs[1], node.outputs[0], axis, node.name)
+            KVGrowth(
+                int(match.group(1)),
+                match.group(2),
+                past,
+                node.inputs[1],
+                node.outputs[0],
+                axis,
+                node.name,
+                tuple(aliases),
+                tuple(passes),
+            )
         )
     return found
+
+
+def _readers(graph: Graph) -> dict[str, list[Node]]:
+    """Per value name, the nodes that read it (graph order)."""
+    readers: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        for name in dict.fromkeys(node.inputs):
+            if name:
+                readers.setdefault(name, []).append(node)
+    return readers
+
+
+def _is_pass_through(node: Node) -> bool:
+    """A node whose one output equals its one input: Identity, or a Concat of a single input."""
+    return node.op_type in PASS_THROUGH and len(node.inputs) == 1 and len(node.outputs) == 1
+
+
+def _aliases(graph: Graph, past: str, readers: dict[str, list[Node]]) -> tuple[list[str], list[str]]:
+    """The values equal to ``past`` through pass-through nodes, and those nodes' names."""
+    aliases: list[str] = []
+    passes: list[str] = []
+    todo = [past]
+    while todo:
+        for node in readers.get(todo.pop(), []):
+            if _is_pass_through(node) and node.outputs[0] not in aliases:
+                if node.outputs[0] in graph.output_names:
+                    raise KVTransformError(
+                        f"{node.label()} copies the KV cache {past!r} to the graph output {node.outputs[0]!r}: "
+                        "the fixed-KV rewrite needs the past read only by its growth Concat and shape reads"
+                    )
+                aliases.append(node.outputs[0])
+                passes.append(node.name)
+                todo.append(node.outputs[0])
+    return aliases, passes
+
+
+def _growth_missing(past: str, concat: list[Node], names: set[str], readers: dict[str, list[Node]]) -> str:
+    """What was found reading ``past`` (and its copies), and what the rewrite needs instead."""
+    found = [n for name in sorted(names) for n in readers.get(name, [])]
+    seen = ", ".join(dict.fromkeys(n.label() for n in found)) or "no node at all"
+    what = (
+        f"{len(concat)} two-input Concat nodes ({', '.join(n.label() for n in concat)})"
+        if concat
+        else "no two-input Concat"
+    )
+    return (
+        f"input {past!r}: the fixed-KV rewrite needs exactly one Concat({past}, new, axis=-2) growing the cache "
+        f"(directly or through Identity / one-input Concat copies); found {what} among its readers: {seen}"
+    )
 
 
 def _check_fused_attention(graph: Graph, pasts: set[str]) -> None:
@@ -148,12 +216,24 @@ def fixed_kv_buffers(
         shapes[past] = (batch, heads, max_length, dim)
         virtual[past] = (batch, heads, max_length - 1, dim)
         dtypes_[past] = info.dtype or "float32"
+    alias = {a: g.past for g in growth for a in g.aliases}  # a copy of a past is the buffer itself
     nodes: list[Node] = []
     for node in graph.nodes:
+        if _is_pass_through(node) and node.outputs[0] in alias:
+            continue  # its readers read the buffer itself
+        if any(name in alias for name in node.inputs):
+            node = Node(
+                node.op_type,
+                [alias.get(name, name) for name in node.inputs],
+                list(node.outputs),
+                dict(node.attrs),
+                node.name,
+                node.domain,
+            )
         reads = [name for name in node.inputs if name in by_past]
         if not reads:
             nodes.append(node)
-        elif node.op_type == "Concat" and node.inputs[0] in by_past and by_past[node.inputs[0]].node == node.name:
+        elif node.op_type == "Concat" and node.inputs[0] in by_past and by_past[node.inputs[0]].present in node.outputs:
             g = by_past[node.inputs[0]]
             nodes.append(
                 Node(
@@ -193,6 +273,7 @@ def fixed_kv_buffers(
         Value(NEXT_TOKEN, "int64", (batch, 1)),
     ]
     dropped = {g.present for g in growth}
+    dropped |= set(alias)
     value_info = {k: v for k, v in graph.value_info.items() if k not in dropped}
     out = Graph(
         name=f"{graph.name}/decode_fixed_kv",
