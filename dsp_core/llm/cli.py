@@ -72,7 +72,14 @@ def _tokenizer(path: str) -> Any:
         raise InputError("--tokenizer needs the tokenizers library: pip install 'dsp-core[llm]'") from exc
     if not Path(path).is_file():
         raise InputError(f"--tokenizer {path!r}: no such file")
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # noqa: BLE001  (tokenizers raises a bare Exception for any bad file)
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise InputError(
+            f"--tokenizer {path!r}: not a tokenizer file ({reason}); give the tokenizer.json of a `tokenizers` "
+            "tokenizer (for a Hugging Face model: the tokenizer.json next to its weights)"
+        ) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -96,6 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pipe = GenerationPipeline(
         args.model, max_length=max_length, mode=args.mode, block_size=args.block_size, block_capture=blocks
     )
+    pipe.check_request(prompt[None, :], args.max_new_tokens)  # ids and positions, before anything runs or prints
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     seen: list[int] = []
     printed = ""

@@ -25,6 +25,10 @@ change:
   ``present.*`` outputs are dropped (they would alias the buffers, and a plan output
   is copied for its caller).
 
+A past may reach its growth Concat through copies (``Identity``, a one-input ``Concat``:
+torch's TorchScript exporter writes ``Concat(past_key_values.0.key)`` and reads its
+output); a copy is the buffer itself: it is dropped and its readers read the buffer.
+
 The rewrite declines (KVTransformError, with the node) when a past input is read by
 anything but the growth Concat and shape reads, or when a fused ``Attention`` node takes
 the cache itself (``past_key``/``past_value`` inputs).

@@ -49,6 +49,7 @@ from dsp_core.errors import DSPError, InputError
 from dsp_core.ir import dtypes
 from dsp_core.llm.block import UNIFORMS, BlockHook, block_key, unroll
 from dsp_core.llm.kv import FixedKVGraph, fixed_kv_buffers, past_inputs
+from dsp_core.llm.limits import table_limit
 from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
 from dsp_core.plan.plan import ExternalClass
@@ -64,7 +65,7 @@ WARMUP_STEPS = 8  # enough for freeze -> warm -> capture -> two clean replays
 class GenerationResult:
     """What ``generate`` returns: the new tokens, per-row lengths, metrics, why it stopped."""
 
-    tokens: np.ndarray  # int64 [batch, n]
+    tokens: np.ndarray  # int64 [batch, n]; a row that stopped early repeats its stop token after it
     lengths: np.ndarray  # int64 [batch]: tokens up to and including each row's stop token
     metrics: DecodeMetrics
     stopped: bool  # a stop token ended the generation
@@ -278,6 +279,7 @@ class GenerationSession:
         ids = ids[None, :] if ids.ndim == 1 else ids
         if ids.ndim != 2 or ids.shape[0] != self.batch or ids.shape[1] == 0:
             raise InputError(f"append: ids must be [{self.batch}, n] with n >= 1, got shape {ids.shape}")
+        self.pipeline.check_ids(ids)
         chunk = ids if self.pending is None else np.concatenate([self.pending, ids], axis=1)
         self._check_room(chunk.shape[1])
         if chunk.shape[1] == 1:
@@ -292,11 +294,19 @@ class GenerationSession:
         return logits
 
     def _check_room(self, n: int) -> None:
+        """Feeding ``n`` more tokens fits the KV buffers and the model's learned positions."""
         if self.position + n > self.pipeline.max_length:
             raise InputError(
                 f"the session holds {self.position} tokens; {n} more exceed max_length "
                 f"{self.pipeline.max_length}: build the pipeline with a larger max_length"
             )
+        positions = self.pipeline.positions
+        room = positions.rows - self.position if positions is not None else 0
+        self.pipeline.check_positions(
+            self.position + n,
+            f"the session holds {self.position} tokens; {n} more",
+            f"it has room for {max(room, 0)} more (start a new session)",
+        )
 
     def _decode_one(self, token: np.ndarray) -> np.ndarray:
         """One token through the decode plan (in place, no prefill plan)."""
@@ -386,12 +396,15 @@ class GenerationSession:
                 else:
                     loop.run_block(k, dev, 0, sampler.draws(k))
                     out[:, n : n + k] = to_host(dev[:, :k])  # the host reads the block once (one sync)
-                block = out[:, n : n + k].copy()
                 seconds.extend([(time.perf_counter() - t0) / k] * k)
-                n += k
+                # A block runs to its end even past a stop: cut what was decoded after it
+                # before anything reaches the caller, so the stream and the result agree.
+                ends = _hold_after_stops(out, n + k, stops)
+                stop_at = ends if ends is not None and (ends >= 0).all() else None
+                end = n + k if stop_at is None else int(stop_at.max()) + 1
                 if on_tokens is not None:
-                    on_tokens(block)
-                stop_at = _first_stops(out[:, :n], stops)
+                    on_tokens(out[:, n:end].copy())
+                n = end
                 if stop_at is not None:
                     break
         kept = n if stop_at is None else int(stop_at.max()) + 1
@@ -407,6 +420,23 @@ class GenerationSession:
             stopped=stop_at is not None,
             counters=self.decoder.model.dsp.runtime.counters() if self.decoder.model.last_live else {},
         )
+
+
+def _hold_after_stops(out: np.ndarray, end: int, stops: np.ndarray) -> np.ndarray | None:
+    """Per row, the index of its first stop token in ``out[:, :end]`` (-1: none yet); None without stops.
+
+    A row that has stopped repeats its stop token up to ``end`` (in place), so what it
+    decoded after the stop (the batch goes on until every row has stopped) is never
+    streamed or returned; ``GenerationResult.lengths`` still says where each row ends.
+    """
+    if stops.size == 0 or end == 0:
+        return None
+    hit = np.isin(out[:, :end], stops)
+    first = np.where(hit.any(axis=1), hit.argmax(axis=1), -1).astype(np.int64)
+    for row, at in enumerate(first):
+        if at >= 0:
+            out[row, at + 1 : end] = out[row, at]
+    return first
 
 
 def _first_stops(tokens: np.ndarray, stops: np.ndarray) -> np.ndarray | None:
@@ -448,6 +478,9 @@ class GenerationPipeline:
         self.graph = self.prefill_model.graph
         if not past_inputs(self.graph):
             raise InputError(f"model {self.graph.name!r} has no past_key_values.N.* inputs: not a KV-cache decoder")
+        # The embedding tables' ends (None where the model has none: rotary positions), checked before running.
+        self.vocab = table_limit(self.graph, "input_ids")
+        self.positions = table_limit(self.graph, "position_ids")
         self.max_length = int(max_length)
         self.block_size = int(block_size)
         # Blocks of block_size decode steps (greedy or sampled) as one plan
@@ -485,6 +518,44 @@ class GenerationPipeline:
         self._owners[batch] = weakref.ref(session)
         self.swaps += 1
         return state
+
+    # -- limits ------------------------------------------------------------------------
+    def check_ids(self, ids: np.ndarray) -> None:
+        """InputError when a token id lies outside the model's vocabulary (its token embedding's rows)."""
+        if ids.size == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0:
+            raise InputError(f"token id {low} is negative: token ids are 0 .. vocabulary size - 1")
+        if self.vocab is not None and high >= self.vocab.rows:
+            raise InputError(
+                f"token id {high} exceeds the model's vocabulary: {self.vocab.rows} tokens, ids "
+                f"0..{self.vocab.rows - 1} (input_ids index {self.vocab.describe()}); the ids come from a tokenizer "
+                "or prompt that does not match this model"
+            )
+
+    def check_positions(self, fed: int, what: str, remedy: str) -> None:
+        """InputError when feeding ``fed`` tokens in all would pass the model's learned positions."""
+        if self.positions is None or fed <= self.positions.rows:
+            return
+        raise InputError(
+            f"{what} need positions 0..{fed - 1}, but the model's positions end at {self.positions.rows} "
+            f"(0..{self.positions.rows - 1}: position_ids index {self.positions.describe()}): {remedy}"
+        )
+
+    def check_request(self, ids: np.ndarray, max_new_tokens: int) -> None:
+        """Before any plan runs: the prompt's ids, and room for the prompt and ``max_new_tokens`` more."""
+        self.check_ids(ids)
+        fed = ids.shape[1] + max(max_new_tokens, 1) - 1  # the last new token is chosen, never fed
+        what = f"a {ids.shape[1]}-token prompt and {max_new_tokens} new tokens"
+        if fed > self.max_length:
+            raise InputError(
+                f"{what} need {fed} KV positions, more than max_length {self.max_length}: "
+                "build the pipeline with a larger max_length"
+            )
+        room = self.positions.rows - ids.shape[1] + 1 if self.positions is not None else 0
+        remedy = f"ask for at most {room} new tokens after this prompt" if room > 0 else "shorten the prompt"
+        self.check_positions(fed, what, remedy)
 
     # -- plans -------------------------------------------------------------------------
     def decoder(self, batch: int = 1) -> Decoder:
@@ -587,6 +658,8 @@ class GenerationPipeline:
         """Prefill ``input_ids`` ([B, n] or [n]) on the default session, then generate."""
         ids = np.asarray(input_ids, dtype=np.int64)
         ids = ids[None, :] if ids.ndim == 1 else ids
+        if ids.ndim == 2:
+            self.check_request(ids, max_new_tokens)
         with self.lock:
             self.warmup(ids.shape[0])
             session = self._session(ids.shape[0])
