@@ -140,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
         "shape_inference_timeout",
         "DSP_SHAPE_INFERENCE_TIMEOUT",
         "float",
-        30.0,
+        10.0,
         "Seconds ONNX's shape inference may take in its sandbox process (0 = do not run it).",
         minimum=0.0,
     ),

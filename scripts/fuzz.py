@@ -1067,6 +1067,10 @@ class Supervisor:
         cache.mkdir(exist_ok=True)
         env = dict(os.environ, DSP_DISK_CACHE="0", DSP_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        # DSP's own bounds, set well inside the case timeout: a model that reaches one of
+        # them must get its DSPError, not be counted as a hang (the caller's values win)
+        for name, value in FUZZ_BOUNDS.items():
+            env.setdefault(name, value)
         log = open(self.work / f"worker-{w.wid}.log", "wb")  # noqa: SIM115  (the child owns it)
         w.proc = subprocess.Popen(
             cmd,
@@ -1284,6 +1288,12 @@ def env_int(name: str, default: int) -> int:
     return int(value) if value.strip() else default
 
 
+FUZZ_BOUNDS = {
+    "DSP_SHAPE_INFERENCE_TIMEOUT": "2",
+    "DSP_MAX_LOOP_ITERATIONS": "100000",
+}
+
+
 def env_float(name: str, default: float) -> float:
     value = os.environ.get(name, "")
     return float(value) if value.strip() else default
@@ -1306,7 +1316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="RLIMIT_AS above a worker's baseline, MiB (FUZZ_MEM_MB)",
     )
     p.add_argument(
-        "--timeout", type=float, default=env_float("FUZZ_TIMEOUT", 10), help="seconds per case (FUZZ_TIMEOUT)"
+        "--timeout", type=float, default=env_float("FUZZ_TIMEOUT", 30), help="seconds per case (FUZZ_TIMEOUT)"
     )
     p.add_argument("--seed", type=int, default=env_int("FUZZ_SEED", 0), help="run seed (FUZZ_SEED)")
     p.add_argument("--out", default=os.environ.get("FUZZ_OUT") or "fuzz-out", help="output folder (FUZZ_OUT)")

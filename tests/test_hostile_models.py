@@ -348,3 +348,54 @@ def test_the_cli_prints_one_line_for_a_hostile_model(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# -- found by make fuzz -----------------------------------------------------------------------
+@pytest.mark.parametrize("equation", ["\x00", "ij->ji->i", "i$j"])
+def test_an_einsum_equation_that_is_not_one_is_refused_before_inference(equation: str) -> None:
+    node = helper.make_node("Einsum", ["x"], ["y"], equation=equation)
+    m = _model([node], inputs=[helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 2])], opset=12)
+    with pytest.raises(GraphError, match="is not an Einstein summation"):
+        dsp.compile(_bytes(m))
+
+
+def test_an_attribute_of_the_wrong_type_is_a_graph_error() -> None:
+    node = helper.make_node("Einsum", ["x"], ["y"])
+    node.attribute.append(helper.make_attribute("equation", 0.0))  # a float where the schema says string
+    m = _model([node], inputs=[helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2, 2])], opset=12)
+    with pytest.raises(
+        GraphError, match="attribute 'equation' of Einsum node .* is of type FLOAT; Einsum takes STRING"
+    ):
+        dsp.compile(_bytes(m))
+
+
+def test_pool_windows_outside_the_input_are_refused_not_read() -> None:
+    node = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[3, 3], strides=[2, 2], dilations=[-2, 2])
+    x = helper.make_tensor_value_info("x", F, [1, 1, 8, 8])
+    model = dsp.compile(_bytes(_model([node], inputs=[x])))
+    for run in (model.run, model.run_legacy):
+        with pytest.raises(KernelError, match="dilations"):
+            run({"x": np.ones((1, 1, 8, 8), np.float32)})
+
+
+def test_a_graph_input_without_a_name_is_a_graph_error() -> None:
+    w = numpy_helper.from_array(np.eye(2, dtype=np.float32), "W")
+    ins = [helper.make_tensor_value_info("x", F, [2, 2]), helper.make_tensor_value_info("", F, [2, 2])]
+    with pytest.raises(GraphError, match="empty name"):
+        dsp.compile(_bytes(_model([helper.make_node("MatMul", ["x", "W"], ["y"])], inputs=ins, inits=[w])))
+
+
+def test_a_scan_state_of_another_type_than_its_body_declares_is_a_dtype_error() -> None:
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "v"], ["s_out"]), helper.make_node("Identity", ["s_out"], ["o"])],
+        "body",
+        [helper.make_tensor_value_info("s_in", F, []), helper.make_tensor_value_info("v", F, [])],
+        [helper.make_tensor_value_info("s_out", F, []), helper.make_tensor_value_info("o", F, [])],
+    )
+    node = helper.make_node("Scan", ["init", "x"], ["y", "z"], body=body, num_scan_inputs=1)
+    ins = [helper.make_tensor_value_info("init", TensorProto.FLOAT16, []), helper.make_tensor_value_info("x", F, [5])]
+    outs = [helper.make_tensor_value_info(n, F, None) for n in ("y", "z")]
+    with pytest.raises(
+        DSPError, match='input 0 \\("init"\\) is float16, but its body declares input "s_in" as float32'
+    ):
+        dsp.compile(_bytes(_model([node], inputs=ins, outputs=outs, opset=11)))

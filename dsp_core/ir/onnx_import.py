@@ -17,7 +17,7 @@ from dsp_core.errors import DSPError, DTypeError, GraphError, ModelLoadError
 from dsp_core.ir import dtypes, onnx_inference
 from dsp_core.ir.external_data import load_external_data
 from dsp_core.ir.graph import Dim, Graph, Node, Value
-from dsp_core.ir.typecheck import check_types
+from dsp_core.ir.typecheck import attribute_types, check_types
 from dsp_core.ops.registry import has_op, lookup
 
 ModelSource = str | os.PathLike[str] | bytes | onnx.ModelProto
@@ -195,6 +195,8 @@ def _import_graph(g: onnx.GraphProto, opsets: dict[str, int], outer: frozenset[s
     initializers: dict[str, np.ndarray] = {}
     for t in g.initializer:
         name = _text(t.name, f"an initializer name of graph {gname!r}")
+        if not name:
+            raise GraphError(f"graph {gname!r} has an initializer with an empty name")
         if name in initializers:
             raise GraphError(f"graph {gname!r} defines initializer {name!r} twice (ONNX names are unique)")
         initializers[name] = tensor_to_array(t)
@@ -242,10 +244,18 @@ def _node(
     name = _text(n.name, f"the name of {op_type} node {i}") or f"{op_type}_{i}"
     label = f'{op_type} node "{name}"'
     attrs: dict[str, Any] = {}
+    domain = _opset_domain(n.domain)
+    opset = opsets.get(domain)
+    declared = attribute_types(domain, op_type, opset) if opset is not None else None
     for a in n.attribute:
         key = _text(a.name, f"an attribute name of {label}")
         if key in attrs:
             raise GraphError(f"{label} has attribute {key!r} twice")
+        if declared is not None and key in declared and a.type != declared[key]:
+            raise GraphError(
+                f"attribute {key!r} of {label} is of type {_attr_type_name(a.type)}; "
+                f"{op_type} takes {_attr_type_name(declared[key])}"
+            )
         try:
             attrs[key] = attribute_value(a, opsets, visible)
         except UnicodeDecodeError:
@@ -261,7 +271,7 @@ def _node(
         outputs=[_text(x, f"an output name of {label}") for x in n.output],
         attrs=attrs,
         name=name,
-        domain=_opset_domain(n.domain),
+        domain=domain,
     )
     _unique([o for o in node.outputs if o], f"{label} names output")
     if has_op(node.op_type, node.domain):
@@ -269,9 +279,18 @@ def _node(
     return node
 
 
+def _attr_type_name(code: int) -> str:
+    try:
+        return onnx.AttributeProto.AttributeType.Name(code)
+    except ValueError:
+        return f"unknown ({code})"
+
+
 def _unique(names: list[str], what: str) -> None:
     seen: set[str] = set()
     for name in names:
+        if not name:
+            raise GraphError(f"{what} with an empty name (a graph's inputs, outputs and initializers need names)")
         if name in seen:
             raise GraphError(f"{what} {name!r} twice (ONNX names are unique)")
         seen.add(name)

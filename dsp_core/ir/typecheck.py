@@ -88,6 +88,15 @@ def _get_schema(domain: str, op_type: str, opset: int | None) -> defs.OpSchema |
 
 
 @functools.lru_cache(maxsize=4096)
+def attribute_types(domain: str, op_type: str, opset: int) -> dict[str, int] | None:
+    """Attribute name -> its AttributeProto type in the schema in effect at ``opset``; None when ONNX has none."""
+    schema = _get_schema(domain, op_type, opset)
+    if schema is None:
+        return None
+    return {name: int(attr.type.value) for name, attr in schema.attributes.items()}  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=4096)
 def _signature(domain: str, op_type: str, opset: int) -> _Signature | None:
     """The schema of ``domain::op_type`` in effect at ``opset``, or None when ONNX has none.
 
@@ -295,11 +304,27 @@ def _body_seeds(node: Node, key: str, sub: Graph, in_types: list[str | None], op
     """Types of a Loop's or Scan's body inputs, from the node's inputs, for bodies that leave them undeclared."""
     names = [v.name for v in sub.inputs]
     if node.op_type == "Loop" and key == "body":
-        carried = in_types[2:]
-        return _zip_known(names, ["tensor(int64)", "tensor(bool)", *carried])
-    if node.op_type == "Scan" and key == "body" and opset is not None and opset >= 9:
-        return _zip_known(names, in_types)
-    return {}
+        fed = ["tensor(int64)", "tensor(bool)", *in_types[2:]]
+    elif node.op_type == "Scan" and key == "body" and opset is not None and opset >= 9:
+        fed = list(in_types)
+    else:
+        return {}
+    _check_body_inputs(node, sub, fed, first_input=0 if node.op_type == "Scan" else -2)
+    return _zip_known(names, fed)
+
+
+def _check_body_inputs(node: Node, sub: Graph, fed: list[str | None], first_input: int) -> None:
+    """DTypeError when what the node passes its body disagrees with the body's declared input types."""
+    for i, (formal, got) in enumerate(zip(sub.inputs, fed)):
+        want = _type_of_value(formal)
+        if want is None or got is None or want == got:
+            continue
+        which = i + first_input
+        source = f'input {which} ("{node.inputs[which]}")' if which >= 0 else "the iteration counter/condition"
+        raise DTypeError(
+            f"{node.label()}: {source} is {_show(got)}, but its body declares input "
+            f'"{formal.name}" as {_show(want)}; the types must match'
+        )
 
 
 def _zip_known(names: list[str], types: list[str | None]) -> dict[str, str]:

@@ -76,6 +76,14 @@ def _geometry_from_attrs(
     strides = _ints(attrs.get("strides"), n, 1)
     dilations = _ints(attrs.get("dilations"), n, 1)
     pads = _ints(attrs.get("pads"), 2 * n, 0)
+    for name, vals, want, low in (
+        ("kernel_shape", list(kernel), n, 1),
+        ("strides", strides, n, 1),
+        ("dilations", dilations, n, 1),
+        ("pads", pads, 2 * n, 0),
+    ):
+        if len(vals) != want or any(v < low for v in vals):
+            raise ValueError(f"{name} {vals} must hold {want} values >= {low} for {n} spatial dims")
     auto_pad = attrs.get("auto_pad", "NOTSET") or "NOTSET"
     out, pb, pe = _window_geometry(in_sp, kernel, strides, dilations, pads, auto_pad, bool(attrs.get("ceil_mode", 0)))
     return out, pb, pe, strides, dilations
@@ -102,6 +110,12 @@ def _windows(
     n = len(out)
     lead = x.shape[: x.ndim - n]
     sp_strides = x.strides[x.ndim - n :]
+    for o, k, s, d, size in zip(out, kernel, strides, dilations, x.shape[x.ndim - n :]):
+        # as_strided reads whatever memory the geometry names: it must stay inside x
+        if o < 0 or k < 1 or s < 1 or d < 1 or (o > 0 and (o - 1) * s + (k - 1) * d >= size):
+            raise ValueError(
+                f"window geometry out of bounds: {o} windows of {k} (stride {s}, dilation {d}) over {size}"
+            )
     shape = (*lead, *out, *kernel)
     st = (
         *x.strides[: x.ndim - n],

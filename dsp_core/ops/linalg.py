@@ -12,6 +12,8 @@ ONNX Runtime does; the output dtype is always ONNX's.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import ml_dtypes
@@ -130,7 +132,17 @@ def gemm(
     return y.astype(a.dtype, copy=False)
 
 
-@op("Einsum", traits=Trait.NONE, since=12)
+_EQUATION = re.compile(r"[A-Za-z ,]*(?:\.\.\.[A-Za-z ,]*)*(?:->[A-Za-z ]*(?:\.\.\.[A-Za-z ]*)?)?")
+
+
+def _check_equation(attrs: Mapping[str, Any]) -> str | None:
+    equation = attrs.get("equation")
+    if not isinstance(equation, str) or not _EQUATION.fullmatch(equation):
+        return f"equation {equation!r} is not an Einstein summation (letters, ',', '...', one '->')"
+    return None
+
+
+@op("Einsum", traits=Trait.NONE, since=12, check=_check_equation)
 def einsum(ctx: KernelContext, *inputs: Array, equation: str) -> Array:
     """Einstein summation over the inputs, as numpy.einsum."""
     xp = ctx.xp

@@ -71,6 +71,9 @@ class KernelContext:
 
 
 ShapeRule = Callable[..., Sequence[TensorInfo]]
+# check(attrs) -> None when the attributes make sense, else a message; run when a graph is
+# imported or compiled, before anything (ONNX's inference, a kernel) reads them.
+AttrCheck = Callable[[Mapping[str, Any]], "str | None"]
 Kernel = Callable[..., Any]
 # specialize(ctx, input dtype names) -> a faster callable taking the inputs, or None.
 # Called once per slot at plan compile time, when the inputs' dtypes are known, so a
@@ -94,6 +97,7 @@ class OpDef:
     shape_rule: ShapeRule | None
     doc: str
     specialize: Specializer | None = None
+    check: AttrCheck | None = None  # attributes -> what is wrong with them, or None
 
     @property
     def single_output(self) -> bool:
@@ -113,6 +117,9 @@ class OpDef:
         unknown = {k for k, v in attrs.items() if not _is_graph(v)} - set(self.attrs)
         if unknown:
             raise GraphError(f"{label} has attribute(s) {', '.join(sorted(unknown))} that {self.name} does not define")
+        problem = self.check(attrs) if self.check is not None else None
+        if problem:
+            raise GraphError(f"{label}: {problem}")
 
 
 def _is_graph(value: Any) -> bool:
@@ -149,6 +156,7 @@ def op(
     until: int | None = None,
     shape: ShapeRule | None = None,
     specialize: Specializer | None = None,
+    check: AttrCheck | None = None,
 ) -> Callable[[Kernel], Kernel]:
     """Register ``kernel`` as the reference implementation of op ``name``.
 
@@ -174,6 +182,7 @@ def op(
             shape_rule=shape,
             doc=(kernel.__doc__ or "").strip().splitlines()[0] if kernel.__doc__ else "",
             specialize=specialize,
+            check=check,
         )
         return kernel
 
