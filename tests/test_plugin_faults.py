@@ -89,7 +89,7 @@ def test_supports_that_raises_is_a_recorded_decline(select_fault: Select, mlp_gr
 def test_supports_that_raises_fails_strict(select_fault: Select, eltwise_graph: dsp.Graph) -> None:
     select_fault("supports_raises")
     with pytest.raises(BackendError, match="test_fault.*ValueError.*strict"):
-        dsp.compile(eltwise_graph, strict=True, mode="openvino")
+        dsp.compile(eltwise_graph, strict=True, mode="arm_hybrid")
 
 
 @pytest.mark.parametrize(("fault", "stage", "cause"), [
@@ -118,7 +118,7 @@ def test_cost_or_compile_that_fails_raises_in_strict_mode(
 ) -> None:
     select_fault(fault)
     with pytest.raises(BackendError, match="test_fault failed to (bid|compile)"):
-        dsp.compile(eltwise_graph, strict=True, mode="openvino")
+        dsp.compile(eltwise_graph, strict=True, mode="arm_hybrid")
 
 
 @pytest.mark.parametrize(("fault", "after"), [
@@ -149,7 +149,7 @@ def test_run_that_raises_fails_the_segment_and_the_call_is_right(
 
 def test_run_that_raises_fails_strict(select_fault: Select, eltwise_graph: dsp.Graph) -> None:
     select_fault("run_valueerror")
-    model = dsp.compile(eltwise_graph, strict=True, mode="openvino")
+    model = dsp.compile(eltwise_graph, strict=True, mode="arm_hybrid")
     with pytest.raises(BackendError, match="test_fault failed run.*ValueError.*strict"):
         model.run({"x": X})
 

@@ -2,9 +2,11 @@
 
 Inert means: the hook registers only ``test_fault`` and ``test_fault_capture``, both
 unavailable ("set DSP_TEST_FAULT=..."), so the normal test suite discovers them as
-harmless. With a fault selected, the faulty backend is available and serves a mode early
-in the CPU fallback chain (OPENVINO, ONEDNN: tried before slot_by_slot), so it wins the
-auction for the slots it takes (Add, Relu) and the fault is really exercised.
+harmless. With a fault selected, the faulty backend is available and serves a mode of
+the CPU fallback chain tried before slot_by_slot (ARM_HYBRID, ONEDNN; the other test
+backends there are off unless DSP_TEST_BACKENDS=1), so it wins the auction for the slots
+it takes (Add, Relu) and the fault is really exercised. (Not OPENVINO: a test checks that
+a mode nobody installed names its distribution.)
 
 ``DSP_TEST_FAULT_AFTER=N``: a run-time fault strikes only after N good calls, so it
 hits a segment that is already running (a frozen plan, a replaying island).
@@ -34,7 +36,7 @@ from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.ops.registry import KernelContext, lookup
 from dsp_core.plan.plan import Plan, Segment
 
-# Faults of test_fault (eager, OPENVINO) and of test_fault_capture (capturing, ONEDNN).
+# Faults of test_fault (eager, ARM_HYBRID) and of test_fault_capture (capturing, ONEDNN).
 EAGER_FAULTS = frozenset(
     {
         "supports_raises",
@@ -135,10 +137,10 @@ class FaultSegment(CompiledSegment):
 
 
 class FaultBackend(Backend):
-    """Takes Add and Relu in float32 (mode OPENVINO: first in the CPU chain), faulty as selected."""
+    """Takes Add and Relu in float32 (mode ARM_HYBRID, in the CPU chain), faulty as selected."""
 
     name = "test_fault"
-    mode = GraphExecutionMode.OPENVINO
+    mode = GraphExecutionMode.ARM_HYBRID
     platform = "cpu"
     contract = _CONTRACT
 
@@ -229,7 +231,7 @@ class NoContractBackend(Backend):
     """Declares no ModeContract."""
 
     name = "test_no_contract"
-    mode = GraphExecutionMode.ARM_HYBRID
+    mode = GraphExecutionMode.NNAPI
     platform = "cpu"
 
 
@@ -246,7 +248,7 @@ class BoolSupportsBackend(Backend):
     """Its ``_supports`` answers True/False instead of Decline | None."""
 
     name = "test_bool_supports"
-    mode = GraphExecutionMode.ARM_HYBRID
+    mode = GraphExecutionMode.NNAPI
     platform = "cpu"
     contract = _CONTRACT
 
@@ -258,7 +260,7 @@ class DuplicateNameBackend(Backend):
     """Claims the reference backend's name."""
 
     name = "slot_by_slot"
-    mode = GraphExecutionMode.ARM_HYBRID
+    mode = GraphExecutionMode.NNAPI
     platform = "cpu"
     contract = _CONTRACT
 
