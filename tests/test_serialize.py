@@ -170,7 +170,9 @@ def test_fixture_plans_round_trip(path: Path) -> None:
     plan = compiled(graph)
     roundtrip(plan, graph.initializers.get)
     roundtrip(plan, None, inline_limit=1 << 40)  # everything inline: no resolver needed
-    roundtrip(plan, graph.initializers.get, inline_limit=0)  # everything by reference
+    # everything by reference, Constant nodes' values too (the TorchScript exports have them)
+    values = {**graph.initializers, **{n.outputs[0]: n.attrs["value"] for n in graph.nodes if n.op_type == "Constant"}}
+    roundtrip(plan, values.get, inline_limit=0)
 
 
 def test_minilm_plan_round_trips() -> None:
