@@ -399,3 +399,53 @@ def test_a_scan_state_of_another_type_than_its_body_declares_is_a_dtype_error() 
         DSPError, match='input 0 \\("init"\\) is float16, but its body declares input "s_in" as float32'
     ):
         dsp.compile(_bytes(_model([node], inputs=ins, outputs=outs, opset=11)))
+
+
+@pytest.mark.parametrize(
+    ("op", "attrs"),
+    [
+        ("MaxPool", {"kernel_shape": [9, 2], "auto_pad": "SAME_UPPER"}),
+        ("MaxPool", {"kernel_shape": [7, 11], "auto_pad": "SAME_LOWER", "strides": [2, 1]}),
+        ("AveragePool", {"kernel_shape": [9, 3], "auto_pad": "SAME_UPPER"}),
+        ("AveragePool", {"kernel_shape": [9, 3], "auto_pad": "SAME_LOWER", "count_include_pad": 1}),
+        ("AveragePool", {"kernel_shape": [6, 8], "pads": [2, 3, 1, 4], "strides": [1, 2]}),
+        ("LpPool", {"kernel_shape": [8, 2], "auto_pad": "SAME_UPPER", "p": 2}),
+    ],
+)
+def test_pool_kernels_larger_than_the_input_give_the_untrimmed_result(
+    op: str, attrs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cutting what only ever sees padding changes nothing: same values as the full windows (and ONNX's)."""
+    from onnx.reference import ReferenceEvaluator
+
+    from dsp_core.ops import conv
+
+    x = helper.make_tensor_value_info("x", F, [1, 2, 5, 6])
+    outputs = ["y", "i"] if op == "MaxPool" else ["y"]
+    m = _model(
+        [helper.make_node(op, ["x"], outputs, **attrs)],
+        inputs=[x],
+        opset=19,
+        outputs=[helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in outputs],
+    )
+    feed = {"x": np.random.default_rng(0).standard_normal((1, 2, 5, 6)).astype(np.float32)}
+    got = dsp.compile(_bytes(m)).run(feed)
+    monkeypatch.setattr(conv, "_trim_windows", lambda in_sp, kernel, out, pb, pe, s, d: (kernel, pb, pe))
+    full = dsp.compile(_bytes(m)).run(feed)
+    for name in outputs:
+        np.testing.assert_array_equal(got[name], full[name])
+    if "strides" not in attrs:  # ONNX's reference evaluator agrees where it handles the geometry
+        want = ReferenceEvaluator(m).run(None, feed)[0]
+        np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_65535_row_max_pool_window_over_32_rows_costs_what_32_rows_cost() -> None:
+    huge = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[65535, 2], auto_pad="SAME_LOWER")
+    xs = helper.make_tensor_value_info("x", F, [1, 3, 32, 32])
+    big = np.random.default_rng(1).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    started = time.monotonic()
+    y = dsp.compile(_bytes(_model([huge], inputs=[xs], opset=22))).run({"x": big})["y"]
+    assert time.monotonic() - started < 5  # was 14 s: 400M window reads
+    padded = np.pad(big, ((0, 0), (0, 0), (0, 0), (1, 0)), constant_values=-np.inf)  # SAME_LOWER: pad before
+    want = np.maximum(padded[..., :-1], padded[..., 1:]).max(axis=2, keepdims=True).repeat(32, axis=2)
+    np.testing.assert_array_equal(y, want)

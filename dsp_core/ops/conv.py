@@ -423,10 +423,41 @@ def col2im(ctx, x, image_shape, block_shape, *, dilations=None, pads=None, strid
 def _pool_view(
     xp: Any, x: Any, kernel_shape: Sequence[int], attrs: dict[str, Any], fill: Any
 ) -> tuple[Any, list[int], list[int], list[int], list[int]]:
-    """The window view (N, C, *out, *k) of ``x`` padded with ``fill``, and its geometry."""
+    """The window view (N, C, *out, *k) of ``x`` padded with ``fill``, and its geometry.
+
+    ``fill`` must not change the result (the lowest value for max, 0 for sums), so the
+    parts of the windows that are padding in *every* window are cut off first
+    (``_trim_windows``): a kernel far larger than its input costs what the input costs.
+    The returned geometry (kernel, begin pads) is the trimmed one; it maps window
+    positions to the same input positions.
+    """
     out, pb, pe, strides, dilations = _geometry_from_attrs(x.shape[2:], kernel_shape, attrs)
+    kernel, pb, pe = _trim_windows(x.shape[2:], list(kernel_shape), out, pb, pe, strides, dilations)
     xpad = _pad_spatial(xp, x, pb, pe, fill)
-    return _windows(xp, xpad, out, kernel_shape, strides, dilations), out, pb, strides, dilations
+    return _windows(xp, xpad, out, kernel, strides, dilations), out, pb, strides, dilations
+
+
+def _trim_windows(
+    in_sp: Sequence[int],
+    kernel: list[int],
+    out: Sequence[int],
+    pb: list[int],
+    pe: list[int],
+    strides: Sequence[int],
+    dilations: Sequence[int],
+) -> tuple[list[int], list[int], list[int]]:
+    """(kernel, begin pads, end pads) without the window positions that only ever see padding."""
+    kernel, pb, pe = list(kernel), list(pb), list(pe)
+    for i, (size, o, s, d) in enumerate(zip(in_sp, out, strides, dilations)):
+        if d != 1 or o <= 0 or kernel[i] <= size:
+            continue
+        lead = max(0, min(pb[i] - (o - 1) * s, kernel[i] - 1))  # padding before the data in every window
+        kernel[i] -= lead
+        pb[i] -= lead
+        tail = max(0, min(kernel[i] - pb[i] - size, kernel[i] - 1))  # padding after the data in every window
+        kernel[i] -= tail
+        pe[i] = max(0, (o - 1) * s + kernel[i] - size - pb[i])
+    return kernel, pb, pe
 
 
 def _window_counts(
@@ -436,6 +467,8 @@ def _window_counts(
     out, pb, pe, strides, dilations = _geometry_from_attrs(in_sp, kernel_shape, attrs)
     pads = _ints(attrs.get("pads"), 2 * len(in_sp), 0)
     ones = xp.ones(tuple(in_sp), dtype=np.float64)
+    if not include_pad:  # padding counts 0: cut what only ever sees padding, as _pool_view does
+        kernel_shape, pb, pe = _trim_windows(in_sp, list(kernel_shape), out, pb, pe, strides, dilations)
     if include_pad and attrs.get("auto_pad", "NOTSET") in ("NOTSET", "", None):
         # explicit pads count, the extra room of ceil_mode does not
         nd = len(in_sp)
@@ -479,7 +512,8 @@ def max_pool(
     if ctx.n_outputs < 2:
         return y, None
     flat = view.reshape(*view.shape[: 2 + nd], -1).argmax(axis=-1)
-    return y, _max_indices(xp, flat, x.shape, out, kernel_shape, pb, strides_, dilations_, storage_order)
+    kernel = view.shape[2 + nd :]  # the trimmed windows the view holds
+    return y, _max_indices(xp, flat, x.shape, out, kernel, pb, strides_, dilations_, storage_order)
 
 
 def _max_indices(
