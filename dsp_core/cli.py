@@ -103,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
         title="cache commands"
     )
     for name, func, text in (
-        ("ls", cmd_cache_ls, "every entry: key, object, size, last use, fingerprint ok"),
-        ("info", cmd_cache_info, "directory, size and bound, entry and quarantine counts, fingerprint"),
+        ("ls", cmd_cache_ls, "every entry of every build: key, build, object, size, last use, status"),
+        ("info", cmd_cache_info, "directory, size and bound, entry, build and quarantine counts, fingerprint"),
         ("clear", cmd_cache_clear, "remove every entry (quarantine/ too with --all)"),
         ("verify", cmd_cache_verify, "check every entry in full; quarantine bad ones (exit 1 if any)"),
     ):
@@ -263,39 +263,66 @@ def random_feeds(model: Any, dims: dict[str, int], given: set[str], seed: int = 
     from dsp_core.ir import dtypes
 
     rng = np.random.default_rng(seed)
-    dims = {**_decoder_dims(model.graph, dims), **dims}
+    inputs = fed_inputs(model)
+    dims = {**_decoder_dims(inputs, dims), **dims}
     feeds = {}
-    for v in model.graph.inputs:
-        if v.name in given or v.name in model.graph.initializers:
+    for name, dtype, dshape in inputs:
+        if name in given:
             continue
-        if v.dtype is None or v.shape is None:
-            raise InputError(f"input {v.name!r} has no declared dtype/shape; pass it with --input")
-        shape = tuple(d if isinstance(d, int) else dims.get(str(d), 1) for d in v.shape)
-        dt = dtypes.to_numpy(v.dtype)
-        if v.name == "attention_mask" and dims.get("__decoder__"):
-            feeds[v.name] = np.ones(shape, dt)
-        elif v.name == "position_ids" and dims.get("__decoder__") and len(shape) == 2:
+        if dtype is None or dshape is None:
+            raise InputError(f"input {name!r} has no declared dtype/shape; pass it with --input")
+        shape = tuple(d if isinstance(d, int) else dims.get(str(d), 1) for d in dshape)
+        dt = dtypes.to_numpy(dtype)
+        if name == "attention_mask" and dims.get("__decoder__"):
+            feeds[name] = np.ones(shape, dt)
+        elif name == "position_ids" and dims.get("__decoder__") and len(shape) == 2:
             past = dims["__past__"]
-            feeds[v.name] = np.broadcast_to(np.arange(past, past + shape[1], dtype=dt), shape).copy()
-        elif dt.kind == "f" or v.dtype == "bfloat16":
-            feeds[v.name] = rng.standard_normal(shape).astype(dt)
+            feeds[name] = np.broadcast_to(np.arange(past, past + shape[1], dtype=dt), shape).copy()
+        elif dt.kind == "f" or dtype == "bfloat16":
+            feeds[name] = rng.standard_normal(shape).astype(dt)
         elif dt.kind == "b":
-            feeds[v.name] = rng.integers(0, 2, shape).astype(bool)
+            feeds[name] = rng.integers(0, 2, shape).astype(bool)
         else:
-            feeds[v.name] = rng.integers(0, 2, shape).astype(dt)
+            feeds[name] = rng.integers(0, 2, shape).astype(dt)
     return feeds
 
 
-def _decoder_dims(graph: Any, dims: dict[str, int]) -> dict[str, int]:
-    """For a KV decoder: the attention mask's length symbol = past length + new tokens."""
-    from dsp_core.llm.kv import past_inputs
+InputInfo = tuple[str, str | None, tuple[Any, ...] | None]  # name, dtype, shape (ints and symbols)
 
-    pasts = past_inputs(graph)
-    info = {v.name: v for v in graph.inputs}
+
+def fed_inputs(model: Any) -> list[InputInfo]:
+    """(name, dtype, shape) of every input the model is fed, in graph order.
+
+    From the plan when there is one, so a warm start from the disk cache never imports
+    the model for this (the plan's placeholders and variables are the graph's inputs,
+    in order, with their declared dtypes and shapes); from the graph when it was declined.
+    """
+    from dsp_core.plan.plan import ExternalClass
+
+    plan = model.plan()
+    if plan is not None:
+        fed = (ExternalClass.PLACEHOLDER, ExternalClass.VARIABLE)
+        return [(e.name, e.dtype, _shape(e.shape)) for e in plan.externals if e.cls in fed]
+    graph = model.graph
+    return [(v.name, v.dtype, _shape(v.shape)) for v in graph.inputs if v.name not in graph.initializers]
+
+
+def _shape(shape: Any) -> tuple[Any, ...] | None:
+    return None if shape is None else tuple(shape)
+
+
+def _decoder_dims(inputs: list[InputInfo], dims: dict[str, int]) -> dict[str, int]:
+    """For a KV decoder: the attention mask's length symbol = past length + new tokens."""
+    from dsp_core.llm.kv import PAST
+
+    pasts = [name for name, _, _ in inputs if PAST.match(name)]
+    info = {name: shape for name, _, shape in inputs}
     mask, ids = info.get("attention_mask"), info.get("input_ids")
-    if not pasts or mask is None or ids is None or not mask.shape or not ids.shape or not info[pasts[0]].shape:
+    if not pasts or mask is None or ids is None or not mask or not ids or not info[pasts[0]]:
         return {}
-    past_dim, seq_dim, total_dim = info[pasts[0]].shape[2], ids.shape[-1], mask.shape[-1]
+    past_shape = info[pasts[0]]
+    assert past_shape is not None
+    past_dim, seq_dim, total_dim = past_shape[2], ids[-1], mask[-1]
     past = past_dim if isinstance(past_dim, int) else dims.get(str(past_dim), 1)
     seq = seq_dim if isinstance(seq_dim, int) else dims.get(str(seq_dim), 1)
     out: dict[str, int] = {"__decoder__": 1, "__past__": past}
@@ -602,13 +629,15 @@ def cmd_cache_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = [["key", "source", "object", "size", "last used", "status"]]
+    table = [["key", "source", "build", "object", "size", "last used", "status"]]
     for r in rows:
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["mtime"])) if r["mtime"] else "-"
         size = str(r["size"]) if r["size"] is not None else "-"
-        table.append([r["key"], r["source"], r["object"] or "-", size, used, _trunc(r["status"], 60)])
+        build = f"{r['build']} (this)" if r["this_build"] else r["build"]
+        table.append([r["key"], r["source"], build, r["object"] or "-", size, used, _trunc(r["status"], 60)])
     _print_table(table)
-    print(f"\n{len(rows)} entries")
+    mine = sum(1 for r in rows if r["this_build"])
+    print(f"\n{len(rows)} entries ({mine} of this build, {len(rows) - mine} of other builds)")
     return 0
 
 
@@ -621,9 +650,12 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
     print(f"dir          {info['dir']}{'' if info['enabled'] else '  (disabled: DSP_DISK_CACHE=0)'}")
     print(f"override dir {info['override_dir'] or '-'}")
     print(f"size         {info['size'] / 2**20:.2f} MiB of {info['max_bytes'] / 2**20:.0f} MiB")
-    print(f"entries      {info['count']} objects, {info['refs']} refs, {info['quarantine_count']} quarantined")
+    print(
+        f"entries      {info['count']} objects, {info['refs']} refs ({info['this_build_refs']} of this build, "
+        f"{info['builds']} builds), {info['quarantine_count']} quarantined"
+    )
     print(f"recompile    {'forced (DSP_FORCE_RECOMPILE)' if info['force_recompile'] else 'when missing or invalid'}")
-    print(f"fingerprint  {info['fingerprint']}")
+    print(f"fingerprint  {info['fingerprint']}  (build {info['build']})")
     return 0
 
 
@@ -646,6 +678,7 @@ def cmd_cache_verify(args: argparse.Namespace) -> int:
     else:
         print(
             f"{report['objects_ok']} objects, {report['refs_ok']} refs and {report['weights_ok']} weights ok; "
+            f"{report['other_build_refs']} refs of other builds ok (kept); "
             f"{report['quarantined']} quarantined; "
             f"{report['dangling_refs_removed']} dangling refs removed; override: {report['override_ok']} ok, "
             f"{report['override_bad']} bad"

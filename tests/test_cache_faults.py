@@ -251,7 +251,7 @@ def test_cli_verify_reports_a_damaged_weight(cache_dir: Path, warm: Path) -> Non
 
 # -- item 11: what is not a regular file is refused, never read -------------------------------
 def _target(cache_dir: Path, which: str) -> Path:
-    sub = {"ref": "refs", "object": "objects", "weight": "weights"}[which]
+    sub = {"ref": f"refs/{DiskCache(cache_dir).build}", "object": "objects", "weight": "weights"}[which]
     [path] = list((cache_dir / sub).iterdir())
     return path
 
@@ -297,7 +297,7 @@ def test_non_regular_cache_file_is_refused(cache_dir: Path, warm: Path, which: s
 def test_oversized_ref_is_not_read_whole(tmp_path: Path) -> None:
     cache = DiskCache(tmp_path, build_fingerprint="fp")
     cache.put("k", b"payload")
-    (tmp_path / "refs" / "k").write_bytes(b"{" + b" " * (1 << 20))
+    cache.ref_path("k").write_bytes(b"{" + b" " * (1 << 20))
     assert cache.get("k") is None and cache.stats.quarantines == 1
     assert "more than" in cache.events[-1]["reason"]
 
@@ -324,11 +324,12 @@ def test_ref_whose_fingerprint_disagrees_with_its_object_is_damage(tmp_path: Pat
 def test_ref_fingerprint_is_checked_against_this_build(tmp_path: Path) -> None:
     cache = DiskCache(tmp_path, build_fingerprint="fp-a")
     cache.put("k", b"a plan")
-    ref_path = tmp_path / "refs" / "k"
+    ref_path = cache.ref_path("k")
     ref = json.loads(ref_path.read_text())
     ref_path.write_text(json.dumps({**ref, "fingerprint": "fp-z"}))  # the object is fp-a's, the ref says fp-z
-    assert cache.get("k") is None  # a ref of another build: never a hit
-    assert cache.stats.quarantines == 0
+    # Each build keeps its refs in its own directory: one naming another build there is damage.
+    assert cache.get("k") is None and cache.stats.quarantines == 1
+    assert "fingerprint mismatch" in cache.events[-1]["reason"]
 
 
 def test_source_that_cannot_be_read_compiles_without_cache(cache_dir: Path, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def make(root: Path, **kw) -> DiskCache:
 
 
 def object_path(cache: DiskCache, payload: bytes) -> Path:
-    return cache.root / "objects" / f"{fnv1a64(payload):016x}.dsp1"
+    return cache.object_path(payload)
 
 
 def quarantined(cache: DiskCache) -> list[Path]:
@@ -66,7 +66,7 @@ def test_round_trip(tmp_path: Path) -> None:
     assert path == object_path(cache, b"DSP1 payload bytes") and path.exists()
     assert cache.get(key) == b"DSP1 payload bytes"
     assert cache.stats.as_dict() == {"hits": 1, "misses": 1, "writes": 1, "evictions": 0, "quarantines": 0}
-    ref = json.loads((tmp_path / "refs" / key).read_text())
+    ref = json.loads(cache.ref_path(key).read_text())
     assert ref["object"] == path.name and ref["fingerprint"] == FP
     assert not list((tmp_path / "objects").glob(".tmp-*")) and not cache.events
 
@@ -112,7 +112,7 @@ def test_lru_eviction_oldest_first(tmp_path: Path) -> None:
         os.utime(path, (1000 + i, 1000 + i))  # k0 oldest, k2 newest
     os.utime(object_path(cache, b"0" * 100), (5000, 5000))  # k0 used last: now k1 is the oldest
     cache.put("k3", b"3" * 100)
-    assert cache.get("k1") is None and not (tmp_path / "refs" / "k1").exists()
+    assert cache.get("k1") is None and not cache.ref_path("k1").exists()
     assert [cache.get(k) for k in ("k0", "k2", "k3")] == [b"0" * 100, b"2" * 100, b"3" * 100]
     assert cache.stats.evictions == 1 and cache.info()["size"] <= cache.max_bytes
 
@@ -142,11 +142,11 @@ def _corrupt(cache: DiskCache, key: str, payload: bytes, how: str) -> Path:
     elif how == "trailing_bytes":
         obj.write_bytes(blob + b"junk")
     elif how == "garbage_ref":
-        (cache.root / "refs" / key).write_bytes(b"\x00\xffnot json")
-        return cache.root / "refs" / key
+        cache.ref_path(key).write_bytes(b"\x00\xffnot json")
+        return cache.ref_path(key)
     elif how == "ref_for_other_key":
-        (cache.root / "refs" / key).write_bytes(disk.encode_ref("other", obj.name, disk.parse_header(blob)))
-        return cache.root / "refs" / key
+        cache.ref_path(key).write_bytes(disk.encode_ref("other", obj.name, disk.parse_header(blob)))
+        return cache.ref_path(key)
     return obj
 
 
@@ -237,7 +237,7 @@ def test_unwritable_cache_does_not_raise(tmp_path: Path) -> None:
     cache = make(tmp_path / "file" / "cache")
     assert cache.put("k", b"payload") is None
     assert cache.get("k") is None
-    assert [e["kind"] for e in cache.events] == ["write_error", "read_error"]
+    assert [e["kind"] for e in cache.events] == ["write_error", "unwritable", "read_error"]
 
 
 def test_listener_gets_events_and_cannot_break_get(tmp_path: Path) -> None:
@@ -335,9 +335,10 @@ def test_cache_dir_that_is_a_file(tmp_path: Path) -> None:
         DiskCache.from_config({"DSP_CACHE_DIR": str(tmp_path / "f")})
 
 
-def test_fingerprint_names_core_backends_and_arch() -> None:
+def test_fingerprint_names_what_makes_the_plan() -> None:
     fp = disk.fingerprint()
-    assert fp.startswith("dsp-core=") and ";backend=" in fp and ";arch=" in fp
+    assert fp.startswith("dsp-core=") and ";dsp1=" in fp and ";plan-code=" in fp and ";onnx=" in fp
+    assert "backend=" not in fp and "arch=" not in fp  # the auction runs after loading; plans are portable
     assert fp == disk.fingerprint()
 
 

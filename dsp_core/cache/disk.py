@@ -30,12 +30,11 @@ import contextlib
 import errno
 import functools
 import hashlib
-import importlib.util
+import importlib
 import io
 import json
 import logging
 import os
-import platform
 import re
 import secrets
 import shutil
@@ -74,6 +73,11 @@ _TEMP_PREFIX = ".tmp-"
 _KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 _OBJECT_RE = re.compile(r"[0-9a-f]{16}\.dsp1")
 _WEIGHT_RE = re.compile(r"[0-9a-f]{32}\.dspw")
+_TAG_RE = re.compile(r"[0-9a-f]{16}")  # a build's directory under refs/ (build_tag)
+_MEMO_RE = re.compile(r"[0-9a-f]{32}\.memo")
+MEMO_FORMAT = "dsp-digest-memo/1"
+MEMO_KEEP = 1024  # digest memos kept (one per model or external-data file path); the oldest go first
+_MAX_MEMO_BYTES = 8192
 _SIZE_RE = re.compile(r"(\d+)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -82,6 +86,7 @@ _FLAG_VALUES = "1/0, true/false, yes/no, on/off"
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
 _MASK64 = (1 << 64) - 1
+_WARNED_UNWRITABLE: set[str] = set()  # cache directories this process has warned cannot be written
 
 
 def fnv1a64(data: bytes) -> int:
@@ -92,18 +97,40 @@ def fnv1a64(data: bytes) -> int:
     return h
 
 
-def object_name(payload: bytes) -> str:
-    """File name of the object holding ``payload``: its FNV-1a 64 in 16 hex digits + ``.dsp1``."""
-    return f"{fnv1a64(payload):016x}{OBJECT_SUFFIX}"
+def object_name(payload: bytes, build_fingerprint: str) -> str:
+    """File name of the object holding ``payload`` for a build: FNV-1a 64 of the object's bytes + ``.dsp1``.
+
+    The object's bytes are its header, the build's fingerprint and the payload, so two
+    builds whose plans happen to be identical still write two objects and never stamp
+    each other's fingerprint on a shared one.
+    """
+    return _blob_name(encode_entry(payload, build_fingerprint))
+
+
+def _blob_name(blob: bytes) -> str:
+    return f"{fnv1a64(blob):016x}{OBJECT_SUFFIX}"
 
 
 # -- build fingerprint ------------------------------------------------------------------
+# What can change a stored plan: the importer (dsp_core/ir), the op table with its shape and
+# dtype rules (dsp_core/ops), the plan compiler and the DSP1 serializer (dsp_core/plan), and
+# the libraries they compute with (onnx's shape inference, numpy's dtype rules). Not the
+# installed backends: the payload is the plan alone, and the auction cuts it into segments
+# and picks their backends after it is loaded, in every process. Not the device either: no
+# part of a plan depends on it (DSP1 is little-endian on every machine).
+_PLAN_CODE = ("ir", "ops", "plan")  # subpackages of dsp_core whose source decides the plan
+
+
 def fingerprint() -> str:
-    """This build's fingerprint: dsp-core version, installed backends (name, version), device arch."""
-    parts = [f"dsp-core={_core_version()}"]
-    parts += [f"backend={b}" for b in _backend_versions()]
-    parts += [f"arch={a}" for a in _device_arch()]
+    """This build's fingerprint: what can change a plan (dsp-core, its plan-making code, DSP1, onnx, numpy)."""
+    parts = [f"dsp-core={_core_version()}", f"dsp1={_dsp1_version()}", f"plan-code={plan_code_digest()}"]
+    parts += [f"{lib}={_library_version(lib)}" for lib in ("onnx", "numpy")]
     return ";".join(parts)
+
+
+def build_tag(build_fingerprint: str) -> str:
+    """The 16 hex digits that name a build's directory of refs (blake2b of its fingerprint)."""
+    return hashlib.blake2b(build_fingerprint.encode(), digest_size=8, person=b"dsp-cache-build").hexdigest()
 
 
 def _core_version() -> str:
@@ -115,31 +142,40 @@ def _core_version() -> str:
         return "unknown"
 
 
-def _backend_versions() -> list[str]:
+def _dsp1_version() -> str:
     try:
-        from dsp_core.backends.discovery import discover
+        from dsp_core.plan.serialize import VERSION
 
-        found = {f"{b.name}:{b.distribution}={b.version}" for b in discover().backends}
+        return str(VERSION)
     except Exception:  # noqa: BLE001
-        return ["unknown"]
-    return sorted(found)
+        return "unknown"
+
+
+def _library_version(name: str) -> str:
+    try:
+        return str(importlib.import_module(name).__version__)
+    except Exception:  # noqa: BLE001
+        return "unknown"
 
 
 @functools.lru_cache(maxsize=1)
-def _device_arch() -> tuple[str, ...]:
-    """CPU architecture, then each visible CUDA device's compute capability (when cupy sees one)."""
-    arch = [platform.machine() or "unknown"]
-    try:
-        if importlib.util.find_spec("cupy") is None:
-            return tuple(arch)
-        import cupy  # type: ignore[import-not-found]
+def plan_code_digest(package: Path | None = None) -> str:
+    """blake2b-8 of the source of dsp_core's importer, op table and plan compiler ("unknown" without it).
 
-        count = cupy.cuda.runtime.getDeviceCount()
-        ccs = sorted({str(cupy.cuda.Device(i).compute_capability) for i in range(count)})
-        arch += [f"sm_{cc}" for cc in ccs]
-    except Exception:  # noqa: BLE001  (no driver, no GPU, broken cupy: the CPU part still stands)
-        pass
-    return tuple(arch)
+    The version alone is not enough: an editable install (a developer's tree) changes that
+    code without changing the version. Read once per process (about 350 kB, a few ms).
+    """
+    root = package if package is not None else Path(__file__).resolve().parent.parent
+    h = hashlib.blake2b(digest_size=8)
+    try:
+        files = sorted(p for sub in _PLAN_CODE for p in (root / sub).glob("*.py"))
+        for p in files:
+            data = p.read_bytes()
+            h.update(f"{p.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+            h.update(data)
+    except OSError:
+        return "unknown"
+    return h.hexdigest() if files else "unknown"
 
 
 # -- entry format -----------------------------------------------------------------------
@@ -197,15 +233,19 @@ def parse_header(blob: bytes) -> EntryHeader:
     return EntryHeader(version, fp, payload_len, digest, offset)
 
 
-def decode_entry(blob: bytes, build_fingerprint: str) -> tuple[bytes, EntryHeader]:
-    """(payload, header) of an object file, validated; raises _Invalid with the reason."""
+def decode_entry(blob: bytes, build_fingerprint: str | None) -> tuple[bytes, EntryHeader]:
+    """(payload, header) of an object file, validated; raises _Invalid with the reason.
+
+    ``build_fingerprint`` is the build the object must belong to (None: any build, as
+    ``verify`` checks the entries of every build).
+    """
     header = parse_header(blob)
     have = len(blob) - header.offset
     if have < header.payload_len:
         raise _Invalid(f"truncated: header says {header.payload_len} payload bytes, file has {have}")
     if have > header.payload_len:
         raise _Invalid(f"{have - header.payload_len} trailing bytes after the {header.payload_len}-byte payload")
-    if header.fingerprint != build_fingerprint:
+    if build_fingerprint is not None and header.fingerprint != build_fingerprint:
         raise _Invalid(
             f"fingerprint mismatch: entry built by {header.fingerprint!r}, this build is {build_fingerprint!r}"
         )
@@ -382,7 +422,7 @@ def _entries(directory: Path) -> Iterator[os.DirEntry[str]]:
     """Every entry of ``directory`` but temp files, whatever its type; nothing when it does not exist."""
     try:
         entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError):  # a file in place of a directory: verify judges it
         return
     for entry in entries:
         if not entry.name.startswith(_TEMP_PREFIX):
@@ -393,7 +433,7 @@ def _files(directory: Path) -> Iterator[os.DirEntry[str]]:
     """Regular files in ``directory`` that are not temp files; nothing when it does not exist."""
     try:
         entries = list(os.scandir(directory))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return
     for entry in entries:
         if not entry.name.startswith(_TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
@@ -433,7 +473,7 @@ def _remove_any(path: Path) -> bool:
 
 def _remove_stale_temps(directory: Path, now: float) -> None:
     """Remove temp files that crashed writers left behind (older than STALE_TEMP_SECONDS)."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(directory):
             st = _stat(entry) if entry.name.startswith(_TEMP_PREFIX) else None
             if st is not None and now - st.st_mtime > STALE_TEMP_SECONDS:
@@ -525,6 +565,14 @@ class _Layout:
     def weights(self) -> Path:
         return self.root / "weights"
 
+    @property
+    def digests(self) -> Path:
+        return self.root / "digests"
+
+    def refs_of(self, tag: str) -> Path:
+        """The directory of one build's refs."""
+        return self.refs / tag
+
 
 class _BadFile(Exception):
     """A file of the cache failed validation: which one, why, and the inode that was judged."""
@@ -551,7 +599,7 @@ class DiskCache:
     enabled: bool = True
     max_bytes: int = DEFAULT_MAX_BYTES
     force_recompile: bool = False
-    build_fingerprint: str = field(default_factory=fingerprint)
+    build_fingerprint: str = field(default_factory=lambda: fingerprint())
     stats: CacheStats = field(default_factory=CacheStats)
     events: list[dict[str, Any]] = field(default_factory=list)
     listeners: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
@@ -563,6 +611,20 @@ class DiskCache:
     @property
     def _layout(self) -> _Layout:
         return _Layout(self.root)
+
+    @property
+    def build(self) -> str:
+        """This build's tag: the name of its directory under refs/."""
+        return build_tag(self.build_fingerprint)
+
+    def ref_path(self, key: str) -> Path:
+        """Where this build keeps the ref of ``key``: ``refs/<build tag>/<key>``."""
+        _check_key(key)
+        return self._layout.refs_of(self.build) / key
+
+    def object_path(self, payload: bytes) -> Path:
+        """Where this build keeps the object of ``payload``."""
+        return self._layout.objects / object_name(payload, self.build_fingerprint)
 
     @property
     def _override(self) -> _Layout | None:
@@ -643,22 +705,34 @@ class DiskCache:
         return payload
 
     def _load(self, layout: _Layout, key: str) -> tuple[bytes, Path] | None:
-        """(payload, object path) for ``key`` in ``layout``; None when absent; _BadFile when invalid.
+        """(payload, object path) of this build's entry for ``key``; None when absent; _BadFile when invalid.
 
-        A ref written by another build (its fingerprint is not this build's) is a miss, not
-        damage: that entry is good for its own environment. A ref of this build naming an
-        object that disagrees with it (fingerprint, checksum, size) is damage.
+        Each build keeps its refs in its own directory (``refs/<build tag>/``), so another
+        build's entry for the same key is never seen here, never overwritten, never judged.
         """
-        ref_path = layout.refs / key
+        return self._load_entry(layout, layout.refs_of(self.build) / key, key, self.build_fingerprint)
+
+    def _load_entry(self, layout: _Layout, ref_path: Path, key: str, expected: str | None) -> tuple[bytes, Path] | None:
+        """(payload, object path) of the entry ``ref_path`` names; None when absent; _BadFile when invalid.
+
+        ``expected`` is the fingerprint the entry must carry; None (``verify`` looking at
+        another build's entries) takes the ref's own, which must then be the one its
+        directory is named after. Any disagreement between the ref, its directory and its
+        object is damage, whichever build wrote it.
+        """
         got = self._read_ref(ref_path, key)
         if got is None:
             return None
         ref, ref_inode = got
-        if ref["fingerprint"] != self.build_fingerprint:
-            log.info("dsp cache: %s was written by another build (%s): a miss", ref_path, ref["fingerprint"])
-            return None
+        fp = ref["fingerprint"]
+        if expected is not None and fp != expected:
+            raise _BadFile(ref_path, f"fingerprint mismatch: ref in this build's directory names {fp!r}", ref_inode)
+        in_build_dir = ref_path.parent != layout.refs  # refs/<key> directly: the flat layout of earlier builds
+        if in_build_dir and build_tag(fp) != ref_path.parent.name:
+            reason = f"ref in build directory {ref_path.parent.name} names the fingerprint of build {build_tag(fp)}"
+            raise _BadFile(ref_path, reason, ref_inode)
         obj_path = layout.objects / ref["object"]
-        found = self._read_object(obj_path, ref["size"])
+        found = self._read_object(obj_path, ref["size"], fp)
         if found is None:  # evicted by another process since the ref was written: a plain miss
             return None
         payload, header = found
@@ -677,11 +751,14 @@ class DiskCache:
         except _Invalid as bad:
             raise _BadFile(path, bad.reason, got[1]) from None
 
-    def _read_object(self, path: Path, declared: int | None = None) -> tuple[bytes, EntryHeader] | None:
+    def _read_object(
+        self, path: Path, declared: int | None = None, build_fingerprint: str | None = None
+    ) -> tuple[bytes, EntryHeader] | None:
         """(payload, header) of an object, validated; reads no more than its header declares.
 
         ``declared`` is the payload size the ref names: an object whose header says
-        otherwise is not read further.
+        otherwise is not read further. ``build_fingerprint`` is the build it must belong
+        to (None: any, its integrity alone is checked).
         """
         opened = _open_regular(path)
         if opened is None:
@@ -690,7 +767,7 @@ class DiskCache:
         with f:
             try:
                 blob = self._read_object_bytes(f, st, declared)
-                return decode_entry(blob, self.build_fingerprint)
+                return decode_entry(blob, build_fingerprint)
             except _Invalid as bad:
                 raise _BadFile(path, bad.reason, st.st_ino) from None
 
@@ -713,16 +790,16 @@ class DiskCache:
         return bytes(head[:total]) + bytes(rest)
 
     def reject(self, key: str, reason: str) -> bool:
-        """Quarantine the cache's object for ``key`` when the caller finds its payload unusable.
+        """Quarantine this build's object for ``key`` when the caller finds its payload unusable.
 
         For a payload that passed every check here yet fails to load (a serializer bug, say).
         In the override dir it is only reported. True when something was moved aside.
         """
-        _check_key(key)
-        if self._override is not None and (self._override.refs / key).exists():
-            self._emit("override_rejected", self._override.refs / key, reason)
+        ref_path = self.ref_path(key)
+        if self._override is not None and (self._override.refs_of(self.build) / key).exists():
+            self._emit("override_rejected", self._override.refs_of(self.build) / key, reason)
         try:
-            got = self._read_ref(self._layout.refs / key, key)
+            got = self._read_ref(ref_path, key)
         except _BadFile as bad:
             return self._quarantine(bad)
         if got is None:
@@ -736,30 +813,46 @@ class DiskCache:
 
     # -- store --------------------------------------------------------------------------
     def put(self, key: str, payload: bytes) -> Path | None:
-        """Store ``payload`` under ``key`` atomically, then evict LRU objects beyond max_bytes.
+        """Store ``payload`` under ``key`` for this build atomically, then evict LRU files beyond max_bytes.
 
         Returns the object's path, or None when the cache is off or the write failed (an
-        event says why; a cache that cannot be written never fails a compile).
+        event says why, and the first failure of a process is a warning; a cache that
+        cannot be written never fails a compile).
         """
-        _check_key(key)
+        ref_path = self.ref_path(key)
         if not self.enabled:
             return None
-        name = object_name(payload)
         blob = encode_entry(payload, self.build_fingerprint)
+        name = _blob_name(blob)
         header = parse_header(blob)
         obj_path = self._layout.objects / name
         try:
             self._layout.objects.mkdir(parents=True, exist_ok=True)
-            self._layout.refs.mkdir(parents=True, exist_ok=True)
+            ref_path.parent.mkdir(parents=True, exist_ok=True)
             # Rewritten even when present: same name means same bytes, and this heals a damaged copy.
             _atomic_write(obj_path, blob)
-            _atomic_write(self._layout.refs / key, encode_ref(key, name, header))
+            _atomic_write(ref_path, encode_ref(key, name, header))
         except OSError as exc:
-            self._emit("write_error", obj_path, f"{type(exc).__name__}: {exc}")
+            self._write_failed(obj_path, exc)
             return None
         self.stats.writes += 1
         self._enforce_bound(keep=name)
         return obj_path
+
+    def _write_failed(self, path: Path, exc: Exception) -> None:
+        """A write_error event; the first of this process for this directory is also a warning saying what to do."""
+        self._emit("write_error", path, f"{type(exc).__name__}: {exc}")
+        root = str(self.root)
+        if root in _WARNED_UNWRITABLE:
+            return
+        _WARNED_UNWRITABLE.add(root)
+        message = (
+            f"the disk cache {root} cannot be written ({type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}); "
+            "every process compiles from scratch. Make it writable, point DSP_CACHE_DIR at a writable "
+            "directory, or turn the cache off with DSP_DISK_CACHE=0"
+        )
+        log.warning("DSP: %s", message)
+        self._emit("unwritable", self.root, message)
 
     # -- weights ------------------------------------------------------------------------
     def put_weight(self, digest: str, array: np.ndarray) -> Path | None:
@@ -779,7 +872,7 @@ class DiskCache:
             self._layout.weights.mkdir(parents=True, exist_ok=True)
             _atomic_write(path, weight_header(bytes.fromhex(digest), data.nbytes), data.data)
         except (OSError, ValueError) as exc:
-            self._emit("write_error", path, f"{type(exc).__name__}: {exc}")
+            self._write_failed(path, exc)
             return None
         self._enforce_bound(keep=path.name)
         return path
@@ -849,11 +942,61 @@ class DiskCache:
             return
         self._quarantine(bad)
 
+    # -- digest memos (the loader's file_digest) ------------------------------------------
+    def recall_digest(self, signature: tuple[str, int, int, int, int, int]) -> tuple[str, bool] | None:
+        """The digest memoized for a file whose stat ``signature`` this is, or None.
+
+        ``signature`` is (resolved path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns).
+        A memo counts only if it is a regular file of the right format whose signature,
+        boot id and check all match: a memo of an earlier boot (inode numbers and times
+        can repeat), a cache directory copied from elsewhere, or a damaged or odd file is
+        ignored, and the file is hashed again.
+        """
+        if not self.enabled or self.force_recompile:
+            return None
+        try:
+            got = _read_file(self._memo_path(signature[0]), _MAX_MEMO_BYTES)
+            memo = json.loads(got[0]) if got else None
+        except (_BadFile, OSError, ValueError):
+            return None
+        if not isinstance(memo, dict) or memo.get("check") != _memo_check(memo):
+            return None
+        if memo.get("format") != MEMO_FORMAT or memo.get("signature") != list(signature):
+            return None
+        digest, mentions = memo.get("digest"), memo.get("mentions")
+        if memo.get("boot_id") != boot_id() or not isinstance(digest, str) or not isinstance(mentions, bool):
+            return None
+        return (digest, mentions) if re.fullmatch(r"[0-9a-f]{16,128}", digest) else None
+
+    def remember_digest(self, signature: tuple[str, int, int, int, int, int], digest: str, mentions: bool) -> None:
+        """Memoize a settled file's digest for later processes (atomically; a failure only costs a re-hash)."""
+        if not self.enabled:
+            return
+        memo: dict[str, Any] = {"format": MEMO_FORMAT, "signature": list(signature), "boot_id": boot_id()}
+        memo.update(digest=digest, mentions=mentions)
+        memo["check"] = _memo_check(memo)
+        path = self._memo_path(signature[0])
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_write(path, json.dumps(memo, sort_keys=True).encode() + b"\n")
+        except OSError as exc:
+            self._write_failed(path, exc)
+            return
+        memos = [(st.st_mtime, e.path) for e in _files(self._layout.digests) if (st := _stat(e)) is not None]
+        for _, old in sorted(memos)[:-MEMO_KEEP]:
+            _unlink(old)
+
+    def _memo_path(self, path: str) -> Path:
+        name = hashlib.blake2b(path.encode(), digest_size=16, person=b"dsp-digest-memo").hexdigest()
+        return self._layout.digests / f"{name}.memo"
+
     def _enforce_bound(self, keep: str) -> None:
         """Evict least-recently-used objects (by mtime) until under max_bytes, never ``keep``."""
         now = time.time()
         _remove_stale_temps(self._layout.objects, now)
-        _remove_stale_temps(self._layout.refs, now)
+        _remove_stale_temps(self._layout.refs_of(self.build), now)
+        _remove_stale_temps(self._layout.weights, now)
+        _remove_stale_temps(self._layout.digests, now)
         objects = self._objects()
         total = sum(size for _, size, _ in objects)
         victims = []
@@ -878,17 +1021,17 @@ class DiskCache:
         return out
 
     def _drop_dangling_refs(self) -> int:
-        """Remove refs whose object is gone (evicted); unreadable refs are left to get/verify."""
+        """Remove refs (of every build) whose object is gone (evicted); unreadable refs are left to get/verify."""
         dropped = 0
-        for entry in _files(self._layout.refs):
+        for path, key, _ in _ref_entries(self._layout)[0]:
             try:
-                got = _read_file(Path(entry.path), _MAX_REF_BYTES)
-                name = parse_ref(got[0], entry.name)["object"] if got else None
+                got = _read_file(path, _MAX_REF_BYTES)
+                name = parse_ref(got[0], key)["object"] if got else None
             except (_Invalid, _BadFile, OSError):
                 continue
             # An object is written before its ref, so a missing one was removed, not yet to come.
             if name is not None and not (self._layout.objects / name).exists():
-                dropped += _unlink(entry.path)
+                dropped += _unlink(path)
         return dropped
 
     # -- quarantine and events ----------------------------------------------------------
@@ -909,8 +1052,7 @@ class DiskCache:
             self._emit("quarantine_failed", bad.path, f"{bad.reason}; could not move it: {exc}")
             return False
         self.stats.quarantines += 1
-        level = logging.INFO if bad.reason.startswith("fingerprint mismatch") else logging.WARNING
-        log.log(level, "dsp cache: quarantined %s (%s); it will be recompiled", bad.path, bad.reason)
+        log.warning("dsp cache: quarantined %s (%s); it will be recompiled", bad.path, bad.reason)
         self._emit("quarantine", bad.path, bad.reason, to=str(dest))
         self._prune_quarantine()
         return True
@@ -935,25 +1077,26 @@ class DiskCache:
 
     # -- management (the `dsp cache` commands) ------------------------------------------
     def ls(self) -> list[dict[str, Any]]:
-        """Every entry (override dir first, then the cache): key, object, size, mtime, fingerprint ok."""
+        """Every entry of every build (override dir first, then the cache): key, build, object, size, status."""
         rows = []
         sources = [("override", self._override), ("cache", self._layout)]
         for source, layout in sources:
             if layout is not None:
-                rows += [self._describe(layout, key, source) for key in _keys(layout)]
+                rows += [self._describe(layout, *ref, source) for ref in _ref_entries(layout)[0]]
         return rows
 
-    def _describe(self, layout: _Layout, key: str, source: str) -> dict[str, Any]:
+    def _describe(self, layout: _Layout, ref_path: Path, key: str, tag: str | None, source: str) -> dict[str, Any]:
         """One ls row: reads the ref and the object's header only (verify reads the payloads)."""
-        row: dict[str, Any] = {"key": key, "source": source, "object": None, "size": None, "mtime": None}
-        row.update(fingerprint_ok=None, status="ok")
+        mine = tag == self.build
+        row: dict[str, Any] = {"key": key, "source": source, "build": tag or "earlier layout", "this_build": mine}
+        row.update(object=None, size=None, mtime=None, fingerprint_ok=None, status="ok")
         try:
-            got = _read_file(layout.refs / key, _MAX_REF_BYTES)
+            got = _read_file(ref_path, _MAX_REF_BYTES)
             ref = parse_ref(got[0], key) if got else None
-        except _Invalid as bad:
+        except (_Invalid, _BadFile) as bad:
             return {**row, "status": bad.reason}
-        except _BadFile as bad:
-            return {**row, "status": bad.reason}
+        except OSError as exc:
+            return {**row, "status": f"unreadable: {exc}"}
         if ref is None:
             return {**row, "status": "gone"}
         row["object"] = ref["object"]
@@ -967,17 +1110,22 @@ class DiskCache:
                 header = parse_header(f.read(_HEADER.size + _MAX_FINGERPRINT_BYTES))
         except (_Invalid, _BadFile) as bad:
             return {**row, "status": bad.reason}
+        except OSError as exc:
+            return {**row, "status": f"unreadable: {exc}"}
         row.update(size=st.st_size, mtime=st.st_mtime, fingerprint_ok=header.fingerprint == self.build_fingerprint)
         if st.st_size != header.offset + header.payload_len:
             row["status"] = f"wrong size: {st.st_size} bytes, the header says {header.offset + header.payload_len}"
-        elif not row["fingerprint_ok"]:
+        elif header.fingerprint != ref["fingerprint"] or (tag is not None and build_tag(ref["fingerprint"]) != tag):
             row["status"] = "fingerprint mismatch"
+        elif not mine:
+            row["status"] = "other build"
         return row
 
     def info(self) -> dict[str, Any]:
-        """Where the cache is, whether it is on, its size and bound, quarantine count, fingerprint, stats."""
+        """Where the cache is, whether it is on, its size and bound, ref counts per build, quarantine, stats."""
         objects = self._objects()
         quarantined = [e for e in _files(self._layout.quarantine) if not e.name.endswith(".reason")]
+        refs = _ref_entries(self._layout)[0]
         return {
             "dir": str(self.root),
             "override_dir": str(self.override_dir) if self.override_dir is not None else None,
@@ -985,29 +1133,53 @@ class DiskCache:
             "force_recompile": self.force_recompile,
             "size": sum(size for _, size, _ in objects),
             "count": len(objects),
-            "refs": sum(1 for _ in _files(self._layout.refs)),
+            "refs": len(refs),
+            "this_build_refs": sum(1 for _, _, tag in refs if tag == self.build),
+            "builds": len({tag for _, _, tag in refs}),
             "weights": sum(1 for _ in _files(self._layout.weights)),
             "max_bytes": self.max_bytes,
             "quarantine_count": len(quarantined),
             "fingerprint": self.build_fingerprint,
+            "build": self.build,
             "stats": self.stats.as_dict(),
         }
 
     def clear(self, include_quarantine: bool = False) -> int:
-        """Remove every object and ref (and quarantine/ when asked); the number of files removed."""
-        dirs = [self._layout.objects, self._layout.refs, self._layout.weights]
+        """Remove every object, ref (of every build), weight and digest memo (and quarantine/ when asked)."""
+        dirs = [self._layout.objects, self._layout.refs, self._layout.weights, self._layout.digests]
         if include_quarantine:
             dirs.append(self._layout.quarantine)
         removed = 0
         for directory in dirs:
+            if _is_file_in_place_of_dir(directory):
+                removed += _remove_any(directory)
+                continue
             removed += sum(_remove_any(Path(e.path)) for e in _entries(directory))
         return removed
 
     def verify(self) -> dict[str, Any]:
-        """Check every entry in full; quarantine bad ones, drop dangling refs; counts and problems."""
+        """Check every entry of every build in full; quarantine damaged ones, drop dangling refs; counts, problems.
+
+        Entries of other builds are checked for damage as strictly as this build's (a ref
+        must name its own build's directory and an object of that build, the checksum must
+        match), but a different fingerprint is not damage: they are counted as
+        ``other_build_refs`` and left in place for the environment that wrote them.
+        """
         before = self.stats.quarantines
-        report: dict[str, Any] = {"objects_ok": 0, "refs_ok": 0, "weights_ok": 0, "dangling_refs_removed": 0}
-        report.update(override_ok=0, override_bad=0, problems=[])
+        report: dict[str, Any] = {"objects_ok": 0, "refs_ok": 0, "other_build_refs": 0, "weights_ok": 0}
+        report.update(dangling_refs_removed=0, override_ok=0, override_bad=0, problems=[])
+        for directory in (self._layout.objects, self._layout.refs, self._layout.weights, self._layout.digests):
+            if _is_file_in_place_of_dir(directory):
+                self._judge(functools.partial(_not_a_directory, directory), report)
+        # Refs first: an object that disagrees with its ref is quarantined as that ref's damage.
+        refs, strays = _ref_entries(self._layout)
+        for path in strays:
+            self._judge(functools.partial(_stray, path), report)
+        for path, key, tag in refs:
+            mine = tag == self.build
+            expected = self.build_fingerprint if mine else None
+            ok = self._judge(functools.partial(self._load_entry, self._layout, path, key, expected), report)
+            report["refs_ok" if mine else "other_build_refs"] += ok
         for entry in sorted(_entries(self._layout.objects), key=_name):
             path = Path(entry.path)
             check = functools.partial(self._read_object, path) if _OBJECT_RE.fullmatch(entry.name) else None
@@ -1019,12 +1191,12 @@ class DiskCache:
                 continue
             judge = functools.partial(self._read_weight, path, None) if _WEIGHT_RE.fullmatch(entry.name) else None
             report["weights_ok"] += self._judge(judge or functools.partial(_stray, path), report)
-        for key in _keys(self._layout):
-            report["refs_ok"] += self._judge(functools.partial(self._load, self._layout, key), report)
         report["dangling_refs_removed"] = self._drop_dangling_refs()
         if self._override is not None:
-            for key in _keys(self._override):
-                ok = self._judge(functools.partial(self._load, self._override, key), report, self._override)
+            for path, key, tag in _ref_entries(self._override)[0]:
+                expected = self.build_fingerprint if tag == self.build else None
+                seeded = functools.partial(self._load_entry, self._override, path, key, expected)
+                ok = self._judge(seeded, report, self._override)
                 report["override_ok" if ok else "override_bad"] += 1
         report["quarantined"] = self.stats.quarantines - before
         return report
@@ -1048,9 +1220,56 @@ class DiskCache:
         return found is not None
 
 
-def _keys(layout: _Layout) -> list[str]:
-    """Names of the refs in ``layout``, sorted: every entry, so a FIFO or link in place of one is judged."""
-    return sorted(entry.name for entry in _entries(layout.refs) if _KEY_RE.fullmatch(entry.name))
+def _memo_check(memo: dict[str, Any]) -> str:
+    """blake2b-16 of a digest memo's fields but ``check`` itself: a damaged memo never passes."""
+    body = json.dumps({k: v for k, v in memo.items() if k != "check"}, sort_keys=True).encode()
+    return hashlib.blake2b(body, digest_size=16, person=b"dsp-memo-check").hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def boot_id() -> str | None:
+    """This boot's id (Linux: /proc/sys/kernel/random/boot_id), None where the system has none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _ref_entries(layout: _Layout) -> tuple[list[tuple[Path, str, str | None]], list[Path]]:
+    """(refs, strays) under ``layout.refs``.
+
+    refs: (path, key, build tag) of every build's refs, sorted; the tag is None for a ref
+    of the flat layout of earlier builds (``refs/<key>``). Every entry with a key's name
+    counts, whatever its type, so a FIFO or link in place of a ref is judged. strays:
+    entries that are neither a build's directory nor a ref.
+    """
+    refs: list[tuple[Path, str, str | None]] = []
+    strays: list[Path] = []
+    for entry in sorted(_entries(layout.refs), key=_name):
+        path = Path(entry.path)
+        if _TAG_RE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+            for sub in sorted(_entries(path), key=_name):
+                if _KEY_RE.fullmatch(sub.name):
+                    refs.append((Path(sub.path), sub.name, entry.name))
+                else:
+                    strays.append(Path(sub.path))
+        elif _KEY_RE.fullmatch(entry.name):
+            refs.append((path, entry.name, None))
+        else:
+            strays.append(path)
+    return refs, strays
+
+
+def _is_file_in_place_of_dir(path: Path) -> bool:
+    """True when something other than a directory stands where the cache keeps a directory."""
+    try:
+        return not stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _not_a_directory(path: Path) -> None:
+    raise _BadFile(path, f"not a directory ({_kind(path)} where the cache keeps a directory)", _lstat_inode(path))
 
 
 def _name(entry: os.DirEntry[str]) -> str:

@@ -36,12 +36,15 @@ log = logging.getLogger("dsp.cache")
 _INLINE_LIMIT = 1 << 16  # constants larger than this live in weight files
 
 
-def model_key(source: Any, version: str, base_dir: str | os.PathLike[str] | None = None) -> str | None:
+def model_key(
+    source: Any, version: str, base_dir: str | os.PathLike[str] | None = None, cache: DiskCache | None = None
+) -> str | None:
     """The disk-cache key of a model source: its content, external data included; None if unreadable.
 
     A path is keyed by the blake2b of its bytes (``file_digest``), never by its name, size
     or modification time alone, and so are the files its external data names (relative
-    to its directory; for bytes or a proto, relative to ``base_dir``).
+    to its directory; for bytes or a proto, relative to ``base_dir``). ``cache`` keeps the
+    digests of settled files for later processes (``DiskCache.recall_digest``).
     """
     base: Path | None
     try:
@@ -49,7 +52,7 @@ def model_key(source: Any, version: str, base_dir: str | os.PathLike[str] | None
             path = Path(source).resolve()
             if not stat.S_ISREG(path.stat().st_mode):
                 return None  # a directory, FIFO...: import_model says what is wrong with it
-            digest, mentions = file_digest(path)
+            digest, mentions = file_digest(path, cache)
             model_bytes, base = None, path.parent
         else:
             model_bytes = source if isinstance(source, bytes) else source.SerializeToString()
@@ -58,7 +61,7 @@ def model_key(source: Any, version: str, base_dir: str | os.PathLike[str] | None
             base = Path(base_dir).resolve() if base_dir is not None else None
         parts = [digest]
         if mentions:  # only then can it have external data: parse it to know which files
-            parts += _external_parts(digest, path if model_bytes is None else model_bytes, base)
+            parts += _external_parts(digest, path if model_bytes is None else model_bytes, base, cache)
     except OSError as exc:
         log.info("DSP disk cache: %s cannot be keyed (%s); compiling without the cache", _describe(source), exc)
         return None
@@ -83,29 +86,41 @@ def _signature(path: Path, st: os.stat_result) -> tuple[str, int, int, int, int,
     return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def file_digest(path: Path) -> tuple[str, bool]:
+def file_digest(path: Path, cache: DiskCache | None = None) -> tuple[str, bool]:
     """(blake2b hex of the file's bytes, whether they contain b"location"), memoized by stat.
 
     The memo is only a shortcut: it is keyed by everything stat says about the file,
     ctime included (cp -p, rsync -t and tar keep mtime and size, but any write or rename
     moves ctime, which no user call can set back), and a file changed within _RACY_NS of
-    being hashed is never memoized.
+    being hashed is never memoized. In-process first, then on disk in ``cache`` (which
+    also checks the boot id, so neither a reboot nor a copied cache directory can
+    make a memo stale), so a warm start in a new process does not read a big model at all.
     """
     st = os.stat(path)
     sig = _signature(path, st)
     with _memo_lock:
         hit = _memo.get(sig)
+    if hit is None and cache is not None:
+        hit = cache.recall_digest(sig)
+        if hit is not None:
+            _memoize(sig, hit)
     if hit is not None:
         return hit
     found = _hash_file(path)
     after = os.stat(path)
     settled = time.time_ns() - max(after.st_ctime_ns, after.st_mtime_ns) > _RACY_NS
     if _signature(path, after) == sig and settled:
-        with _memo_lock:
-            if len(_memo) >= _MEMO_MAX:
-                _memo.pop(next(iter(_memo)))
-            _memo[sig] = found
+        _memoize(sig, found)
+        if cache is not None:
+            cache.remember_digest(sig, *found)
     return found
+
+
+def _memoize(sig: tuple[str, int, int, int, int, int], found: tuple[str, bool]) -> None:
+    with _memo_lock:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.pop(next(iter(_memo)))
+        _memo[sig] = found
 
 
 def _hash_file(path: Path) -> tuple[str, bool]:
@@ -123,7 +138,7 @@ def _hash_file(path: Path) -> tuple[str, bool]:
     return h.hexdigest(), mentions
 
 
-def _external_parts(digest: str, model: Path | bytes, base: Path | None) -> list[str]:
+def _external_parts(digest: str, model: Path | bytes, base: Path | None, cache: DiskCache | None) -> list[str]:
     """``location=<digest of that file>`` for every external-data file the model names."""
     with _memo_lock:
         locations = _locations_memo.get(digest)
@@ -140,7 +155,7 @@ def _external_parts(digest: str, model: Path | bytes, base: Path | None) -> list
             continue
         target = (base / location).resolve()
         try:
-            parts.append(f"{location}={file_digest(target)[0] if target.is_file() else 'not a file'}")
+            parts.append(f"{location}={file_digest(target, cache)[0] if target.is_file() else 'not a file'}")
         except OSError as exc:
             parts.append(f"{location}=unreadable: {exc.strerror}")
     return parts
@@ -196,7 +211,7 @@ def compile_cached(
     cache = DiskCache.from_config()
     diag.watch_disk_cache(cache)  # diag: quarantines, read/write errors -> CACHE events
     stats = CacheStats()
-    key = model_key(source, version, base_dir) if cache.enabled else None
+    key = model_key(source, version, base_dir, cache) if cache.enabled else None
     if key is not None and not force_recompile:
         model = _warm(cache, key, source, mode, strict, stats, base_dir)
         if model is not None:
@@ -225,18 +240,36 @@ def _warm(
         # Weights come from the cache's files; one evicted (or damaged) is read from the
         # model itself, checked against the same digest, rather than recompiling.
         plan = serialize.loads(payload, by_digest=cache.weight, resolve=initializers.get)
-        model = CompiledModel(None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats)
     except Exception as exc:  # noqa: BLE001  (whatever a cache entry does, it only costs a recompile)
-        cache.reject(key, f"{type(exc).__name__}: {exc}")
-        stats.quarantines += 1
-        log.warning("DSP disk cache: entry for %s rejected (%s); recompiling", _describe(source), exc)
+        _reject(cache, key, source, stats, exc)
         return None
+    try:
+        model = CompiledModel(None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats)
+    except DSPError:
+        # The mode, strict or the installed backends said no (a mode nobody installed, a
+        # strict failure): the plan is whole and a cold compile would say the same; keep it.
+        raise
+    except Exception as exc:  # noqa: BLE001
+        # Not DSP's kind of "no": perhaps the entry, perhaps a backend. A cold compile
+        # decides; only if it succeeds where the cached plan failed is the entry rejected.
+        log.warning("DSP disk cache: the cached plan of %s failed to start (%r); compiling it", _describe(source), exc)
+        cold = CompiledModel(initializers.graph(), mode, strict, stats=stats)
+        _reject(cache, key, source, stats, exc)
+        _store(cache, key, cold, stats)
+        return cold
     stats.disk_hits += 1
     stats.quarantines = cache.stats.quarantines  # weights found damaged while loading
     if initializers.used:  # heal: put back the weights that had to come from the model
         for owner, k in _big_constants(plan):
             cache.put_weight(owner.digest_of(k).hex(), owner.constants[k])
     return model
+
+
+def _reject(cache: DiskCache, key: str, source: Any, stats: CacheStats, exc: BaseException) -> None:
+    """Quarantine this build's entry for ``key``: its payload decoded or loaded wrong."""
+    cache.reject(key, f"{type(exc).__name__}: {exc}")
+    stats.quarantines += 1
+    log.warning("DSP disk cache: entry for %s rejected (%s); recompiling", _describe(source), exc)
 
 
 def _store(cache: DiskCache, key: str, model: CompiledModel, stats: CacheStats) -> None:
