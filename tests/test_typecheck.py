@@ -175,7 +175,8 @@ def test_a_builder_graph_is_checked_too() -> None:
 
 
 def test_every_fixture_passes() -> None:
-    paths = sorted(FIXTURES.glob("**/*.onnx"))
+    # fixtures/fuzz holds models that are invalid on purpose (tests/test_fuzz_regressions.py)
+    paths = sorted(p for p in FIXTURES.glob("**/*.onnx") if "fuzz" not in p.relative_to(FIXTURES).parts)
     assert len(paths) >= 5
     for path in paths:
         check_types(import_model(path))

@@ -73,7 +73,7 @@ def import_model(
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelLoadError(f"cannot import ONNX graph {_printable(model.graph.name)!r}: {exc}") from exc
     graph.validate()
-    check_types(graph)
+    check_types(graph, check_declared=True)
     _check_bounds(graph)
     if infer_shapes:
         inferred = onnx_inference.infer(
@@ -81,6 +81,9 @@ def import_model(
         )
         if inferred is not None:
             _merge_inferred(graph, inferred.graph)
+            # Inferred types reach values DSP's own rules could not type (ConstantOfShape's
+            # dtype comes from a tensor attribute): check the inputs that now have one too.
+            check_types(graph)
     return graph
 
 
@@ -224,6 +227,8 @@ def _import_graph(g: onnx.GraphProto, opsets: dict[str, int], outer: frozenset[s
     if missing:
         raise GraphError(f"graph {gname!r} reads undefined values: {', '.join(missing[:5])}")
     value_info = {v.name: _value(v) for v in g.value_info}
+    for v in (*inputs, *outputs):
+        _check_agrees(v, value_info.get(v.name), gname)
     return Graph(
         name=gname,
         inputs=inputs,
@@ -284,6 +289,22 @@ def _attr_type_name(code: int) -> str:
         return onnx.AttributeProto.AttributeType.Name(code)
     except ValueError:
         return f"unknown ({code})"
+
+
+def _check_agrees(v: Value, other: Value | None, gname: str) -> None:
+    """GraphError when a value's two declarations (as input/output and in value_info) contradict."""
+    if other is None or v.kind != "tensor" or other.kind != "tensor":
+        return
+    clash = v.dtype is not None and other.dtype is not None and v.dtype != other.dtype
+    if v.shape is not None and other.shape is not None:
+        clash |= len(v.shape) != len(other.shape) or any(
+            isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(v.shape, other.shape)
+        )
+    if clash:
+        raise GraphError(
+            f"graph {gname!r} declares {v.name!r} twice, differently: {v.describe()} and {other.describe()} "
+            "in value_info"
+        )
 
 
 def _unique(names: list[str], what: str) -> None:

@@ -163,13 +163,16 @@ def _allowed_text(allowed: frozenset[str]) -> str:
     return ", ".join(sorted(_show(t) for t in allowed))
 
 
-def check_types(graph: Graph) -> dict[str, str]:
+def check_types(graph: Graph, check_declared: bool = False) -> dict[str, str]:
     """Check every node's input dtypes against its op schema; return the dtypes found per value.
 
     Raises DTypeError naming the node, the input, the expected and the got type. The
-    result maps each value whose tensor dtype is known to its DSP dtype name.
+    result maps each value whose tensor dtype is known to its DSP dtype name. With
+    ``check_declared`` (an imported model, whose value_info and outputs are claims), a
+    node output whose declared dtype contradicts the one its op gives is an error too:
+    two readers of such a value (the plan and the interpreter) would disagree.
     """
-    types = _check_graph(graph, {}, {})
+    types = _check_graph(graph, {}, {}, check_declared)
     found: dict[str, str] = {}
     for name, type_str in types.items():
         dtype = _dtype_of_type(type_str)
@@ -178,7 +181,9 @@ def check_types(graph: Graph) -> dict[str, str]:
     return found
 
 
-def _check_graph(graph: Graph, outer: Mapping[str, str], seeds: Mapping[str, str]) -> dict[str, str]:
+def _check_graph(
+    graph: Graph, outer: Mapping[str, str], seeds: Mapping[str, str], check_declared: bool = False
+) -> dict[str, str]:
     """Type-check ``graph`` (a subgraph sees ``outer``); return the types of the values it defines."""
     local: dict[str, str] = {}
     for value in graph.inputs:
@@ -201,7 +206,7 @@ def _check_graph(graph: Graph, outer: Mapping[str, str], seeds: Mapping[str, str
         opset = graph.opsets.get(node.domain)
         sig = None if opset is None else _signature(node.domain, node.op_type, opset)
         in_types = [type_of(name) if name else None for name in node.inputs]
-        sub_outputs = _check_subgraphs(node, in_types, {**outer, **local} if outer else local, opset)
+        sub_outputs = _check_subgraphs(node, in_types, {**outer, **local} if outer else local, opset, check_declared)
         out_types = _node_types(node, sig, in_types) if sig is not None else [None] * len(node.outputs)
         fallback: list[str | None] | None = None
         for k, name in enumerate(node.outputs):
@@ -212,8 +217,14 @@ def _check_graph(graph: Graph, outer: Mapping[str, str], seeds: Mapping[str, str
                 if fallback is None:
                     fallback = sub_outputs or _rule_types(node, in_types, opset)
                 type_str = fallback[k] if k < len(fallback) else None
+            claimed = _type_of_value(declared.get(name))
+            if check_declared and type_str is not None and claimed is not None and claimed != type_str:
+                raise DTypeError(
+                    f'{node.label()}: output {k} ("{name}") is {_show(type_str)}, but the model declares it '
+                    f"{_show(claimed)}; fix the declaration (value_info or graph output) or the node"
+                )
             if type_str is None:
-                type_str = _type_of_value(declared.get(name))
+                type_str = claimed
             if type_str is not None:
                 local[name] = type_str
     return local
@@ -282,7 +293,7 @@ def _rule_types(node: Node, in_types: list[str | None], opset: int | None) -> li
 
 
 def _check_subgraphs(
-    node: Node, in_types: list[str | None], scope: Mapping[str, str], opset: int | None
+    node: Node, in_types: list[str | None], scope: Mapping[str, str], opset: int | None, check_declared: bool
 ) -> list[str | None] | None:
     """Check the node's subgraphs; return the node's output types they imply (If/Loop/Scan)."""
     subs = list(Graph.subgraphs_of(node))
@@ -291,8 +302,9 @@ def _check_subgraphs(
     implied: list[str | None] | None = None
     for _, key, sub in subs:
         seeds = _body_seeds(node, key, sub, in_types, opset)
-        types = _check_graph(sub, scope, seeds)
+        types = _check_graph(sub, scope, seeds, check_declared)
         outs = [types.get(v.name) or scope.get(v.name) or _type_of_value(v) for v in sub.outputs]
+        _check_carried(node, key, sub, in_types, outs, opset)
         if node.op_type == "Loop" and key == "body":
             implied = outs[1:]  # the body's first output is its condition
         elif node.op_type in ("If", "Scan") and key in ("then_branch", "body"):
@@ -311,6 +323,29 @@ def _body_seeds(node: Node, key: str, sub: Graph, in_types: list[str | None], op
         return {}
     _check_body_inputs(node, sub, fed, first_input=0 if node.op_type == "Scan" else -2)
     return _zip_known(names, fed)
+
+
+def _check_carried(
+    node: Node, key: str, sub: Graph, in_types: list[str | None], outs: list[str | None], opset: int | None
+) -> None:
+    """DTypeError when a Loop's or Scan's body returns a carried state of another type than it was given."""
+    if key != "body":
+        return
+    if node.op_type == "Loop":
+        pairs = [(2 + k, 1 + k) for k in range(len(in_types) - 2)]
+    elif node.op_type == "Scan" and opset is not None and opset >= 9:
+        n_scan = int(node.attrs.get("num_scan_inputs", 0) or 0)
+        pairs = [(k, k) for k in range(len(in_types) - n_scan)]
+    else:
+        return
+    for i, o in pairs:
+        given = in_types[i] if i < len(in_types) else None
+        back = outs[o] if o < len(outs) else None
+        if given is not None and back is not None and given != back:
+            raise DTypeError(
+                f'{node.label()}: the body returns its carried state {o} ("{sub.outputs[o].name}") as '
+                f'{_show(back)}, but it is carried in as {_show(given)} (input {i}, "{node.inputs[i]}")'
+            )
 
 
 def _check_body_inputs(node: Node, sub: Graph, fed: list[str | None], first_input: int) -> None:

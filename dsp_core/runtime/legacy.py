@@ -65,5 +65,14 @@ def _subgraph_runner(sub: Graph, env: dict[str, Any], xp: Any) -> Any:
     def run(feeds: Mapping[str, Any]) -> list[Any]:
         return run_graph(sub, feeds, outer=env, xp=xp)
 
-    run.graph = sub  # type: ignore[attr-defined]
+    run.graph = _Declared(sub)  # type: ignore[attr-defined]
     return run
+
+
+class _Declared:
+    """What a control-flow kernel reads of its body: formal inputs and outputs, each as
+    ``Graph.info`` knows it (the source the plan's sub-plans use too, so both agree)."""
+
+    def __init__(self, sub: Graph) -> None:
+        self.inputs = [sub.info(v.name) or v for v in sub.inputs]
+        self.outputs = [sub.info(v.name) or v for v in sub.outputs]
