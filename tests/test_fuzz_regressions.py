@@ -23,6 +23,8 @@ EXPECTED = {
     "zero_trip_loop_body_declared_bool": "dsp compile:DTypeError",
     "zero_trip_loop_body_declared_shape": "dsp compile:DTypeError",
     "zero_trip_loop_output_info_two_sources": "ok ran",
+    "zero_trip_loop_inference_dropped_declared_shape": "ok ran",
+    "scan_num_scan_inputs_huge_memoryerror": "dsp compile:GraphError",
 }
 
 

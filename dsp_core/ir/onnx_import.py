@@ -107,10 +107,10 @@ def _merge_inferred(graph: Graph, inferred: onnx.GraphProto) -> None:
     """Take the value_info (and refined output types) ONNX inferred into ``graph`` and its subgraphs."""
     for info in inferred.value_info:
         if isinstance(info.name, str) and info.name:
-            graph.value_info[info.name] = _value(info)
+            graph.value_info[info.name] = _combined(graph.value_info.get(info.name), _value(info))
     for i, info in enumerate(inferred.output):
         if i < len(graph.outputs) and info.name == graph.outputs[i].name:
-            graph.outputs[i] = _value(info)
+            graph.outputs[i] = _combined(graph.outputs[i], _value(info))
     for node, proto in zip(graph.nodes, inferred.node):
         for attr in proto.attribute:
             held = node.attrs.get(attr.name) if isinstance(attr.name, str) else None
@@ -120,6 +120,14 @@ def _merge_inferred(graph: Graph, inferred: onnx.GraphProto) -> None:
                 for sub, sub_proto in zip(held, attr.graphs):
                     if isinstance(sub, Graph):
                         _merge_inferred(sub, sub_proto)
+
+
+def _combined(old: Value | None, new: Value) -> Value:
+    """``new``, completed by what ``old`` knows and it does not (a dtype, a shape): never less specific."""
+    if old is None:
+        return new
+    shape = new.shape if new.shape is not None else old.shape
+    return Value(new.name, new.dtype or old.dtype, shape, new.kind)
 
 
 def _check_bounds(graph: Graph) -> None:
@@ -228,7 +236,11 @@ def _import_graph(g: onnx.GraphProto, opsets: dict[str, int], outer: frozenset[s
         raise GraphError(f"graph {gname!r} reads undefined values: {', '.join(missing[:5])}")
     value_info = {v.name: _value(v) for v in g.value_info}
     for v in (*inputs, *outputs):
-        _check_agrees(v, value_info.get(v.name), gname)
+        other = value_info.get(v.name)
+        if other is not None:
+            _check_agrees(v, other, gname)
+            # one value, one description: what either declaration knows (Graph.info reads value_info first)
+            value_info[v.name] = _combined(v, other)
     return Graph(
         name=gname,
         inputs=inputs,

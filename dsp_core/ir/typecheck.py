@@ -11,7 +11,10 @@ value_info say; otherwise the type stays unknown, and nothing is checked against
 
 Types are kept as ONNX type strings ("tensor(float)"); ops without an ONNX schema at the
 model's opset (DSP's own domains, model-local functions) are not checked here: the plan
-compiler reports what it cannot run.
+compiler reports what it cannot run. A model declaring an ONNX opset newer than the
+installed onnx knows is refused first (``check_opsets``), as ONNX Runtime refuses it:
+the meaning of its ops at that opset is unknown, and running them as an older opset
+could be silently wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import defs
 
-from dsp_core.errors import DSPError, DTypeError
+from dsp_core.errors import DSPError, DTypeError, GraphError, ModelLoadError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph, Node, Value
 
@@ -163,6 +166,35 @@ def _allowed_text(allowed: frozenset[str]) -> str:
     return ", ".join(sorted(_show(t) for t in allowed))
 
 
+@functools.lru_cache(maxsize=1)
+def known_opsets() -> dict[str, int]:
+    """The newest opset of each ONNX domain the installed onnx has schemas for ("" is ai.onnx)."""
+    newest: dict[str, int] = {}
+    for schema in defs.get_all_schemas_with_history():
+        domain = "" if schema.domain == "ai.onnx" else schema.domain
+        newest[domain] = max(newest.get(domain, 0), schema.since_version)
+    newest[""] = max(newest.get("", 0), defs.onnx_opset_version())
+    return newest
+
+
+def check_opsets(opsets: Mapping[str, int]) -> None:
+    """ModelLoadError when a declared opset of an ONNX domain is newer than onnx (so DSP) knows.
+
+    Domains ONNX does not define (com.microsoft, a model's own) are left to the op lookup.
+    """
+    known = known_opsets()
+    for domain, version in opsets.items():
+        newest = known.get(domain)
+        if newest is None or version <= newest:
+            continue
+        name = domain or "ai.onnx"
+        raise ModelLoadError(
+            f"the model declares opset {version} of domain {name!r}, newer than this DSP supports: "
+            f"{name} opsets up to {newest} (onnx {onnx.__version__}); export the model with opset {newest} "
+            f"or lower (torch.onnx.export(..., opset_version={newest})), or upgrade onnx and dsp-core"
+        )
+
+
 def check_types(graph: Graph, check_declared: bool = False) -> dict[str, str]:
     """Check every node's input dtypes against its op schema; return the dtypes found per value.
 
@@ -170,8 +202,10 @@ def check_types(graph: Graph, check_declared: bool = False) -> dict[str, str]:
     result maps each value whose tensor dtype is known to its DSP dtype name. With
     ``check_declared`` (an imported model, whose value_info and outputs are claims), a
     node output whose declared dtype contradicts the one its op gives is an error too:
-    two readers of such a value (the plan and the interpreter) would disagree.
+    two readers of such a value (the plan and the interpreter) would disagree. A newer
+    opset than ONNX knows is a ModelLoadError (``check_opsets``).
     """
+    check_opsets(graph.opsets)
     types = _check_graph(graph, {}, {}, check_declared)
     found: dict[str, str] = {}
     for name, type_str in types.items():
@@ -334,7 +368,9 @@ def _check_carried(
     if node.op_type == "Loop":
         pairs = [(2 + k, 1 + k) for k in range(len(in_types) - 2)]
     elif node.op_type == "Scan" and opset is not None and opset >= 9:
-        n_scan = int(node.attrs.get("num_scan_inputs", 0) or 0)
+        n_scan = node.attrs.get("num_scan_inputs", 0)
+        if not isinstance(n_scan, int) or not 0 <= n_scan <= len(in_types):
+            raise GraphError(f"{node.label()}: num_scan_inputs={n_scan!r}, but the node has {len(in_types)} inputs")
         pairs = [(k, k) for k in range(len(in_types) - n_scan)]
     else:
         return
