@@ -198,6 +198,14 @@ OPTIONS: tuple[Option, ...] = (
         "Events a flight-recorder file keeps (the most recent).",
         minimum=1,
     ),
+    Option(
+        "progress",
+        "DSP_PROGRESS",
+        "choice",
+        "auto",
+        "Progress bars on stderr for long steps: auto (a terminal, steps over 1 s), on (every step), off.",
+        choices=("auto", "on", "off"),
+    ),
 )
 
 _BY_NAME = {o.name: o for o in OPTIONS}

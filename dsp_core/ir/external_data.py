@@ -18,9 +18,12 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnx
 
+from dsp_core import progress
 from dsp_core.errors import ModelLoadError
+from dsp_core.ir.onnx_scan import as_array, direct_dtype
 
 # Bits per element of every ONNX element type with a fixed size (strings have none).
 _BITS: dict[int, int] = {
@@ -86,6 +89,22 @@ def load_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike[str] 
     ``base_dir`` is the directory the locations are relative to (None: the model came
     without one, so external data is an error that says how to give it).
     """
+    return read_external_data(model, base_dir, where, None)
+
+
+def read_external_data(
+    model: onnx.ModelProto,
+    base_dir: str | os.PathLike[str] | None,
+    where: str,
+    arrays: dict[int, np.ndarray] | None,
+) -> onnx.ModelProto:
+    """As :func:`load_external_data`; with ``arrays``, top-level initializers are read straight into arrays.
+
+    Each external initializer of the top-level graph whose array is its raw bytes
+    (``onnx_scan.direct_dtype``) is read from its file into a numpy buffer, stored in
+    ``arrays[index]`` and left without data in the returned proto, so its bytes are in
+    memory once (never in the proto as well). Every check is the same either way.
+    """
     if next(external_tensors(model), None) is None:
         return model
     if base_dir is None:
@@ -98,14 +117,36 @@ def load_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike[str] 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # never change the caller's proto
     root = Path(os.path.realpath(base_dir))
+    if arrays is not None:
+        direct = [
+            (i, t)
+            for i, t in enumerate(copy.graph.initializer)
+            if t.data_location == onnx.TensorProto.EXTERNAL and direct_dtype(t) is not None
+        ]
+        total = sum(declared_bytes(t) or 0 for _, t in direct)  # for the progress bar only: checked per tensor below
+        with progress.step("load external data", total=total, unit="B") as bar:
+            for i, tensor in direct:
+                buf = _read(tensor, root, where, into_array=True)
+                assert isinstance(buf, np.ndarray)
+                arr = as_array(tensor, buf)
+                if arr is None:  # its dims do not fit its bytes: keep them in the proto, import says why
+                    tensor.raw_data = buf.tobytes()
+                else:
+                    arrays[i] = arr
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                del tensor.external_data[:]
+                bar.advance(buf.nbytes)
     for tensor in external_tensors(copy):
-        tensor.raw_data = _read(tensor, root, where)
+        data = _read(tensor, root, where)
+        assert isinstance(data, bytes)
+        tensor.raw_data = data
         tensor.data_location = onnx.TensorProto.DEFAULT
         del tensor.external_data[:]
     return copy
 
 
-def _read(tensor: onnx.TensorProto, root: Path, where: str) -> bytes:
+def _read(tensor: onnx.TensorProto, root: Path, where: str, into_array: bool = False) -> bytes | np.ndarray:
+    """The tensor's external bytes (``into_array``: as a fresh uint8 array), every check applied."""
     info = {e.key: e.value for e in tensor.external_data}
     name = tensor.name or "(unnamed)"
     location = info.get("location", "")
@@ -130,14 +171,32 @@ def _read(tensor: onnx.TensorProto, root: Path, where: str) -> bytes:
                 f"{where}: tensor {name!r}: external data {location!r} has {st.st_size} bytes, "
                 f"the tensor needs bytes {offset}..{offset + length}"
             )
-        data = os.pread(fd, length, offset)
+        data: bytes | np.ndarray
+        if into_array:
+            data, got = _pread_array(fd, length, offset)
+        else:
+            data = os.pread(fd, length, offset)
+            got = len(data)
     except OSError as exc:
         raise ModelLoadError(f"{where}: tensor {name!r}: cannot read external data {location!r}: {exc}") from None
     finally:
         os.close(fd)
-    if len(data) != length:
+    if got != length:
         raise ModelLoadError(f"{where}: tensor {name!r}: external data {location!r} ended early")
     return data
+
+
+def _pread_array(fd: int, length: int, offset: int) -> tuple[np.ndarray, int]:
+    """(a uint8 array of ``length`` bytes read at ``offset``, how many were read: fewer if the file ended)."""
+    buf = np.empty(length, np.uint8)
+    view = buf.data
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [view[got : min(length, got + (1 << 30))]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return buf, got
 
 
 def _inside(root: Path, location: str, what: str) -> Path:
@@ -166,6 +225,14 @@ def _int_field(info: dict[str, str], key: str, default: int, where: str, name: s
     if value < 0:
         raise ModelLoadError(f"{where}: tensor {name!r}: external data {key} {value} is negative")
     return value
+
+
+def declared_bytes(tensor: onnx.TensorProto) -> int | None:
+    """The bytes the tensor's dims and element type need; None for strings, unknown types, negative dims."""
+    bits = _BITS.get(tensor.data_type)
+    if bits is None or any(d < 0 for d in tensor.dims):
+        return None
+    return math.ceil(math.prod(tensor.dims) * bits / 8)
 
 
 def _expected_size(tensor: onnx.TensorProto, where: str, name: str) -> int:

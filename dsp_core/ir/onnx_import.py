@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 
-from dsp_core import config
+from dsp_core import config, progress
 from dsp_core.errors import DSPError, DTypeError, GraphError, ModelLoadError
-from dsp_core.ir import dtypes, onnx_inference
-from dsp_core.ir.external_data import load_external_data
+from dsp_core.ir import dtypes, onnx_inference, onnx_scan
+from dsp_core.ir.external_data import load_external_data, read_external_data
 from dsp_core.ir.graph import Dim, Graph, Node, Value
 from dsp_core.ir.typecheck import attribute_types, check_types
 from dsp_core.ops.registry import has_op, lookup
@@ -33,13 +36,59 @@ def load_model(source: ModelSource, base_dir: str | os.PathLike[str] | None = No
         return load_external_data(source, base_dir, "the given ModelProto")
     if isinstance(source, bytes):
         return load_external_data(_parse(source, "the given bytes"), base_dir, "the given bytes")
+    path = _model_path(source)
+    model = _parse(path.read_bytes(), str(path))
+    return load_external_data(model, path.parent if base_dir is None else base_dir, str(path))
+
+
+def _load(
+    source: ModelSource, base_dir: str | os.PathLike[str] | None = None
+) -> tuple[onnx.ModelProto, dict[int, np.ndarray]]:
+    """What :func:`load_model` reads, with the top-level graph's big initializers as arrays beside it.
+
+    ``arrays[i]`` is initializer ``i``'s array, that tensor left without data in the
+    proto: the file's bytes go straight into the arrays, so a model is never held twice
+    (``onnx_scan``). Everything else is exactly what ``load_model`` returns.
+    """
+    if isinstance(source, onnx.ModelProto):
+        arrays: dict[int, np.ndarray] = {}
+        return read_external_data(source, base_dir, "the given ModelProto", arrays), arrays
+    if isinstance(source, bytes):
+        model, arrays = _scan(io.BytesIO(source), len(source), "the given bytes", lambda: source)
+        return read_external_data(model, base_dir, "the given bytes", arrays), arrays
+    path = _model_path(source)
+    root = path.parent if base_dir is None else base_dir
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or device: read as before (the scanner needs a file)
+        return read_external_data(_parse(path.read_bytes(), str(path)), root, str(path), {}), {}
+    with progress.step(f"load {path.name}", total=st.st_size, unit="B") as bar:
+        with open(path, "rb", buffering=1 << 20) as f:
+            model, arrays = _scan(f, st.st_size, str(path), path.read_bytes, bar.advance)
+    return read_external_data(model, root, str(path), arrays), arrays
+
+
+def _model_path(source: str | os.PathLike[str]) -> Path:
     path = Path(source)
     if not path.exists():
         raise ModelLoadError(f"model file {path} does not exist")
     if path.is_dir():
         raise ModelLoadError(f"{path} is a directory, not an ONNX model file")
-    model = _parse(path.read_bytes(), str(path))
-    return load_external_data(model, path.parent if base_dir is None else base_dir, str(path))
+    return path
+
+
+def _scan(
+    f: BinaryIO,
+    size: int,
+    where: str,
+    whole: Callable[[], bytes],
+    advance: Callable[[int], None] | None = None,
+) -> tuple[onnx.ModelProto, dict[int, np.ndarray]]:
+    """The model and its big initializers' arrays read from ``f``; else ``whole()`` parsed the ordinary way."""
+    found = onnx_scan.read_model(f, size, advance) if size else None
+    if found is None:  # not what the scanner reads (or not a model): protobuf parses it and says why
+        return _parse(whole(), where), {}
+    _check_model(found[0], where)
+    return found
 
 
 def _parse(data: bytes, where: str) -> onnx.ModelProto:
@@ -48,11 +97,17 @@ def _parse(data: bytes, where: str) -> onnx.ModelProto:
         model.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise ModelLoadError(f"{where} is not a valid ONNX model (truncated or corrupt?): {exc}") from exc
-    if not data or not model.HasField("graph"):
+    if not data:
+        raise ModelLoadError(f"{where} is not a valid ONNX model: it holds no graph")
+    _check_model(model, where)
+    return model
+
+
+def _check_model(model: onnx.ModelProto, where: str) -> None:
+    if not model.HasField("graph"):
         raise ModelLoadError(f"{where} is not a valid ONNX model: it holds no graph")
     if model.ir_version <= 0 or not model.opset_import:
         raise ModelLoadError(f"{where} is not a valid ONNX model: no IR version or opset imports")
-    return model
 
 
 def import_model(
@@ -64,21 +119,23 @@ def import_model(
     fit their op's arity, declared sizes are within bounds); only a model that passed them
     is given to ONNX's shape inference, and that runs sandboxed (``onnx_inference``).
     """
-    model = load_model(source, base_dir)
-    try:
-        opsets = {_opset_domain(o.domain): o.version for o in model.opset_import}
-        graph = _import_graph(model.graph, opsets, outer=frozenset())
-    except DSPError:
-        raise
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ModelLoadError(f"cannot import ONNX graph {_printable(model.graph.name)!r}: {exc}") from exc
-    graph.validate()
-    check_types(graph, check_declared=True)
-    _check_bounds(graph)
+    model, arrays = _load(source, base_dir)
+    with progress.step("import graph"):
+        try:
+            opsets = {_opset_domain(o.domain): o.version for o in model.opset_import}
+            graph = _import_graph(model.graph, opsets, outer=frozenset(), arrays=arrays)
+        except DSPError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ModelLoadError(f"cannot import ONNX graph {_printable(model.graph.name)!r}: {exc}") from exc
+        graph.validate()
+        check_types(graph, check_declared=True)
+        _check_bounds(graph)
     if infer_shapes:
-        inferred = onnx_inference.infer(
-            model, float(config.get("shape_inference_timeout")), int(config.get("shape_inference_memory_mb"))
-        )
+        with progress.step("shape inference"):
+            inferred = onnx_inference.infer(
+                model, float(config.get("shape_inference_timeout")), int(config.get("shape_inference_memory_mb"))
+            )
         if inferred is not None:
             _merge_inferred(graph, inferred.graph)
             # Inferred types reach values DSP's own rules could not type (ConstantOfShape's
@@ -173,12 +230,16 @@ def _dim(d: onnx.TensorShapeProto.Dimension) -> Dim:
     return d.dim_param if isinstance(d.dim_param, str) and d.dim_param else None
 
 
-def tensor_to_array(t: onnx.TensorProto) -> np.ndarray:
-    """Convert a TensorProto (inline or already-loaded external data) to numpy."""
+def tensor_to_array(t: onnx.TensorProto, read: np.ndarray | None = None) -> np.ndarray:
+    """Convert a TensorProto (inline or already-loaded external data) to numpy.
+
+    ``read``: the tensor's array, already read from the file (``onnx_scan``); the tensor
+    itself then holds no data, and is checked as any other.
+    """
     if t.data_type in (8,):
         raise DTypeError(f"tensor {t.name!r} holds strings; DSP does not support string tensors")
     dtypes.from_onnx(t.data_type)  # raises a clear DTypeError for unsupported element types
-    return numpy_helper.to_array(t)
+    return numpy_helper.to_array(t) if read is None else read
 
 
 def attribute_value(attr: onnx.AttributeProto, opsets: dict[str, int], outer: frozenset[str]) -> Any:
@@ -201,16 +262,19 @@ def attribute_value(attr: onnx.AttributeProto, opsets: dict[str, int], outer: fr
     return val
 
 
-def _import_graph(g: onnx.GraphProto, opsets: dict[str, int], outer: frozenset[str]) -> Graph:
+def _import_graph(
+    g: onnx.GraphProto, opsets: dict[str, int], outer: frozenset[str], arrays: dict[int, np.ndarray] | None = None
+) -> Graph:
+    """``g`` as a Graph; ``arrays``: initializers already read as arrays, by index (see ``_load``)."""
     gname = _text(g.name, "a graph name") or "graph"
     initializers: dict[str, np.ndarray] = {}
-    for t in g.initializer:
+    for i, t in enumerate(g.initializer):
         name = _text(t.name, f"an initializer name of graph {gname!r}")
         if not name:
             raise GraphError(f"graph {gname!r} has an initializer with an empty name")
         if name in initializers:
             raise GraphError(f"graph {gname!r} defines initializer {name!r} twice (ONNX names are unique)")
-        initializers[name] = tensor_to_array(t)
+        initializers[name] = tensor_to_array(t, arrays.pop(i, None) if arrays else None)
     for sparse in g.sparse_initializer:
         raise DTypeError(f"sparse initializer {_printable(sparse.values.name)!r} is not supported")
     inputs = [_value(v) for v in g.input]

@@ -29,6 +29,8 @@ import warnings
 import onnx
 from onnx.onnx_cpp2py_export import shape_inference as _cpp_inference
 
+from dsp_core.ir.external_data import declared_bytes
+
 log = logging.getLogger("dsp.import")
 
 _SMALL_INITIALIZER = 4096  # bytes: initializers up to this size stay (data propagation reads them)
@@ -67,7 +69,9 @@ def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     g.value_info.extend(src.value_info)
     big = {}
     for t in src.initializer:
-        if t.ByteSize() <= _SMALL_INITIALIZER:
+        # By its declared size too: an initializer whose bytes were read straight into an
+        # array (onnx_scan) is in the proto without them, and must not pass for a small one.
+        if t.ByteSize() <= _SMALL_INITIALIZER and (declared_bytes(t) or 0) <= _SMALL_INITIALIZER:
             g.initializer.append(t)
         else:
             big[t.name] = onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))

@@ -12,6 +12,7 @@ wrong.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import stat
@@ -22,11 +23,12 @@ from typing import Any
 
 import onnx
 
-from dsp_core import diag
+from dsp_core import diag, progress
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.cache.disk import DiskCache
 from dsp_core.cache.memory import CacheStats
 from dsp_core.errors import DSPError
+from dsp_core.ir import onnx_scan
 from dsp_core.ir.onnx_import import import_model
 from dsp_core.plan import serialize
 from dsp_core.plan.plan import ExternalClass, Plan
@@ -128,8 +130,9 @@ def _hash_file(path: Path) -> tuple[str, bool]:
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     mentions, tail = False, b""
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, progress.step(f"hash {path.name}", os.fstat(f.fileno()).st_size, "B") as bar:
         while n := f.readinto(buf):
+            bar.advance(n)
             h.update(view[:n])
             if not mentions:
                 edge = len(_LOCATION_KEY) - 1
@@ -163,10 +166,8 @@ def _external_parts(digest: str, model: Path | bytes, base: Path | None, cache: 
 
 def _external_locations(model: Path | bytes) -> tuple[str, ...]:
     """The sorted external-data locations a model names (none when it does not parse: import says why)."""
-    proto = onnx.ModelProto()
-    try:
-        proto.ParseFromString(model.read_bytes() if isinstance(model, Path) else model)
-    except Exception:  # noqa: BLE001  (not a model: import_model raises the real ModelLoadError)
+    proto = _structure(model)
+    if proto is None:
         return ()
     found: set[str] = set()
     graphs: list[Any] = [proto.graph]
@@ -181,6 +182,23 @@ def _external_locations(model: Path | bytes) -> tuple[str, ...]:
             _tensor_location(sparse.indices, found)
         _node_tensors(g.node, found, graphs)
     return tuple(sorted(found))
+
+
+def _structure(model: Path | bytes) -> onnx.ModelProto | None:
+    """The model without its big initializers' bytes (never read: the scanner seeks past them); None if unreadable."""
+    try:
+        if isinstance(model, Path):
+            with open(model, "rb", buffering=1 << 20) as f:
+                found = onnx_scan.read_model(f, os.fstat(f.fileno()).st_size, skip_weights=True)
+        else:
+            found = onnx_scan.read_model(io.BytesIO(model), len(model), skip_weights=True)
+        if found is not None:
+            return found[0]
+        proto = onnx.ModelProto()
+        proto.ParseFromString(model.read_bytes() if isinstance(model, Path) else model)
+    except Exception:  # noqa: BLE001  (not a model: import_model raises the real ModelLoadError)
+        return None
+    return proto
 
 
 def _node_tensors(nodes: Any, found: set[str], graphs: list[Any]) -> None:
@@ -216,7 +234,10 @@ def compile_cached(
         model = _warm(cache, key, source, mode, strict, stats, base_dir)
         if model is not None:
             return model
-    model = CompiledModel(import_model(source, base_dir=base_dir), mode, strict, stats=stats)
+    graph = import_model(source, base_dir=base_dir)
+    with progress.step("compile plan"):
+        model = CompiledModel(graph, mode, strict, stats=stats)
+    del graph
     if key is not None:
         _store(cache, key, model, stats)
     return model
@@ -239,12 +260,20 @@ def _warm(
     try:
         # Weights come from the cache's files; one evicted (or damaged) is read from the
         # model itself, checked against the same digest, rather than recompiling.
-        plan = serialize.loads(payload, by_digest=cache.weight, resolve=initializers.get)
+        with progress.step("read cached weights", unit="B") as bar:
+
+            def weight(digest: str, nbytes: int) -> bytearray | None:
+                data = cache.weight(digest, nbytes)
+                bar.advance(nbytes)
+                return data
+
+            plan = serialize.loads(payload, by_digest=weight, resolve=initializers.get)
     except Exception as exc:  # noqa: BLE001  (whatever a cache entry does, it only costs a recompile)
         _reject(cache, key, source, stats, exc)
         return None
     try:
-        model = CompiledModel(None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats)
+        with progress.step("start cached plan"):
+            model = CompiledModel(None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats)
     except DSPError:
         # The mode, strict or the installed backends said no (a mode nobody installed, a
         # strict failure): the plan is whole and a cold compile would say the same; keep it.
@@ -281,11 +310,14 @@ def _store(cache: DiskCache, key: str, model: CompiledModel, stats: CacheStats) 
     except DSPError as exc:
         log.info("DSP disk cache: plan of %s not stored: %s", _describe(model), exc)
         return
-    for owner, k in _big_constants(plan):
-        if cache.put_weight(owner.digest_of(k).hex(), owner.constants[k]) is None:
-            return
-    if cache.put(key, payload) is not None:
-        stats.disk_writes += 1
+    big = _big_constants(plan)
+    with progress.step("store weights", sum(owner.constants[k].nbytes for owner, k in big), "B") as bar:
+        for owner, k in big:
+            if cache.put_weight(owner.digest_of(k).hex(), owner.constants[k]) is None:
+                return
+            bar.advance(owner.constants[k].nbytes)
+        if cache.put(key, payload) is not None:
+            stats.disk_writes += 1
 
 
 def _big_constants(plan: Plan) -> list[tuple[Plan, int]]:
