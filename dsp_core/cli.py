@@ -131,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
 
     add_llm_commands(sub)  # `dsp generate`, `dsp validate` (dsp_core/llm/cli.py)
 
+    plugin = sub.add_parser("plugin", help="start a backend of your own").add_subparsers(title="plugin commands")
+    pnew = plugin.add_parser("new", help="write a working, installable backend distribution with its tests")
+    pnew.add_argument("name", help="the backend's name (a lower-case identifier): dsp-NAME, package dsp_NAME")
+    pnew.add_argument("--mode", default="mlir_cpu_jit", help="the CPU mode it serves (default mlir_cpu_jit)")
+    pnew.add_argument("--dir", help="where to write it (default ./dsp-NAME; must not exist or be empty)")
+    pnew.set_defaults(func=cmd_plugin_new)
+
     conf = sub.add_parser("config", help="every option: current value and where it came from")
     conf.add_argument("--json", action="store_true", help="print JSON")
     conf.set_defaults(func=cmd_config)
@@ -727,6 +734,31 @@ def cmd_config(args: argparse.Namespace) -> int:
         value = "(empty)" if r["value"] == "" else str(r["value"])
         table.append([r["name"], r["env"], value, r["source"], r["allowed"], r["doc"]])
     _print_table(table)
+    return 0
+
+
+# -- plugin -----------------------------------------------------------------------------
+def cmd_plugin_new(args: argparse.Namespace) -> int:
+    """`dsp plugin new NAME`: write the backend template (dsp_core/plugin_template)."""
+    from dsp_core.backends.discovery import discover
+    from dsp_core.plugin_template import PluginNames, write
+
+    names = PluginNames.of(args.name, args.mode)
+    dest = Path(args.dir) if args.dir else Path(names.dist)
+    for path in write(names, dest):
+        print(f"wrote {path}")
+    registry = discover()
+    same = [f"{b.name} ({b.distribution})" for b in registry.for_mode(names.mode)]
+    if same:
+        print(
+            f"note: installed backends already serve {names.mode.name}: {', '.join(same)}; two backends of one "
+            "mode compete for its slots (choose another with --mode)",
+            file=sys.stderr,
+        )
+    if any(b.name == names.name for b in registry.backends):
+        print(f"note: a backend named {names.name} is already installed; the first one found wins", file=sys.stderr)
+    print(f"\nnext: pip install -e {dest} && dsp backends list && (cd {dest} && pytest)")
+    print("docs/writing-a-backend.md walks through every file")
     return 0
 
 

@@ -4,7 +4,8 @@ Adds ``--dsp-backend NAME`` (the installed backend under test) and ``--dsp-seed 
 (replay a failing run's random inputs), and the fixtures the kit's tests use. Without
 ``--dsp-backend`` every kit test is skipped with the reason, so the plugin never
 disturbs an ordinary test run; with a name that is not an installed, available backend
-the run stops at once with a usage error listing the installed ones.
+the run stops at once with a usage error listing the installed ones. When other
+installed backends claim the same mode, the run warns (a PytestWarning and a header line).
 
     pytest --pyargs dsp_core.testing.conformance --dsp-backend my_backend
 """
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 _BACKEND = pytest.StashKey["Backend | None"]()
 _SEED = pytest.StashKey[int]()
+_SHARED = pytest.StashKey[str]()  # the warning that other backends claim the same mode
 SKIP_REASON = "DSP conformance kit: no backend chosen; run with --dsp-backend NAME (see `dsp backends list`)"
 
 
@@ -51,7 +53,40 @@ def pytest_configure(config: pytest.Config) -> None:
     seed = config.getoption("--dsp-seed")
     config.stash[_SEED] = int(seed) if seed is not None else secrets.randbits(32)
     name = config.getoption("--dsp-backend")
-    config.stash[_BACKEND] = None if name is None else resolve_backend(name)
+    if name is None:
+        config.stash[_BACKEND] = None
+        return
+    from dsp_core.backends.discovery import discover
+
+    registry = discover()
+    backend = resolve_backend(name, registry)
+    config.stash[_BACKEND] = backend
+    note = shared_mode_note(backend, registry)
+    if note is not None:
+        config.stash[_SHARED] = note
+        config.issue_config_time_warning(pytest.PytestWarning(note), stacklevel=2)
+
+
+def shared_mode_note(backend: Backend, registry: Registry) -> str | None:
+    """A warning when other installed backends claim ``backend``'s mode, else None.
+
+    ``dsp.compile(mode=...)`` (the kit's way in) and AUTO give each slot to the first
+    available backend of the mode that takes it, in discovery order, so with two claimants
+    the kit may be exercising the other one, and users get whichever is found first.
+    """
+    others = [b for b in registry.for_mode(backend.mode) if b is not backend]
+    if not others:
+        return None
+    order = " -> ".join(
+        f"{b.name} ({b.distribution}{'' if b.availability().ok else ', unavailable here'})"
+        for b in registry.for_mode(backend.mode)
+    )
+    return (
+        f"DSP conformance: {len(others) + 1} installed backends claim mode {backend.mode.name}: {order}. "
+        f"Slots go to the first available one that takes them, so this run may test another backend than "
+        f"{backend.name}, and users get whichever is found first; uninstall the others or give {backend.name} "
+        "a mode of its own"
+    )
 
 
 def resolve_backend(name: str, registry: Registry | None = None) -> Backend:
@@ -95,6 +130,7 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         f"dsp conformance: contract deterministic={c.deterministic} can_update_in_place={c.can_update_in_place} "
         f"tolerance={c.tolerance} computes_values={c.computes_values} dtypes={','.join(sorted(c.dtypes))}",
         f"dsp conformance: seed {config.stash[_SEED]} (replay with --dsp-seed {config.stash[_SEED]})",
+        *([f"dsp conformance: WARNING {config.stash[_SHARED]}"] if _SHARED in config.stash else []),
     ]
 
 
