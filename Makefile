@@ -2,23 +2,52 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The core and the plugins (editable, with the test and dev extras).
 STAMP := $(VENV)/.installed
+# The test distributions (a null backend, fault backends, deliberately broken plugins):
+# installed for `make test` only. `make demo` removes them, so what a user sees after it
+# (`dsp backends list`) is what a user of the real distributions sees.
+TEST_STAMP := $(VENV)/.installed-test-dists
 PLUGINS := plugins/cpu_ref plugins/cuda_graphs
 TEST_DISTS := tests/dists/dsp_test_backends
+TEST_DIST_NAMES := dsp-test-backends
+# `make dist` writes a wheel of every distribution this repository builds here.
+DIST ?= dist
 
-.PHONY: demo test gpu-test lint typecheck node-suite bench fuzz fixtures clean
+.PHONY: demo test gpu-test lint typecheck node-suite bench fuzz fixtures dist clean without-test-dists
 
-$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS) $(TEST_DISTS))
+$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test,dev]" $(addprefix -e ,$(PLUGINS) $(TEST_DISTS))
+	$(BIN)/pip install -q -e ".[test,dev]" $(addprefix -e ,$(PLUGINS))
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(TEST_STAMP): $(STAMP) $(TEST_DISTS)/pyproject.toml
+	$(BIN)/pip install -q --no-deps $(addprefix -e ,$(TEST_DISTS))
+	touch $(TEST_STAMP)
+
+# Asks the venv itself (not a stamp), so a venv made by an older Makefile is cleaned too.
+without-test-dists: $(STAMP)
+	@for d in $(TEST_DIST_NAMES); do \
+	  if $(BIN)/python -c "import importlib.metadata as m, sys; m.distribution(sys.argv[1])" $$d 2>/dev/null; then \
+	    echo "make demo: removing the test distribution $$d from $(VENV) (make test installs it again)"; \
+	    $(BIN)/pip uninstall -q -y $$d; \
+	  fi; \
+	done
+	@rm -f $(TEST_STAMP)
+
+demo: without-test-dists
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
+
+# Wheels of dsp-core and every plugin into $(DIST)/ (built with the venv's setuptools, no
+# download): `pip install --find-links dist dsp-core` then works in any venv.
+dist: $(STAMP)
+	rm -rf $(DIST) build $(addsuffix /build,$(PLUGINS))
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(DIST) . $(PLUGINS)
+	@ls $(DIST)
 
 # On a GPU machine. With GPU_PYTHON=python3 it uses that interpreter as it is (the GPU
 # image has no network: install the project there with scripts/gpu_setup.sh first).
@@ -54,4 +83,4 @@ fixtures:
 	.fixture-venv/bin/python scripts/make_fixtures.py --out tests/fixtures
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build $(DIST) *.egg-info

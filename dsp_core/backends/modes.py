@@ -45,16 +45,15 @@ class GraphExecutionMode(enum.Enum):
 
 M = GraphExecutionMode
 
-# Which distribution provides each mode, for "install X" messages.
+# Which distribution of this repository provides each mode, for "install X" remedies.
+# Only distributions this repository builds (plugins/*/pyproject.toml, `make dist`) are
+# named: a remedy must never send a user to a package that does not exist.
+# tests/test_packaging.py checks this table against the plugins' metadata.
 PROVIDERS: dict[GraphExecutionMode, str] = {
     M.SLOT_BY_SLOT: "dsp-cpu-ref",
     M.EMULATED_REPLAY: "dsp-cpu-ref",
     M.SHAPE_INFERENCE_ONLY: "dsp-cpu-ref",
     M.CUDA_GRAPHS: "dsp-cuda-graphs",
-    M.TRITON: "dsp-triton",
-    M.NVRTC_JIT: "dsp-nvrtc",
-    M.PTX_JIT: "dsp-nvrtc",
-    M.OPENVINO: "dsp-openvino",
 }
 
 # AUTO's preference order per platform: the first available backend that supports a
@@ -75,8 +74,11 @@ GPU_MODES = frozenset({M.CUDA_GRAPHS, M.TRITON, M.NVRTC_JIT, M.PTX_JIT, M.HIP_GR
 
 
 def provider_hint(mode: GraphExecutionMode) -> str:
-    """'pip install dsp-triton' or a note that no distribution provides the mode yet."""
+    """How to get a backend for ``mode``: the distribution that provides it, or that none does yet."""
     dist = PROVIDERS.get(mode)
     if dist is None:
-        return f"no DSP distribution provides {mode.name} yet; a third-party backend can (see README)"
-    return f"install it with `pip install {dist}`"
+        return (
+            f"no distribution of this repository provides {mode.name} yet; a backend of your own can "
+            "(`dsp plugin new NAME`, docs/writing-a-backend.md)"
+        )
+    return f"install {dist} (in a DSP checkout: `make dist`, then `pip install --find-links dist {dist}`)"
