@@ -52,20 +52,24 @@ class Step:
 
     def render(self, final: bool = False, tick: int = 0) -> str:
         """The step's line: label, bar (or spinner), amount, elapsed time."""
-        amount = _amount(self.done, self.unit)
+        parts = [f"dsp: {self.label}"]
         if self.total:
-            frac = min(1.0, self.done / self.total) if not final else 1.0
+            frac = 1.0 if final else min(1.0, self.done / self.total)
             filled = int(frac * _WIDTH)
-            bar = "#" * filled + "." * (_WIDTH - filled)
-            amount = f"[{bar}] {frac * 100:3.0f}%  {_amount(self.done, self.unit)}/{_amount(self.total, self.unit)}"
-        elif not final:
-            amount = f"{_SPIN[tick % len(_SPIN)]} {amount}".rstrip()
-        return f"dsp: {self.label}  {amount}  {self.elapsed():.1f} s".replace("   ", "  ")
+            parts.append(f"[{'#' * filled}{'.' * (_WIDTH - filled)}] {frac * 100:3.0f}%")
+            parts.append(f"{_amount(self.done, self.unit)}/{_amount(self.total, self.unit)}")
+        else:
+            if not final:
+                parts.append(_SPIN[tick % len(_SPIN)])
+            if self.done:
+                parts.append(_amount(self.done, self.unit))
+        parts.append(f"{self.elapsed():.1f} s")
+        return "  ".join(parts)
 
 
 def _amount(n: int, unit: str) -> str:
     if unit != "B":
-        return f"{n:,}{' ' + unit if unit else ''}" if n else ""
+        return f"{n:,}{' ' + unit if unit else ''}"
     size = float(n)
     for suffix in ("B", "KB", "MB", "GB"):
         if size < 1000 or suffix == "GB":
