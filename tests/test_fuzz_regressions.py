@@ -25,6 +25,8 @@ EXPECTED = {
     "zero_trip_loop_output_info_two_sources": "ok ran",
     "zero_trip_loop_inference_dropped_declared_shape": "ok ran",
     "scan_num_scan_inputs_huge_memoryerror": "dsp compile:GraphError",
+    "zero_trip_loop_shape_from_rules_vs_declared": "ok ran",
+    "zero_trip_loop_shape_5_vs_1": "ok ran",
 }
 
 

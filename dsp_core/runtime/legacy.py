@@ -7,13 +7,14 @@ each call looks up every op, applies attribute defaults and builds a kernel cont
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from dsp_core.errors import DSPError, KernelError
-from dsp_core.ir.graph import Graph, Node
+from dsp_core.ir.graph import Graph, Node, Value
 from dsp_core.ops.registry import KernelContext, lookup
 
 
@@ -70,9 +71,24 @@ def _subgraph_runner(sub: Graph, env: dict[str, Any], xp: Any) -> Any:
 
 
 class _Declared:
-    """What a control-flow kernel reads of its body: formal inputs and outputs, each as
-    ``Graph.info`` knows it (the source the plan's sub-plans use too, so both agree)."""
+    """What a control-flow kernel reads of its body: formal inputs and outputs, with the
+    static dtypes and shapes the plan's sub-plans know (declarations, then DSP's shape
+    rules), so the interpreter and the plan agree even on a zero-trip Loop's empty outputs."""
 
     def __init__(self, sub: Graph) -> None:
+        self._sub = sub
         self.inputs = [sub.info(v.name) or v for v in sub.inputs]
-        self.outputs = [sub.info(v.name) or v for v in sub.outputs]
+
+    @functools.cached_property
+    def outputs(self) -> list[Value]:
+        """The body's outputs as the plan compiler types them (only read on a zero-trip Loop)."""
+        from dsp_core.plan.compiler import compile_plan
+
+        declared = [self._sub.info(v.name) or v for v in self._sub.outputs]
+        try:
+            plan = compile_plan(self._sub)
+        except DSPError:
+            return declared
+        if not hasattr(plan, "ref_info"):  # declined: what the model declares is all there is
+            return declared
+        return [Value(v.name, *plan.ref_info(r)) for v, r in zip(declared, plan.outputs)]
