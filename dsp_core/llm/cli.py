@@ -27,7 +27,7 @@ def add_llm_commands(sub: Any) -> None:
     gen.add_argument("--prompt-ids", help="prompt as comma-separated token ids (instead of --prompt)")
     gen.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     gen.add_argument("--max-length", type=int, default=None, metavar="L", help="KV buffer length (default: fits)")
-    gen.add_argument("--mode", default="auto", help="execution mode (default auto)")
+    gen.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     _add_sampling(gen)
     gen.add_argument("--stop-token", action="append", default=[], metavar="T", help="token id or token text")
     gen.add_argument("--block-size", type=int, default=8, metavar="K", help="decode steps per host call")
@@ -185,11 +185,13 @@ def validate(
 
     max_length = int(prompt.size + max_new_tokens)
     runs: dict[str, list[int]] = {}
+    ran: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     for mode in dict.fromkeys(["SLOT_BY_SLOT", *modes]):
         try:
             pipe = GenerationPipeline(model, max_length=max_length, mode=mode)
             runs[mode] = pipe.generate(prompt, max_new_tokens).token_list()
+            ran[mode] = _what_ran(pipe)
         except Exception as exc:  # noqa: BLE001  (a failing mode is reported, the others still run)
             errors[mode] = f"{type(exc).__name__}: {exc}"
     ref = runs.get("SLOT_BY_SLOT")
@@ -197,12 +199,40 @@ def validate(
     for mode in dict.fromkeys(["SLOT_BY_SLOT", *modes]):
         entry: dict[str, Any] = {"error": errors.get(mode)}
         if mode in runs:
+            entry.update(ran[mode])
             entry["tokens"] = runs[mode]
             entry["match_vs_slot_by_slot"] = _match(runs[mode], ref) if ref is not None else None
             if golden is not None:
                 entry["match_vs_golden"] = _match(runs[mode], golden.tolist())
         report["modes"][mode] = entry
     return report
+
+
+def _what_ran(pipe: Any) -> dict[str, Any]:
+    """The backends that ran the pipeline's plans, their modes, and whether the mode asked for was among them.
+
+    A mode that was remapped (a GPU mode on a machine without a GPU) ran as another mode:
+    ``remapped`` says so, with the auction's note, so a report never credits a mode that never ran.
+    """
+    models = [pipe.prefill_model, pipe.decode_model, *pipe._blocks.values()]
+    backends: dict[str, str] = {}
+    notes: list[str] = []
+    for m in models:
+        part = m.partition()
+        if part is None:
+            backends.setdefault("legacy", "LEGACY")
+            continue
+        for name in part.resolved():
+            backends.setdefault(name, part.backends[name].mode.name)
+        notes.extend(n for n in part.notes if n not in notes)
+    asked = pipe.mode.name
+    remapped = asked != "AUTO" and asked not in backends.values()
+    return {
+        "ran_on": list(backends),
+        "ran_modes": list(dict.fromkeys(backends.values())),
+        "remapped": remapped,
+        "notes": notes,
+    }
 
 
 def _match(a: list[int], b: list[int] | None) -> float | None:
@@ -243,8 +273,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
             parts = [f"vs SLOT_BY_SLOT {_pct(entry['match_vs_slot_by_slot'])}"]
             if "match_vs_golden" in entry:
                 parts.append(f"vs golden {_pct(entry['match_vs_golden'])}")
-            print(f"  {mode:<16} {'FAIL' if mode in failed else 'ok  '}  {', '.join(parts)}")
-        print("passed" if not failed else f"FAILED: {', '.join(failed)}")
+            status = "FAIL" if mode in failed else ("REMAPPED" if entry["remapped"] else "ok")
+            ran_on = f"ran on {', '.join(entry['ran_on'])}"
+            print(f"  {mode:<16} {status:<8}  {', '.join(parts)}; {ran_on}")
+            if entry["remapped"]:
+                print(f"  {'':<16} {mode} never ran: {'; '.join(entry['notes']) or 'another mode ran instead'}")
+        remapped = [m for m, e in report["modes"].items() if e.get("remapped")]
+        tail = f" ({', '.join(remapped)} not validated: remapped)" if remapped else ""
+        print(("passed" if not failed else f"FAILED: {', '.join(failed)}") + tail)
     return 0 if not failed else 1
 
 

@@ -7,11 +7,15 @@ on the abstract inputs (the output's shape is right for every op whose output sh
 not depend on input values). Values that shapes depend on (Shape, Size, small integer
 arithmetic on them, constants) stay concrete and are computed for real, so Reshape,
 Expand, Slice and friends get their true shapes.
+
+The caller's feeds are made abstract as the segment starts (only their dtype and shape
+are read), except small integer vectors and scalars (at most ``SHAPE_LIKE_MAX``
+elements), which may be shapes, axes or counts that other shapes depend on.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -19,8 +23,13 @@ from dsp_core.backends.base import Backend, CompiledSegment
 from dsp_core.errors import DSPError, ShapeError
 from dsp_core.ir import dtypes
 from dsp_core.ops.registry import TensorInfo, Trait, lookup
-from dsp_core.plan.plan import Plan, Segment
+from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_cpu_ref.slot_by_slot import bind_steps
+
+Dims = tuple[int, ...]
+
+# Integer feeds up to this many elements (rank 0 or 1) stay concrete: they may be shapes.
+SHAPE_LIKE_MAX = 64
 
 
 def abstract(dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
@@ -41,9 +50,19 @@ class ShapeOnlySegment(CompiledSegment):
         self._plan = plan
         self._steps = bind_steps(plan, segment)
         self._opdefs = [lookup(plan.slots[s].op, plan.slots[s].domain) for s in segment.slots]
+        fed = {
+            plan.flat(plan.external_ref(k))
+            for k, e in enumerate(plan.externals)
+            if e.cls in (ExternalClass.PLACEHOLDER, ExternalClass.VARIABLE)
+        }
+        self._feeds = sorted(fed.intersection(i for _, ins, _, _ in self._steps for i in ins))
 
     def run(self, values: list[Any]) -> None:
         """Propagate shapes through the segment's slots."""
+        for flat in self._feeds:  # the feeds' values are never read: only their dtype and shape
+            x = values[flat]
+            if isinstance(x, np.ndarray) and not _shape_like(x):
+                values[flat] = abstract(x.dtype, x.shape)
         for s, opdef, (kernel, ins, outs, releases) in zip(self.segment.slots, self._opdefs, self._steps):
             args = [values[i] for i in ins]
             rule = opdef.shape_rule
@@ -53,7 +72,7 @@ class ShapeOnlySegment(CompiledSegment):
                 if rule is not None and any(is_abstract(a) for a in args) and not opdef.has(Trait.SHAPE_ONLY_OUTPUT):
                     infos = rule(dict(slot.attrs), *[_info(a) for a in args])  # None: "cannot tell"
                 if infos is not None and all(_is_concrete(i) for i in infos):
-                    result: Any = [abstract(dtypes.to_numpy(i.dtype or "float32"), i.shape) for i in infos]
+                    result: Any = [abstract(dtypes.to_numpy(i.dtype or "float32"), cast(Dims, i.shape)) for i in infos]
                     result = result[0] if opdef.single_output else tuple(result)
                 else:
                     result = kernel(*args)
@@ -72,6 +91,11 @@ class ShapeOnlySegment(CompiledSegment):
                     values[o] = r
             for i in releases:
                 values[i] = None
+
+
+def _shape_like(x: np.ndarray) -> bool:
+    """True for a feed that may hold a shape, axes or a count: a small integer scalar or vector."""
+    return x.dtype.kind in "iu" and x.ndim <= 1 and x.size <= SHAPE_LIKE_MAX
 
 
 def _info(x: Any) -> TensorInfo:
