@@ -83,12 +83,13 @@ class _Declared:
     def outputs(self) -> list[Value]:
         """The body's outputs as the plan compiler types them (only read on a zero-trip Loop)."""
         from dsp_core.plan.compiler import compile_plan
+        from dsp_core.plan.plan import Plan
 
         declared = [self._sub.info(v.name) or v for v in self._sub.outputs]
         try:
             plan = compile_plan(self._sub)
         except DSPError:
             return declared
-        if not hasattr(plan, "ref_info"):  # declined: what the model declares is all there is
+        if not isinstance(plan, Plan):  # declined: what the model declares is all there is
             return declared
         return [Value(v.name, *plan.ref_info(r)) for v, r in zip(declared, plan.outputs)]
