@@ -29,17 +29,19 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 def compile(  # noqa: A001  (the public name the API promises)
     model: Any,
-    mode: str | GraphExecutionMode = "auto",
+    mode: str | GraphExecutionMode | None = None,
     *,
-    strict: bool = False,
+    strict: bool | None = None,
     force_recompile: bool | None = None,
     outputs_on_device: bool = False,
     base_dir: str | os.PathLike[str] | None = None,
 ) -> CompiledModel:
     """Compile a model (path, bytes, onnx.ModelProto or dsp Graph) for ``mode``.
 
-    ``mode`` is a GraphExecutionMode or its name in any case ("slot_by_slot", "AUTO").
-    ``strict`` makes the auction fail rather than fall back to the reference backend.
+    ``mode`` is a GraphExecutionMode or its name in any case ("slot_by_slot", "AUTO");
+    None reads DSP_MODE (default AUTO). ``strict`` makes the auction fail rather than
+    fall back to the reference backend or remap a GPU mode to the CPU; None reads
+    DSP_STRICT (default off). A bad value of either is a ConfigError naming it.
     ONNX models go through the disk cache (DSP_DISK_CACHE, DSP_CACHE_DIR);
     ``force_recompile`` (or DSP_FORCE_RECOMPILE=1) ignores what it holds.
     ``outputs_on_device=True`` returns a GPU backend's outputs as device (CuPy) arrays
@@ -47,7 +49,8 @@ def compile(  # noqa: A001  (the public name the API promises)
     ``base_dir`` is the directory a model given as bytes or a proto reads its external
     data from (a path's own directory is used for a path; bytes have none).
     """
-    parsed = GraphExecutionMode.parse(mode)
+    parsed: GraphExecutionMode = config.get("mode", mode)
+    strict = bool(config.get("strict", strict))
     if isinstance(model, Graph):
         model.validate()
         check_types(model)

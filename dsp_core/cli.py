@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -69,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dim", action="append", default=[], metavar="SYMBOL=N", help="size of a symbolic dim (default 1)"
     )
-    run.add_argument("--mode", default="auto", help="execution mode (default auto)")
+    run.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     run.add_argument("--save", metavar="DIR", help="write each output to DIR/NAME.npy")
     run.add_argument("--json", action="store_true", help="print JSON")
     run.add_argument("--trace", metavar="OUT.json", help="time every slot: write a Perfetto trace, print top ops")
@@ -83,19 +84,19 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="inspect the compiled plan").add_subparsers(title="plan commands")
     show = plan.add_parser("show", help="slot table: op, inputs, outputs, shapes, traits, releases")
     show.add_argument("model")
-    show.add_argument("--mode", default="auto")
+    show.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     show.add_argument("--json", action="store_true")
     _add_runs(show, 0, "then show the plan phase, per-slot phases and unit counters")
     show.set_defaults(func=cmd_plan_show)
     dot = plan.add_parser("dot", help="Graphviz source of the plan, slots coloured by unit (sealed grey)")
     dot.add_argument("model")
-    dot.add_argument("--mode", default="auto")
+    dot.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     _add_runs(dot, 3, "so the plan freezes and its units exist")
     dot.set_defaults(func=cmd_plan_dot)
     expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline")
     expl.add_argument("model")
-    expl.add_argument("--mode", default="auto")
-    expl.add_argument("--strict", action="store_true", help="fail instead of falling back")
+    expl.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
+    expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
     expl.set_defaults(func=cmd_plan_explain)
 
@@ -271,14 +272,20 @@ def random_feeds(model: Any, dims: dict[str, int], given: set[str], seed: int = 
 
     rng = np.random.default_rng(seed)
     inputs = fed_inputs(model)
+    _check_dim_symbols(inputs, dims)
+    asked = dict(dims)
     dims = {**_decoder_dims(inputs, dims), **dims}
-    feeds = {}
+    planned = []
     for name, dtype, dshape in inputs:
         if name in given:
             continue
         if dtype is None or dshape is None:
             raise InputError(f"input {name!r} has no declared dtype/shape; pass it with --input")
         shape = tuple(d if isinstance(d, int) else dims.get(str(d), 1) for d in dshape)
+        planned.append((name, dtype, dshape, shape))
+    _check_feed_bytes(planned, asked)
+    feeds = {}
+    for name, dtype, _, shape in planned:
         dt = dtypes.to_numpy(dtype)
         if name == "attention_mask" and dims.get("__decoder__"):
             feeds[name] = np.ones(shape, dt)
@@ -295,6 +302,61 @@ def random_feeds(model: Any, dims: dict[str, int], given: set[str], seed: int = 
 
 
 InputInfo = tuple[str, str | None, tuple[Any, ...] | None]  # name, dtype, shape (ints and symbols)
+
+
+def _check_dim_symbols(inputs: list[InputInfo], dims: dict[str, int]) -> None:
+    """InputError for a --dim naming a symbol no input has (it would be silently ignored)."""
+    symbols = list(dict.fromkeys(str(d) for _, _, shape in inputs for d in shape or () if not isinstance(d, int)))
+    unknown = [k for k in dims if k not in symbols]
+    if not unknown:
+        return
+    has = f"its symbolic dims are {', '.join(symbols)}" if symbols else "its inputs have no symbolic dims"
+    listed = ", ".join(f"{name}{list(shape) if shape is not None else ''}" for name, _, shape in inputs[:8])
+    raise InputError(
+        f"--dim {', '.join(f'{k}={dims[k]}' for k in unknown)}: the model has no symbolic dim "
+        f"{' or '.join(repr(k) for k in unknown)}; {has} (inputs: {listed}{', ...' if len(inputs) > 8 else ''})"
+    )
+
+
+def _check_feed_bytes(planned: list[tuple[str, str, tuple[Any, ...], tuple[int, ...]]], asked: dict[str, int]) -> None:
+    """InputError, before allocating, when the random inputs would not fit in memory (or pass DSP's tensor bound)."""
+    from dsp_core import config
+    from dsp_core.cache.memory import available_host_bytes
+    from dsp_core.ir import dtypes
+
+    sizes = []
+    for name, dtype, dshape, shape in planned:
+        elements = math.prod(shape)
+        sizes.append((elements * dtypes.to_numpy(dtype).itemsize, elements, name, dtype, dshape, shape))
+    if not sizes:
+        return
+    total = sum(b for b, *_ in sizes)
+    nbytes, elements, name, dtype, dshape, shape = max(sizes)
+    used = [k for k in asked if k in {str(d) for d in dshape}] or list(asked)
+    culprit = f"--dim {', '.join(f'{k}={asked[k]}' for k in used)}" if used else f"input {name!r} as declared"
+    detail = f"input {name!r} {list(dshape)} = {list(shape)} {dtype}: {_bytes(nbytes)}"
+    limit = int(config.get("max_tensor_elements"))
+    if elements > limit:
+        raise InputError(
+            f"{culprit}: {detail} has {elements} elements, more than DSP_MAX_TENSOR_ELEMENTS ({limit}); "
+            "use a smaller --dim"
+        )
+    free = available_host_bytes()
+    if total > free:
+        raise InputError(
+            f"{culprit}: the random inputs need {_bytes(total)} ({detail}), more than the {_bytes(free)} of memory "
+            "available; use a smaller --dim"
+        )
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes for a person: 2.24 TiB, 512 MiB, 12 B."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if size < 1024 or unit == "PiB":
+            return f"{n} B" if unit == "B" else f"{size:.3g} {unit}"
+        size /= 1024
+    return f"{n} B"
 
 
 def fed_inputs(model: Any) -> list[InputInfo]:
@@ -361,6 +423,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     model = dsp_core.compile(args.model, mode=args.mode)
     t_compile = time.perf_counter() - t0
     feeds = _load_inputs(args.input)
+    if args.dim and not args.random_inputs:
+        raise InputError(f"--dim {' '.join(args.dim)}: --dim sizes the random inputs; add --random-inputs")
     if args.random_inputs:
         feeds.update(random_feeds(model, _dims(args.dim), set(feeds)))
     t1 = time.perf_counter()
@@ -726,15 +790,20 @@ def cmd_config(args: argparse.Namespace) -> int:
     from dsp_core import config
 
     rows = config.table()
+    invalid = [r for r in rows if r["error"]]
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
-    table = [["option", "variable", "value", "source", "allowed", "doc"]]
-    for r in rows:
-        value = "(empty)" if r["value"] == "" else str(r["value"])
-        table.append([r["name"], r["env"], value, r["source"], r["allowed"], r["doc"]])
-    _print_table(table)
-    return 0
+    else:
+        table = [["option", "variable", "value", "source", "allowed", "doc"]]
+        for r in rows:
+            value = "(empty)" if r["value"] == "" else str(r["value"])
+            if r["error"]:
+                value = f"INVALID {value!r}"
+            table.append([r["name"], r["env"], value, r["source"], r["allowed"], r["doc"]])
+        _print_table(table)
+    for r in invalid:  # the whole table first, then what is wrong: one line each, status 2
+        print(f"dsp: error: {r['error']}", file=sys.stderr)
+    return 2 if invalid else 0
 
 
 # -- plugin -----------------------------------------------------------------------------

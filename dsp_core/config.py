@@ -1,7 +1,10 @@
 """Every option of DSP, in one table: property name, DSP_* variable, type, default, one line of doc.
 
 Precedence: an explicit argument > the environment > the default. A value outside an
-option's allowed set raises ConfigError naming the option and what is allowed.
+option's allowed set raises ConfigError naming the option and what is allowed, where it
+is first read. Each option has one parser (its ``type``), and every reader of the option
+goes through ``get``: ``dsp.compile``, the disk cache and ``dsp config`` agree on what a
+value means. An environment variable set to the empty string counts as unset.
 
     from dsp_core import config
     config.get("explain_cache_misses")            # from DSP_EXPLAIN_CACHE_MISSES, else False
@@ -10,11 +13,14 @@ option's allowed set raises ConfigError naming the option and what is allowed.
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import ConfigError
 
 
@@ -24,7 +30,7 @@ class Option:
 
     name: str
     env: str
-    type: str  # "bool", "int", "float", "str", "path", "choice"
+    type: str  # "bool", "int", "float", "size" (bytes: 4G, 512M, 4096), "mode", "str", "path", "choice"
     default: Any
     doc: str
     choices: tuple[str, ...] = ()
@@ -33,8 +39,20 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("mode", "DSP_MODE", "str", "auto", "Default execution mode of dsp.compile (a GraphExecutionMode name)."),
-    Option("strict", "DSP_STRICT", "bool", False, "Fail instead of falling back to the reference backend."),
+    Option(
+        "mode",
+        "DSP_MODE",
+        "mode",
+        GraphExecutionMode.AUTO,
+        "Default execution mode of dsp.compile and the CLI (a GraphExecutionMode name, any case).",
+    ),
+    Option(
+        "strict",
+        "DSP_STRICT",
+        "bool",
+        False,
+        "Fail instead of falling back: to the reference backend, or from a GPU mode to a CPU one.",
+    ),
     Option(
         "plan_cache_capacity",
         "DSP_PLAN_CACHE_CAPACITY",
@@ -66,10 +84,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "cache_max_bytes",
         "DSP_CACHE_MAX_BYTES",
-        "int",
+        "size",
         4 << 30,
         "Disk cache size bound (plans and weight files); least recently used entries are evicted beyond it.",
-        minimum=0,
+        minimum=1,
     ),
     Option(
         "cache_override_dir",
@@ -221,11 +239,51 @@ def option(name: str) -> Option:
         raise ConfigError(f"unknown option {name!r}; options are {', '.join(sorted(_BY_NAME))}") from None
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)
+_SIZE_ALLOWED = "bytes, optionally with a K, M, G or T suffix (powers of 1024): 4096, 512M, 4G, 2GiB"
+
+
+def parse_size(raw: Any) -> int:
+    """Bytes from ``4096``, ``512M``, ``4G``, ``2GiB``, ``1.5T`` (suffixes are powers of 1024); ValueError if not."""
+    if isinstance(raw, bool):
+        raise ValueError(f"not a size: {raw!r}")
+    if isinstance(raw, int):
+        return raw
+    match = _SIZE.fullmatch(str(raw).strip())
+    if match is None:
+        raise ValueError(f"not a size: {raw!r}")
+    return int(float(match[1]) * 1024 ** " kmgt".index((match[2] or " ").lower()))
+
+
+def format_size(n: int) -> str:
+    """The shortest exact form of ``n`` bytes that ``parse_size`` reads back (4G, 512M, 4097)."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _parse_mode(raw: Any) -> GraphExecutionMode:
+    try:
+        return GraphExecutionMode.parse(raw)
+    except ConfigError:
+        raise ValueError(f"unknown execution mode {raw!r}") from None
+
+
 def _parse(opt: Option, raw: Any, where: str) -> Any:
     def bad(allowed: str) -> ConfigError:
         return ConfigError(f"{where} = {raw!r} is invalid for option {opt.name}: expected {allowed}")
 
-    parsers: dict[str, Callable[[Any], Any]] = {"int": int, "float": float}
+    if opt.type == "mode":
+        try:
+            return _parse_mode(raw)
+        except ValueError:
+            names = ", ".join(m.name.lower() for m in GraphExecutionMode)
+            raise ConfigError(
+                f"{where} = {raw!r} is invalid for option {opt.name}: unknown execution mode; expected one of {names} "
+                "(any case; `dsp backends list` shows which are installed)"
+            ) from None
+    parsers: dict[str, Callable[[Any], Any]] = {"int": int, "float": float, "size": parse_size}
     if opt.type == "bool":
         if isinstance(raw, bool):
             return raw
@@ -238,8 +296,10 @@ def _parse(opt: Option, raw: Any, where: str) -> Any:
     if opt.type in parsers:
         try:
             value = parsers[opt.type](raw)
-        except (TypeError, ValueError):
-            raise bad(f"a number ({opt.type})") from None
+        except (TypeError, ValueError, OverflowError):
+            raise bad(_SIZE_ALLOWED if opt.type == "size" else f"a number ({opt.type})") from None
+        if isinstance(value, float) and math.isnan(value):
+            raise bad(f"a number ({opt.type})")
         if (opt.minimum is not None and value < opt.minimum) or (opt.maximum is not None and value > opt.maximum):
             raise bad(f"a value in [{opt.minimum}, {opt.maximum if opt.maximum is not None else 'inf'}]")
         return value
@@ -248,15 +308,24 @@ def _parse(opt: Option, raw: Any, where: str) -> Any:
     return str(raw)
 
 
-def get(name: str, explicit: Any = None) -> Any:
-    """The value of option ``name``: ``explicit`` if given, else its DSP_* variable, else the default."""
+def get(name: str, explicit: Any = None, env: Mapping[str, str] | None = None) -> Any:
+    """The value of option ``name``: ``explicit`` if given, else its DSP_* variable, else the default.
+
+    ``env`` replaces ``os.environ`` (a DiskCache built from a given environment).
+    """
     opt = option(name)
     if explicit is not None:
         return _parse(opt, explicit, f"argument {name}")
-    raw = os.environ.get(opt.env)
+    raw = _raw(opt, env)
     if raw is not None:
         return _parse(opt, raw, opt.env)
     return opt.default
+
+
+def _raw(opt: Option, env: Mapping[str, str] | None) -> str | None:
+    """The option's variable, None when unset or empty."""
+    raw = (os.environ if env is None else env).get(opt.env)
+    return raw if raw is not None and raw.strip() else None
 
 
 def source(name: str, explicit: Any = None) -> str:
@@ -264,24 +333,45 @@ def source(name: str, explicit: Any = None) -> str:
     opt = option(name)
     if explicit is not None:
         return "argument"
-    return "environment" if opt.env in os.environ else "default"
+    return "environment" if _raw(opt, None) is not None else "default"
 
 
 def table() -> list[dict[str, Any]]:
-    """Every option with its current value and where it came from (what `dsp config` prints)."""
-    return [
-        {
-            "name": o.name,
-            "env": o.env,
-            "type": o.type,
-            "default": o.default,
-            "value": get(o.name),
-            "source": source(o.name),
-            "allowed": _allowed(o),
-            "doc": o.doc,
-        }
-        for o in OPTIONS
-    ]
+    """Every option with its current value and where it came from (what `dsp config` prints).
+
+    JSON-able. An invalid value does not stop the table: its row has the raw text as
+    ``value`` and the ConfigError's message as ``error`` (None on valid rows).
+    """
+    rows = []
+    for o in OPTIONS:
+        error = None
+        try:
+            value = _shown(o, get(o.name))
+        except ConfigError as exc:
+            value, error = _raw(o, None), str(exc)
+        rows.append(
+            {
+                "name": o.name,
+                "env": o.env,
+                "type": o.type,
+                "default": _shown(o, o.default),
+                "value": value,
+                "source": source(o.name),
+                "allowed": _allowed(o),
+                "doc": o.doc,
+                "error": error,
+            }
+        )
+    return rows
+
+
+def _shown(opt: Option, value: Any) -> Any:
+    """A value as `dsp config` and docs/config.md show it: modes by name, sizes as 4G."""
+    if isinstance(value, GraphExecutionMode):
+        return value.name.lower()
+    if opt.type == "size":
+        return format_size(int(value))
+    return value
 
 
 def _allowed(opt: Option) -> str:
@@ -289,6 +379,10 @@ def _allowed(opt: Option) -> str:
         return " / ".join(opt.choices)
     if opt.type == "bool":
         return "1/0, true/false, yes/no, on/off"
+    if opt.type == "mode":
+        return "a GraphExecutionMode name (auto, slot_by_slot, cuda_graphs, ...)"
+    if opt.type == "size":
+        return "size: bytes, or with K/M/G/T (powers of 1024): 512M, 4G"
     if opt.minimum is not None or opt.maximum is not None:
         low = "-inf" if opt.minimum is None else f"{opt.minimum:g}"
         high = "inf" if opt.maximum is None else f"{opt.maximum:g}"
@@ -304,13 +398,17 @@ def markdown_table() -> str:
         "<!-- Generated from dsp_core/config.py OPTIONS: python -m dsp_core.config --write-docs docs/config.md -->",
         "",
         "Every option of DSP. Precedence: an explicit argument > the environment variable > the default.",
-        "`dsp config` prints the current values and where each came from.",
+        "`dsp config` prints the current values and where each came from, and marks an invalid one.",
+        "A variable set to the empty string counts as unset. Every reader of an option parses it the",
+        "same way; a value outside what is allowed is a `ConfigError` naming the variable, where it is",
+        "first read (`DSP_MODE` and `DSP_STRICT`: by `dsp.compile` and every CLI command that compiles).",
         "",
         "| Option | Variable | Default | Allowed | Description |",
         "|---|---|---|---|---|",
     ]
     for o in OPTIONS:
-        default = "(empty)" if o.default == "" else f"`{o.default if isinstance(o.default, str) else repr(o.default)}`"
+        shown = _shown(o, o.default)
+        default = "(empty)" if shown == "" else f"`{shown if isinstance(shown, str) else repr(shown)}`"
         lines.append(f"| `{o.name}` | `{o.env}` | {default} | {_allowed(o)} | {o.doc.replace('|', '&#124;')} |")
     return "\n".join(lines) + "\n"
 

@@ -125,8 +125,12 @@ def slot_view(plan: Plan, index: int) -> SlotView:
     )
 
 
-def candidates(registry: Registry, mode: GraphExecutionMode) -> tuple[list[Backend], list[str]]:
-    """The backends to try for ``mode``, most preferred first, and notes on remapping."""
+def candidates(registry: Registry, mode: GraphExecutionMode, strict: bool = False) -> tuple[list[Backend], list[str]]:
+    """The backends to try for ``mode``, most preferred first, and notes on remapping.
+
+    A GPU mode that cannot run here is remapped to a CPU mode, with a warning, unless
+    ``strict``: then it is a BackendUnavailableError, as strict forbids every fallback.
+    """
     notes: list[str] = []
     if mode is M.AUTO:
         for platform in PLATFORM_ORDER:
@@ -151,6 +155,11 @@ def candidates(registry: Registry, mode: GraphExecutionMode) -> tuple[list[Backe
     reasons = "; ".join(f"{b.name}: {b.availability().reason}" for b in installed) or (
         f"not installed ({provider_hint(mode)}) and this machine has no GPU"
     )
+    if mode in GPU_MODES and strict:
+        raise BackendUnavailableError(
+            f"mode {mode.name} cannot run here ({reasons}) and strict mode forbids remapping it to a CPU mode: "
+            f"run on a machine where it is available, or compile without strict=True (DSP_STRICT) to accept the remap"
+        )
     if mode in GPU_MODES:
         target = M.EMULATED_REPLAY if registry.for_mode(M.EMULATED_REPLAY) else M.SLOT_BY_SLOT
         note = f"mode {mode.name} is unavailable here ({reasons}); remapped to {target.name}"
@@ -211,7 +220,7 @@ def partition(
     ``excluded`` holds declines forced by earlier faults (a raising ``cost`` or
     ``compile``): those backends are not asked again for those slots.
     """
-    chain, notes = candidates(registry, mode)
+    chain, notes = candidates(registry, mode, strict)
     if mode not in (M.AUTO,) and strict:
         chain = [b for b in chain if b.mode is chain[0].mode]
     result = Partition(

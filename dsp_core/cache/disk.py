@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core import config
 from dsp_core.counters import Counters
 from dsp_core.errors import ConfigError
 from dsp_core.plan.plan import constant_digest
@@ -78,7 +79,6 @@ _MEMO_RE = re.compile(r"[0-9a-f]{32}\.memo")
 MEMO_FORMAT = "dsp-digest-memo/1"
 MEMO_KEEP = 1024  # digest memos kept (one per model or external-data file path); the oldest go first
 _MAX_MEMO_BYTES = 8192
-_SIZE_RE = re.compile(r"(\d+)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _FLAG_VALUES = "1/0, true/false, yes/no, on/off"
@@ -499,19 +499,6 @@ def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={env[name]!r}: expected one of {_FLAG_VALUES}")
 
 
-def _env_size(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    match = _SIZE_RE.fullmatch(raw)
-    if match is None or int(match[1]) == 0:
-        raise ConfigError(
-            f"{name}={raw!r}: expected a positive number of bytes, optionally with a K, M, G or T suffix "
-            "(powers of 1024), e.g. 536870912 or 512M"
-        )
-    return int(match[1]) * 1024 ** " kmgt".index((match[2] or " ").lower())
-
-
 def _env_dir(env: Mapping[str, str], name: str, must_exist: bool) -> Path | None:
     raw = env.get(name, "").strip()
     if not raw:
@@ -638,7 +625,7 @@ class DiskCache:
             root=_env_dir(env, "DSP_CACHE_DIR", must_exist=False) or default_cache_dir(env),
             override_dir=_env_dir(env, "DSP_CACHE_OVERRIDE_DIR", must_exist=True),
             enabled=_env_flag(env, "DSP_DISK_CACHE", default=True),
-            max_bytes=_env_size(env, "DSP_CACHE_MAX_BYTES", DEFAULT_MAX_BYTES),
+            max_bytes=int(config.get("cache_max_bytes", env=env)),  # the one size parser: 4G, 512M, bytes
             force_recompile=_env_flag(env, "DSP_FORCE_RECOMPILE", default=False),
         )
 

@@ -464,7 +464,7 @@ class GenerationPipeline:
         mode: str | None = None,
         *,
         block_size: int = 8,
-        strict: bool = False,
+        strict: bool | None = None,
         block_capture: bool | None = None,
     ) -> None:
         import dsp_core as dsp
@@ -473,7 +473,7 @@ class GenerationPipeline:
             self.prefill_model = model if mode is None else dsp.compile(model.graph, mode=mode, strict=strict)
         else:
             source = str(model) if isinstance(model, Path) else model
-            self.prefill_model = dsp.compile(source, mode=mode or "auto", strict=strict)
+            self.prefill_model = dsp.compile(source, mode=mode, strict=strict)  # None: DSP_MODE, DSP_STRICT
         self.mode = self.prefill_model.mode
         self.graph = self.prefill_model.graph
         if not past_inputs(self.graph):
