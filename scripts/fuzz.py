@@ -805,9 +805,13 @@ def same_outputs(a: dict[str, Any], b: dict[str, Any]) -> str | None:
         if x.dtype != y.dtype or x.shape != y.shape:
             return f"{name}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
         if x.dtype.kind in "fc":
-            with np.errstate(all="ignore"):
-                if not np.allclose(x.astype(np.float64), y.astype(np.float64), rtol=1e-4, atol=1e-6, equal_nan=True):
-                    return f"{name}: values differ"
+            # in chunks: a float64 copy of two big outputs must not be what hits the memory cap
+            fx, fy = x.reshape(-1), y.reshape(-1)
+            for at in range(0, fx.size, 1 << 20):
+                cx, cy = fx[at : at + (1 << 20)].astype(np.float64), fy[at : at + (1 << 20)].astype(np.float64)
+                with np.errstate(all="ignore"):
+                    if not np.allclose(cx, cy, rtol=1e-4, atol=1e-6, equal_nan=True):
+                        return f"{name}: values differ"
         elif x.dtype.kind != "V" and not np.array_equal(x, y):
             return f"{name}: values differ"
     return None
