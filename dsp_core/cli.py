@@ -415,13 +415,18 @@ def _load_inputs(specs: list[str]) -> dict[str, np.ndarray]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`dsp run MODEL`."""
+    t_start = time.perf_counter()
+    started = t_start - _process_age()  # the process's start on the perf_counter clock
     import dsp_core
+    from dsp_core import progress
 
     if args.trace:
         _start_trace()
     t0 = time.perf_counter()
+    progress.reset_timings()
     model = dsp_core.compile(args.model, mode=args.mode)
     t_compile = time.perf_counter() - t0
+    compile_steps = progress.timings()
     feeds = _load_inputs(args.input)
     if args.dim and not args.random_inputs:
         raise InputError(f"--dim {' '.join(args.dim)}: --dim sizes the random inputs; add --random-inputs")
@@ -430,6 +435,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     outs = model.run(feeds)
     t_run = time.perf_counter() - t1
+    t_ran = time.perf_counter()
     if args.save:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         for name, arr in outs.items():
@@ -445,6 +451,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     }
     if args.trace:
         report["trace"] = _finish_trace(args.trace)
+    marks = {"started": started, "start": t_start, "compile": t0, "compiled": t0 + t_compile, "fed": t1, "ran": t_ran}
+    report["times_ms"] = run_times(marks, compile_steps, time.perf_counter())
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -453,6 +461,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{'  (declined: ' + report['declined'] + ')' if report['declined'] else ''}"
     )
     print(f"compile {report['compile_ms']:.1f} ms, run {report['run_ms']:.2f} ms")
+    print(_render_times(report["times_ms"]))
     rows = [["output", "dtype", "shape", "min", "mean", "max"]]
     for name, st in report["outputs"].items():
         rows.append([name, st["dtype"], str(tuple(st["shape"])), _g(st["min"]), _g(st["mean"]), _g(st["max"])])
@@ -464,6 +473,51 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"\ntrace: {trace['path']} ({trace['events']} events; open it in ui.perfetto.dev); top ops:")
         print(render_top_ops(trace["top_ops"]))
     return 0
+
+
+def _process_age() -> float:
+    """Seconds since this process started (Linux: /proc, 10 ms resolution); 0.0 where unknown."""
+    try:
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, in ticks since boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def run_times(marks: dict[str, float], compile_steps: list[tuple[str, float]], end: float) -> dict[str, Any]:
+    """Where `dsp run`'s wall time went, in ms: contiguous parts that add up to ``total``.
+
+    ``startup`` is the interpreter's start and every import (numpy, onnx, DSP, its
+    backends) up to the command, ``compile`` the model's (broken down by its progress
+    steps, the rest ``other``), then building the feeds, the run, and the output
+    (statistics, saving).
+    """
+    ms = {
+        "startup": marks["compile"] - marks["started"],
+        "compile": marks["compiled"] - marks["compile"],
+        "feeds": marks["fed"] - marks["compiled"],
+        "run": marks["ran"] - marks["fed"],
+        "output": end - marks["ran"],
+    }
+    steps: dict[str, float] = {}
+    for label, seconds in compile_steps:
+        steps[label] = steps.get(label, 0.0) + seconds
+    steps["other"] = max(0.0, ms["compile"] - sum(steps.values()))
+    out: dict[str, Any] = {k: round(v * 1e3, 3) for k, v in ms.items()}
+    out["compile_steps"] = {k: round(v * 1e3, 3) for k, v in steps.items()}
+    out["total"] = round((end - marks["started"]) * 1e3, 3)
+    return out
+
+
+def _render_times(t: dict[str, Any]) -> str:
+    steps = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in t["compile_steps"].items() if v >= 5 or k != "other")
+    parts = [f"{k} {t[k] / 1e3:.2f}" + (f" ({steps})" if k == "compile" else "") for k in _TIME_PARTS]
+    return f"time {t['total'] / 1e3:.2f} s = " + " + ".join(parts)
+
+
+_TIME_PARTS = ("startup", "compile", "feeds", "run", "output")
 
 
 def _start_trace() -> None:
