@@ -38,7 +38,9 @@ def test_every_fuzz_finding_replays_to_its_expected_outcome() -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "DSP_DISK_CACHE": "0"},
+        # a loaded machine must not change an outcome: the one that needs ONNX's inferred types
+        # (sub_int64_float32_typed_by_inference) must not lose them to the sandbox's timeout
+        env={**os.environ, "DSP_DISK_CACHE": "0", "DSP_SHAPE_INFERENCE_TIMEOUT": "120"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     seen = {}
@@ -51,4 +53,4 @@ def test_every_fuzz_finding_replays_to_its_expected_outcome() -> None:
     for stem, want in EXPECTED.items():
         got, seconds = seen[stem]
         assert got == want, f"{stem}: {got}, expected {want}"
-        assert seconds < 5, f"{stem} took {seconds} s"
+        assert seconds < 10, f"{stem} took {seconds} s"  # the MaxPool one took 14 s before its fix
