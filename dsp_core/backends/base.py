@@ -8,6 +8,7 @@ public method checks and records, the backend writes only the underscored part.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import BackendError, BackendUnavailableError
 
 if TYPE_CHECKING:
+    from dsp_core.plan.fusion import FusionPolicy
     from dsp_core.plan.plan import Plan, Segment
 
 
@@ -261,6 +263,7 @@ class Backend:
         if not avail.ok:
             raise BackendUnavailableError(f"backend {self.name} ({self.mode.name}) is unavailable: {avail.reason}")
         start = time.perf_counter()
+        segment = self._grouped(plan, segment)
         try:
             compiled = self._compile(plan, segment)
         except BackendError:
@@ -281,6 +284,35 @@ class Backend:
 
     def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
         raise NotImplementedError(f"backend {self.name} does not implement _compile")
+
+    # -- fusion (dsp_core/plan/fusion.py, docs/fusion.md) --------------------------------
+    def fusion_policy(self) -> FusionPolicy | None:
+        """What this backend's templates can fuse (``merge_ok`` and template limits); None: no fusion.
+
+        The core groups each segment it compiles with this policy (``Segment.groups``);
+        ``dsp_core.plan.fusion.REFERENCE_POLICY`` describes the Triton templates of fusion.md.
+        """
+        return None
+
+    def _grouped(self, plan: Plan, segment: Segment) -> Segment:
+        """``segment`` with its fusion groups under this backend's policy (unchanged without one)."""
+        if segment.groups or len(segment.slots) < 2:
+            return segment
+        try:
+            policy = self.fusion_policy()
+            if policy is None:
+                return segment
+            from dsp_core.plan.fusion import propose_groups
+
+            groups = propose_groups(plan, segment.slots, policy).slot_groups()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (a broken policy: the compile fails, the next backend runs it)
+            raise BackendFault(
+                f"backend {self.name}'s fusion policy failed on segment {segment.index}: {describe(exc)}; "
+                "fix its fusion_policy() or uninstall it"
+            ) from exc
+        return dataclasses.replace(segment, groups=groups)
 
     # -- device placement of fed inputs (used by dsp_core.runtime.staging) ---------------
     # A backend whose kernels read device memory overrides both: the core then stages the

@@ -183,3 +183,6 @@ class Segment:
     backend: str
     mode: str
     slots: tuple[int, ...]
+    # Fusion groups (dsp_core.plan.fusion), in the order they run; each group's slots in
+    # plan order. Empty: no fusion, the slots run in plan order (every backend by default).
+    groups: tuple[tuple[int, ...], ...] = ()

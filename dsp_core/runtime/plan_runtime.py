@@ -33,7 +33,7 @@ from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStat
 from dsp_core.backends.guard import describe
 from dsp_core.diag import Category, Level
 from dsp_core.errors import DSPError
-from dsp_core.ops.registry import Trait
+from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_core.runtime.lifecycle import (
     PLAN_TRANSITIONS,
@@ -216,27 +216,8 @@ class PlanRuntime:
         return [(flat, values[flat]) for flat, _, _ in self.feed_shapes]
 
     def _detect_sealed(self) -> set[int]:
-        """Slots that depend on no fed input and draw no random numbers.
-
-        A shape-only op (Shape, Size) of a fed input does not taint: the shape is frozen.
-        """
-        plan = self.plan
-        tainted = {plan.external_ref(k) for k, e in enumerate(plan.externals) if e.cls is not ExternalClass.CONSTANT}
-        tainted |= {plan.external_ref(k) for k, e in enumerate(plan.externals) if e.name in self.variables}
-        sealed: set[int] = set()
-        for slot in plan.slots:
-            reads = [r for r in slot.inputs if r is not None]
-            if slot.traits & Trait.SHAPE_ONLY_OUTPUT:
-                # Shapes are frozen, so a fed input's shape is a constant; but a computed
-                # value's shape can only be read once that value exists, at run time.
-                dirty = any(r >= 0 and r in tainted for r in reads)
-            else:
-                dirty = bool(slot.traits & Trait.RANDOM) or any(r in tainted for r in reads)
-            if dirty:
-                tainted.update(v for v in slot.outputs if v is not None)
-            else:
-                sealed.add(slot.index)
-        return sealed
+        """Slots that depend on no fed input and draw no random numbers (``fusion.sealed_slots``)."""
+        return sealed_slots(self.plan, self.variables)
 
     def _build_units(self, sealed: set[int], owner: dict[int, Segment]) -> list[Unit]:
         units: list[Unit] = []

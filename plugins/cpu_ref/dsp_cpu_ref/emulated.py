@@ -38,7 +38,7 @@ class EmulatedSegment(SlotBySlotSegment):
         # MUTATES_INPUT slots: output flat index -> flat index of the input it aliases.
         self._aliases = {
             outs: ins[0]
-            for s, (_, ins, outs, _) in zip(segment.slots, self._steps)
+            for s, (_, ins, outs, _) in zip(self._order, self._steps)
             if plan.slots[s].traits & Trait.MUTATES_INPUT and isinstance(outs, int) and outs != plan.scratch
         }
         produced = {o for _, _, outs, _ in self._steps for o in _as_tuple(outs)} - {plan.scratch}

@@ -24,7 +24,7 @@ from dsp_core.errors import DSPError, ShapeError
 from dsp_core.ir import dtypes
 from dsp_core.ops.registry import TensorInfo, Trait, lookup
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
-from dsp_cpu_ref.slot_by_slot import bind_steps
+from dsp_cpu_ref.slot_by_slot import bind_steps, run_order
 
 Dims = tuple[int, ...]
 
@@ -49,7 +49,7 @@ class ShapeOnlySegment(CompiledSegment):
         super().__init__(backend, segment)
         self._plan = plan
         self._steps = bind_steps(plan, segment)
-        self._opdefs = [lookup(plan.slots[s].op, plan.slots[s].domain) for s in segment.slots]
+        self._opdefs = [lookup(plan.slots[s].op, plan.slots[s].domain) for s in run_order(segment)]
         fed = {
             plan.flat(plan.external_ref(k))
             for k, e in enumerate(plan.externals)
@@ -63,7 +63,7 @@ class ShapeOnlySegment(CompiledSegment):
             x = values[flat]
             if isinstance(x, np.ndarray) and not _shape_like(x):
                 values[flat] = abstract(x.dtype, x.shape)
-        for s, opdef, (kernel, ins, outs, releases) in zip(self.segment.slots, self._opdefs, self._steps):
+        for s, opdef, (kernel, ins, outs, releases) in zip(run_order(self.segment), self._opdefs, self._steps):
             args = [values[i] for i in ins]
             rule = opdef.shape_rule
             slot = self._plan.slots[s]

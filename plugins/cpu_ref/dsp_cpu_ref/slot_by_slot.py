@@ -28,15 +28,36 @@ from dsp_core.backends.base import Backend, CompiledSegment
 from dsp_core.errors import DSPError, KernelError
 from dsp_core.ir.graph import Value
 from dsp_core.ops.registry import KernelContext, lookup
+from dsp_core.plan.fusion import release_order
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 
 Step = tuple[Any, tuple[int, ...], Any, tuple[int, ...]]
 
 
+def run_order(segment: Segment) -> tuple[int, ...]:
+    """The order a segment's slots run in: its fusion groups one after another, else plan order.
+
+    Running a group's slots in order is how the reference executes any fusion group, so a
+    grouped plan is checked on a CPU against the ungrouped one (docs/fusion.md).
+    """
+    if not segment.groups:
+        return segment.slots
+    order = tuple(s for group in segment.groups for s in group)
+    if sorted(order) != sorted(segment.slots):
+        raise DSPError(
+            f"segment {segment.index}'s fusion groups cover slots {sorted(order)[:8]}..., not its own "
+            f"{list(segment.slots[:8])}...: the fusion policy of backend {segment.backend} is broken; "
+            "fix its fusion_policy() or run without it"
+        )
+    return order
+
+
 def bind_steps(plan: Plan, segment: Segment, xp: Any = np, specialize: bool = True) -> list[Step]:
-    """A segment's slots as steps: (bound kernel, input indexes, output index(es), releases)."""
+    """A segment's slots as steps (in ``run_order``): (bound kernel, input indexes, output index(es), releases)."""
     steps: list[Step] = []
-    for s in segment.slots:
+    order = run_order(segment)
+    released = release_order(plan, order) if segment.groups else None
+    for s in order:
         slot = plan.slots[s]
         opdef = lookup(slot.op, slot.domain)
         ctx = KernelContext(xp, slot.opset, len(slot.inputs), len(slot.outputs), slot.name)
@@ -53,7 +74,7 @@ def bind_steps(plan: Plan, segment: Segment, xp: Any = np, specialize: bool = Tr
             outs = plan.flat(slot.outputs[0]) if slot.outputs[0] is not None else plan.scratch
         else:
             outs = tuple(plan.flat(v) if v is not None else plan.scratch for v in slot.outputs)
-        releases = tuple(plan.flat(v) for v in plan.release[s])
+        releases = tuple(plan.flat(v) for v in (plan.release[s] if released is None else released[s]))
         steps.append((kernel, ins, outs, releases))
     return steps
 
@@ -92,6 +113,7 @@ class SlotBySlotSegment(CompiledSegment):
     def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
         super().__init__(backend, segment)
         self._plan = plan
+        self._order = run_order(segment)  # the slot of each step
         self._steps = bind_steps(plan, segment)
         self._run, self._first_line = generate(self._steps, f"{plan.graph_name}#{segment.index}")
         self._timed_run: Any = None  # diag: the timed variant, generated on first use
@@ -116,7 +138,7 @@ class SlotBySlotSegment(CompiledSegment):
         try:
             self._timed_run(values, times)
         finally:
-            names = [(s, self._plan.slots[s].op, self._plan.slots[s].name) for s in self.segment.slots]
+            names = [(s, self._plan.slots[s].op, self._plan.slots[s].name) for s in self._order]
             diag.record_segment(self.segment.index, self.backend.name, names, times)
 
     def _error(self, exc: Exception) -> KernelError:
@@ -129,7 +151,7 @@ class SlotBySlotSegment(CompiledSegment):
                 line = tb.tb_lineno
             tb = tb.tb_next
         k = (line - self._first_line) if line is not None else 0
-        slot = self._plan.slots[self.segment.slots[max(0, min(k, len(self.segment.slots) - 1))]]
+        slot = self._plan.slots[self._order[max(0, min(k, len(self._order) - 1))]]
         return KernelError(f'{slot.op} node "{slot.name}" (slot {slot.index}) failed: {type(exc).__name__}: {exc}')
 
 
@@ -212,4 +234,4 @@ def _region_kernel(plan: Plan, s: int, kernel: Any, xp: Any) -> Any:
     return call
 
 
-__all__ = ["SlotBySlotSegment", "SubPlanRunner", "bind_steps", "generate"]
+__all__ = ["SlotBySlotSegment", "SubPlanRunner", "bind_steps", "generate", "run_order"]

@@ -1,0 +1,637 @@
+"""Fusion analysis: pattern kinds, iteration spaces and greedy fusion groups of a segment.
+
+Backend-neutral (docs/fusion.md). Every live slot gets a pattern kind (TVM's
+OpPatternKind) and an iteration space ``(numel, rnumel)`` (Inductor's). ``propose_groups``
+walks a segment's slots in topological order and puts each slot into the group of one
+of its producers when the core's legality rules and the backend's ``FusionPolicy`` both
+allow it, else opens a new group:
+
+- no cycle between groups (Inductor's ``will_fusion_create_cycle``), counting the
+  ordering edges of MUTATES_INPUT slots (a reader of a buffer runs before its in-place write);
+- one reduction stage per group (tinygrad's grouper): reductions of one group share the
+  row space and none reads another's result;
+- the output of an injective op (reshape, transpose, slice, gather, ...) fuses only when
+  every read of it is the same index: here, when its one reader is the slot joining;
+- an opaque slot (control flow, random, dynamic output size, unknown) is a group alone.
+
+Groups are *dependency-ordered*, not necessarily contiguous: ``FusionResult.schedule()``
+gives an order (groups in topological order, each group's slots in plan order) that
+respects every data and mutation edge, and the reference backend runs a grouped segment
+in exactly that order, so grouping is tested on a CPU against the ungrouped plan.
+
+Groups are a pure function of (plan, the segment's live slots, the policy); they are
+computed when a segment is compiled (``Backend.compile``) and carried on the Segment.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsp_core.ops.registry import Trait
+from dsp_core.plan.plan import Dim, ExternalClass, Plan
+
+
+class PatternKind(enum.Enum):
+    """How a slot's output indexes relate to its inputs' (TVM's OpPatternKind)."""
+
+    ELEMENTWISE = "elementwise"  # out[i] = f(in[i]), every input of the output's shape
+    BROADCAST = "broadcast"  # elementwise after broadcasting a smaller input
+    INJECTIVE = "injective"  # out[i] = in[g(i)]: reshape, transpose, slice, concat, gather, expand
+    ROW_REDUCTION = "row_reduction"  # reduces the last axis (Reduce*, Softmax, LayerNorm, ArgMax)
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    OPAQUE = "opaque"  # anything a template cannot take: control flow, random, other reductions
+
+
+# Injective ops that only relabel indexes (a view on a contiguous buffer): no kernel of their own.
+VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+INJECTIVE_OPS = VIEW_OPS | frozenset(
+    {"Transpose", "Slice", "Concat", "Gather", "Expand", "Split", "Pad", "Tile", "DepthToSpace", "SpaceToDepth"}
+)
+MATMUL_OPS = frozenset({"MatMul", "Gemm", "MatMulInteger", "QLinearMatMul", "Conv", "ConvTranspose", "Einsum"})
+# Ops that reduce the axis named by their ``axis`` attribute (default last) row by row.
+ROW_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
+OPAQUE_TRAITS = Trait.CONTROL_FLOW | Trait.RANDOM | Trait.DYNAMIC_OUTPUT_SIZE
+
+
+@dataclass(frozen=True)
+class SlotPattern:
+    """A slot's pattern kind and iteration space: ``numel`` outer points x ``rnumel`` reduced ones."""
+
+    kind: PatternKind
+    numel: int | None  # elements of the output (of the outer space, for a reduction); None: not static
+    rnumel: int = 1  # elements reduced per output point (1 unless a row reduction)
+
+
+@dataclass(frozen=True)
+class FusionLimits:
+    """What a backend's templates can hold."""
+
+    max_nodes: int = 64  # slots per group
+    max_inputs: int = 16  # distinct values a group reads from outside (kernel arguments)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A fusion group: slots (plan order), the template that would run them, values it publishes."""
+
+    index: int
+    template: str
+    slots: tuple[int, ...]
+    outputs: tuple[int, ...]  # value ids that must be stored: read outside, plan outputs, mutated buffers
+    kernels: int  # kernels a step launches for it (0: a pure view)
+
+    def as_dict(self, plan: Plan) -> dict[str, Any]:
+        """JSON-able form for `dsp plan fuse` and `dsp plan explain`."""
+        return {
+            "index": self.index,
+            "template": self.template,
+            "slots": list(self.slots),
+            "ops": [plan.slots[s].op for s in self.slots],
+            "outputs": [plan.values[v].name for v in self.outputs],
+            "kernels": self.kernels,
+        }
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A producer and a consumer slot left in different groups, and the rule that stopped them."""
+
+    producer: int
+    consumer: int
+    reason: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {"producer": self.producer, "consumer": self.consumer, "reason": self.reason}
+
+
+@dataclass
+class FusionResult:
+    """The groups of one segment, the boundaries between them, and each slot's pattern."""
+
+    policy: str
+    groups: list[Group]
+    boundaries: list[Boundary]
+    patterns: dict[int, SlotPattern]
+    order: tuple[int, ...] = ()  # the schedule: every slot, groups in dependency order
+
+    @property
+    def kernels(self) -> int:
+        """Kernels per step for this segment."""
+        return sum(g.kernels for g in self.groups)
+
+    def slot_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The groups as slot tuples, in schedule order (what a Segment carries)."""
+        return tuple(g.slots for g in self.groups)
+
+    def as_dict(self, plan: Plan) -> dict[str, Any]:
+        """JSON-able form."""
+        return {
+            "policy": self.policy,
+            "slots": len(self.order),
+            "kernels": self.kernels,
+            "groups": [g.as_dict(plan) for g in self.groups],
+            "boundaries": [b.as_dict() for b in self.boundaries],
+        }
+
+
+# -- classification ---------------------------------------------------------------------
+def _numel(shape: tuple[Dim, ...] | None) -> int | None:
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    total = 1
+    for d in shape:
+        total *= int(d)  # type: ignore[arg-type]
+    return total
+
+
+def _last_axis_only(plan: Plan, s: int) -> bool:
+    """True when a reduction slot reduces exactly the last axis of its input."""
+    slot = plan.slots[s]
+    _, shape = plan.ref_info(slot.inputs[0]) if slot.inputs else (None, None)
+    if shape is None:
+        return False
+    rank = len(shape)
+    if slot.op in ROW_OPS or slot.op in ("ArgMax", "ArgMin"):
+        axis = int(slot.attrs.get("axis", -1))
+        return axis % max(rank, 1) == rank - 1
+    axes = slot.attrs.get("axes")
+    if axes is None and len(slot.inputs) > 1 and slot.inputs[1] is not None:
+        ref = slot.inputs[1]
+        if ref < 0 and (-ref - 1) in plan.constants:
+            axes = [int(a) for a in plan.constants[-ref - 1].reshape(-1)]
+        else:
+            return False
+    if axes is None:
+        return rank == 1  # all axes reduced: a row only when there is one axis
+    return [int(a) % max(rank, 1) for a in axes] == [rank - 1]
+
+
+def classify(plan: Plan, s: int) -> SlotPattern:
+    """The pattern kind and iteration space of slot ``s``."""
+    slot = plan.slots[s]
+    out = next((v for v in slot.outputs if v is not None), None)
+    numel = _numel(plan.ref_info(out)[1]) if out is not None else None
+    if slot.traits & OPAQUE_TRAITS or slot.traits & Trait.MUTATES_INPUT or s in plan.regions:
+        return SlotPattern(PatternKind.OPAQUE, numel)
+    if slot.traits & Trait.ATTENTION:
+        return SlotPattern(PatternKind.ATTENTION, numel)
+    if slot.op in MATMUL_OPS:
+        return SlotPattern(PatternKind.MATMUL, numel)
+    if slot.op in ROW_OPS or slot.traits & Trait.REDUCTION:
+        shape = plan.ref_info(slot.inputs[0])[1] if slot.inputs else None
+        if _last_axis_only(plan, s) and shape is not None and isinstance(shape[-1], int):
+            total = _numel(shape)
+            rnumel = int(shape[-1])
+            outer = total // rnumel if total is not None and rnumel else None
+            return SlotPattern(PatternKind.ROW_REDUCTION, outer, rnumel)
+        return SlotPattern(PatternKind.OPAQUE, numel)
+    if slot.op in INJECTIVE_OPS:
+        return SlotPattern(PatternKind.INJECTIVE, numel)
+    if slot.traits & Trait.ELEMENTWISE:
+        shapes = [plan.ref_info(r)[1] for r in slot.inputs if r is not None]
+        same = numel is not None and all(_numel(sh) == numel for sh in shapes)
+        return SlotPattern(PatternKind.ELEMENTWISE if same else PatternKind.BROADCAST, numel)
+    return SlotPattern(PatternKind.OPAQUE, numel)
+
+
+def sealed_slots(plan: Plan, variables: Iterable[str] = ()) -> set[int]:
+    """Slots that depend on no fed input and draw no random numbers: computed once at freeze.
+
+    A shape-only op (Shape, Size) of a fed input does not taint: the shape is frozen; but a
+    computed value's shape can only be read once that value exists, at run time.
+    """
+    names = set(variables)
+    tainted = {
+        plan.external_ref(k)
+        for k, e in enumerate(plan.externals)
+        if e.cls is not ExternalClass.CONSTANT or e.name in names
+    }
+    sealed: set[int] = set()
+    for slot in plan.slots:
+        reads = [r for r in slot.inputs if r is not None]
+        if slot.traits & Trait.SHAPE_ONLY_OUTPUT:
+            dirty = any(r >= 0 and r in tainted for r in reads)
+        else:
+            dirty = bool(slot.traits & Trait.RANDOM) or any(r in tainted for r in reads)
+        if dirty:
+            tainted.update(v for v in slot.outputs if v is not None)
+        else:
+            sealed.add(slot.index)
+    return sealed
+
+
+# -- policies ---------------------------------------------------------------------------
+@dataclass
+class GroupView:
+    """A group being formed, as a policy sees it: its slots, their patterns, its template so far."""
+
+    index: int
+    slots: list[int]
+    template: str
+    reduction: SlotPattern | None = None  # the group's reduction stage, if any
+    reductions: list[int] = field(default_factory=list)
+
+
+class FusionPolicy:
+    """What a backend's templates can fuse. The default fuses nothing (every slot a kernel).
+
+    A backend returns one from ``Backend.fusion_policy()``. ``merge_ok`` is asked only
+    after the core's legality rules passed; it answers None (fuse) or the reason not to.
+    ``template_of`` names the template that runs a group and how many kernels it launches.
+    """
+
+    name = "none"
+    limits = FusionLimits(max_nodes=1)
+
+    def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
+        """The template of a new group that starts with slot ``s``."""
+        return "single"
+
+    def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """None when slot ``s`` may join ``group``, else the reason it may not."""
+        return f"policy {self.name} fuses nothing"
+
+    def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
+        """The group's template once slot ``s`` joined it."""
+        return group.template
+
+    def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
+        """Kernels one step launches for a group."""
+        return 1
+
+
+class ReferencePolicy(FusionPolicy):
+    """The reference grouping policy: the Triton templates fusion.md describes, backend-neutral.
+
+    - ``pointwise`` (T1): elementwise and broadcast ops, N inputs, several outputs, plus
+      view ops (reshape and friends) that only relabel indexes;
+    - ``row_reduction`` (T2): one last-axis reduction stage with its prologue (pointwise ops
+      over the row space ``outer x rnumel``) and epilogue (pointwise ops over ``outer`` or
+      ``outer x rnumel``): LayerNorm, the exported RMSNorm chain, Softmax with scale and mask;
+    - ``copy`` (T5): one materialised injective op (transpose, concat, slice, gather,
+      expand) with a pointwise epilogue over its output;
+    - ``view``: view ops alone (no kernel); products, attention and opaque ops are alone.
+    """
+
+    name = "reference"
+    limits = FusionLimits()
+
+    def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
+        kind = pattern.kind
+        if kind in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST):
+            return "pointwise"
+        if kind is PatternKind.ROW_REDUCTION:
+            return "row_reduction"
+        if kind is PatternKind.INJECTIVE:
+            return "view" if plan.slots[s].op in VIEW_OPS else "copy"
+        return kind.value  # matmul, attention, opaque: alone
+
+    def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        kind = pattern.kind
+        if group.template in ("matmul", "attention", "opaque"):
+            return f"group {group.index} is a {group.template} (product templates are the backend's own)"
+        if kind in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE):
+            return f"{plan.slots[s].op} is {kind.value}: no reference template fuses it"
+        if kind is PatternKind.INJECTIVE and plan.slots[s].op not in VIEW_OPS:
+            return f"{plan.slots[s].op} is a materialised copy: it starts a copy group"
+        if kind is PatternKind.ROW_REDUCTION:
+            if group.template not in ("pointwise", "view"):
+                return f"a {group.template} group takes no reduction as prologue"
+            return self._row_space(plan, group, pattern, prologue=True)
+        if group.template == "row_reduction" and group.reduction is not None:
+            return self._epilogue(plan, group, s, pattern)
+        return None
+
+    def _row_space(self, plan: Plan, group: GroupView, red: SlotPattern, prologue: bool) -> str | None:
+        """A prologue must iterate the reduction's row space (outer x rnumel) or its outer space."""
+        if red.numel is None:
+            return "the reduction's rows are not static"
+        for m in group.slots:
+            if not _in_row_space(plan, m, red):
+                return f"prologue slot {m} does not iterate the reduction's row space {red.numel}x{red.rnumel}"
+        return None
+
+    def _epilogue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        red = group.reduction
+        if red is None or red.numel is None:
+            return "the reduction's rows are not static"
+        if not _in_row_space(plan, s, red):
+            return (
+                f"slot {s} iterates {pattern.numel} elements: a different row than the reduction's "
+                f"{red.numel}x{red.rnumel}"
+            )
+        return None
+
+    def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
+        if pattern.kind is PatternKind.ROW_REDUCTION:
+            return "row_reduction"
+        if group.template == "view" and pattern.kind in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST):
+            return "pointwise"
+        return group.template
+
+    def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
+        return 0 if template == "view" else 1
+
+
+def _in_row_space(plan: Plan, s: int, red: SlotPattern) -> bool:
+    """True when slot ``s`` iterates a reduction's outer space, or its rows (last axis = the row)."""
+    out = next((v for v in plan.slots[s].outputs if v is not None), None)
+    shape = plan.ref_info(out)[1] if out is not None else None
+    n = _numel(shape)
+    if n is None or red.numel is None:
+        return False
+    if n == red.numel:
+        return True
+    return n == red.numel * red.rnumel and bool(shape) and shape[-1] == red.rnumel  # type: ignore[index]
+
+
+NO_FUSION = FusionPolicy()
+REFERENCE_POLICY = ReferencePolicy()
+
+
+# -- grouping ---------------------------------------------------------------------------
+def _dependencies(plan: Plan, slots: Sequence[int]) -> dict[int, set[int]]:
+    """For each slot, the slots of ``slots`` it must follow: data edges plus mutation ordering."""
+    inside = set(slots)
+    producer = {v: s for s in slots for v in plan.slots[s].outputs if v is not None}
+    deps: dict[int, set[int]] = {s: set() for s in slots}
+    readers: dict[int, list[int]] = {}  # ref -> slots that read it
+    for s in slots:
+        for r in plan.slots[s].inputs:
+            if r is None:
+                continue
+            if r >= 0 and r in producer and producer[r] != s:
+                deps[s].add(producer[r])
+            readers.setdefault(r, []).append(s)
+    for m in slots:  # an in-place write follows every other read of its buffer
+        slot = plan.slots[m]
+        if slot.traits & Trait.MUTATES_INPUT and slot.inputs and slot.inputs[0] is not None:
+            for r in readers.get(slot.inputs[0], []):
+                if r != m and r in inside:
+                    (deps[m] if r < m else deps[r]).add(r if r < m else m)
+    return deps
+
+
+def _readers(plan: Plan, slots: Sequence[int]) -> dict[int, list[int]]:
+    """Value id -> every slot of the plan that reads it."""
+    readers: dict[int, list[int]] = {}
+    for slot in plan.slots:
+        for r in slot.inputs:
+            if r is not None and r >= 0:
+                readers.setdefault(r, []).append(slot.index)
+    return readers
+
+
+class _Grouper:
+    """The greedy pass; groups only ever grow, so a group's index is stable."""
+
+    def __init__(self, plan: Plan, slots: Sequence[int], policy: FusionPolicy) -> None:
+        self.plan, self.policy = plan, policy
+        self.slots = sorted(slots)
+        self.deps = _dependencies(plan, self.slots)
+        self.readers = _readers(plan, self.slots)
+        self.patterns = {s: classify(plan, s) for s in self.slots}
+        self.group_of: dict[int, int] = {}
+        self.groups: list[GroupView] = []
+        self.ancestors: list[set[int]] = []  # group -> groups it depends on, transitively
+        self.reasons: dict[tuple[int, int], str] = {}  # (producer group, consumer slot) -> why not
+
+    def run(self) -> None:
+        for s in self.slots:
+            pattern = self.patterns[s]
+            preds = [self.group_of[p] for p in sorted(self.deps[s])]
+            chosen = None
+            for g in dict.fromkeys(reversed(preds)):  # the nearest producer's group first
+                reason = self._legal(g, s, pattern)
+                if reason is None:
+                    chosen = g
+                    break
+                self.reasons[(g, s)] = reason
+            if chosen is None:
+                chosen = self._open(s, pattern)
+            else:
+                self._join(chosen, s, pattern)
+            for g in set(preds) - {chosen}:
+                self.reasons.setdefault((g, s), f"slot {s} joined group {chosen} first")
+
+    def _legal(self, g: int, s: int, pattern: SlotPattern) -> str | None:
+        """The core's rules, then the policy's; None when slot ``s`` may join group ``g``."""
+        group, plan = self.groups[g], self.plan
+        if pattern.kind is PatternKind.OPAQUE:
+            return f"{plan.slots[s].op} is opaque ({_opaque_why(plan, s)}): always a group alone"
+        if len(group.slots) >= self.policy.limits.max_nodes:
+            return f"group {g} holds {len(group.slots)} slots, the template limit"
+        others = {self.group_of[p] for p in self.deps[s]} - {g}
+        cyclic = sorted(h for h in others if g in self.ancestors[h])
+        if cyclic:
+            return f"fusing would create a cycle through group {cyclic[0]}"
+        if pattern.kind is PatternKind.ROW_REDUCTION and group.reduction is not None:
+            red = group.reduction
+            if (red.numel, red.rnumel) != (pattern.numel, pattern.rnumel):
+                return f"group {g} already reduces rows of {red.numel}x{red.rnumel} (one reduction stage per kernel)"
+            if any(self._reads_through(s, r, group) for r in group.reductions):
+                return f"slot {s} reads group {g}'s reduction: a second reduction stage"
+        members = set(group.slots)
+        for r in plan.slots[s].inputs:
+            if r is None or r < 0 or self._producer_in(r, members) is None:
+                continue
+            p = self._producer_in(r, members)
+            assert p is not None
+            if self.patterns[p].kind is PatternKind.INJECTIVE and len(set(self.readers.get(r, []))) > 1:
+                return (
+                    f"{plan.slots[p].op} slot {p}'s output has {len(set(self.readers[r]))} readers: "
+                    "an injective op fuses only when every read uses the same index"
+                )
+        if len(self._inputs_with(group, s)) > self.policy.limits.max_inputs:
+            return f"the group would read more than {self.policy.limits.max_inputs} inputs, the template limit"
+        return self.policy.merge_ok(plan, group, s, pattern)
+
+    def _producer_in(self, r: int, members: set[int]) -> int | None:
+        return next((m for m in members if r in self.plan.slots[m].outputs), None)
+
+    def _reads_through(self, s: int, r: int, group: GroupView) -> bool:
+        """True when slot ``s`` depends on slot ``r`` through slots of ``group`` (or directly)."""
+        members, seen, stack = set(group.slots), set(), [s]
+        while stack:
+            x = stack.pop()
+            for p in self.deps.get(x, ()):
+                if p == r:
+                    return True
+                if p in members and p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        return False
+
+    def _inputs_with(self, group: GroupView, s: int) -> set[int]:
+        members = set(group.slots) | {s}
+        produced = {v for m in members for v in self.plan.slots[m].outputs if v is not None}
+        return {r for m in members for r in self.plan.slots[m].inputs if r is not None and r not in produced}
+
+    def _open(self, s: int, pattern: SlotPattern) -> int:
+        g = len(self.groups)
+        view = GroupView(g, [s], self.policy.seed(self.plan, s, pattern))
+        if pattern.kind is PatternKind.ROW_REDUCTION:
+            view.reduction, view.reductions = pattern, [s]
+        self.groups.append(view)
+        preds = {self.group_of[p] for p in self.deps[s]}
+        self.ancestors.append(set(preds).union(*(self.ancestors[h] for h in preds)) if preds else set())
+        self.group_of[s] = g
+        return g
+
+    def _join(self, g: int, s: int, pattern: SlotPattern) -> None:
+        group = self.groups[g]
+        group.template = self.policy.joined(group, s, pattern)
+        group.slots.append(s)
+        if pattern.kind is PatternKind.ROW_REDUCTION:
+            group.reduction = group.reduction or pattern
+            group.reductions.append(s)
+        self.group_of[s] = g
+        preds = {self.group_of[p] for p in self.deps[s]} - {g}
+        if preds:
+            added = set(preds).union(*(self.ancestors[h] for h in preds))
+            self.ancestors[g] |= added
+            for k, anc in enumerate(self.ancestors):  # whoever depends on g now depends on those too
+                if g in anc and k != g:
+                    anc |= added
+
+    def result(self) -> FusionResult:
+        plan = self.plan
+        order = self._schedule()
+        inside: dict[int, set[int]] = {g.index: set(g.slots) for g in self.groups}
+        mutated = {v for s in self.slots if plan.slots[s].traits & Trait.MUTATES_INPUT for v in plan.slots[s].outputs}
+        groups: list[Group] = []
+        for new, g in enumerate(order):
+            view = self.groups[g]
+            members = sorted(view.slots)
+            produced = sorted({v for m in members for v in plan.slots[m].outputs if v is not None})
+            outputs = tuple(
+                v
+                for v in produced
+                if v in plan.outputs or v in mutated or any(r not in inside[g] for r in self.readers.get(v, []))
+            )
+            kernels = self.policy.kernels(plan, view.template, members)
+            groups.append(Group(new, view.template, tuple(members), outputs, kernels))
+        renumber = {g: new for new, g in enumerate(order)}
+        boundaries = [
+            Boundary(p, s, self.reasons.get((self.group_of[p], s), "not fused"))
+            for s in self.slots
+            for p in sorted(self.deps[s])
+            if self.group_of[p] != self.group_of[s]
+        ]
+        boundaries = [Boundary(b.producer, b.consumer, _renumbered(b.reason, renumber)) for b in boundaries]
+        schedule = tuple(s for g in groups for s in g.slots)
+        return FusionResult(self.policy.name, groups, boundaries, self.patterns, schedule)
+
+    def _schedule(self) -> list[int]:
+        """Groups in dependency order, the one holding the earliest slot first among those ready."""
+        n = len(self.groups)
+        succ: list[set[int]] = [set() for _ in range(n)]
+        indegree = [0] * n
+        for s in self.slots:
+            for p in self.deps[s]:
+                a, b = self.group_of[p], self.group_of[s]
+                if a != b and b not in succ[a]:
+                    succ[a].add(b)
+                    indegree[b] += 1
+        ready = [(min(g.slots), g.index) for g in self.groups if indegree[g.index] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            _, g = heapq.heappop(ready)
+            order.append(g)
+            for h in succ[g]:
+                indegree[h] -= 1
+                if indegree[h] == 0:
+                    heapq.heappush(ready, (min(self.groups[h].slots), h))
+        if len(order) != n:  # the cycle check makes this unreachable; say so loudly if it is not
+            from dsp_core.errors import DSPError
+
+            raise DSPError(
+                f"fusion grouping of {self.plan.graph_name} made a cycle between groups "
+                f"(policy {self.policy.name}); this is a DSP bug: report it with the model, "
+                "and run without the fusing backend meanwhile"
+            )
+        return order
+
+
+def _renumbered(reason: str, renumber: dict[int, int]) -> str:
+    """Group numbers in reasons follow the schedule's numbering."""
+    import re
+
+    return re.sub(r"group (\d+)", lambda m: f"group {renumber.get(int(m.group(1)), int(m.group(1)))}", reason)
+
+
+def _opaque_why(plan: Plan, s: int) -> str:
+    slot = plan.slots[s]
+    if slot.traits & Trait.MUTATES_INPUT:
+        return "writes its input in place"
+    if slot.traits & Trait.CONTROL_FLOW or s in plan.regions:
+        return "control flow"
+    if slot.traits & Trait.RANDOM:
+        return "random"
+    if slot.traits & Trait.DYNAMIC_OUTPUT_SIZE:
+        return "its output size is known only after it runs"
+    if slot.traits & Trait.REDUCTION:
+        return "a reduction over other than the last axis"
+    return "no pattern a template takes"
+
+
+def propose_groups(plan: Plan, slots: Sequence[int], policy: FusionPolicy | None = None) -> FusionResult:
+    """Fusion groups of ``slots`` (one segment's live slots) under ``policy`` (None: no fusion)."""
+    grouper = _Grouper(plan, slots, policy or NO_FUSION)
+    grouper.run()
+    return grouper.result()
+
+
+def release_order(plan: Plan, order: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """Per slot of ``order``, the values to release after it when the slots run in that order.
+
+    ``plan.release`` is for plan order; a grouped schedule may run a value's last reader
+    (in plan order) before another reader of the same segment, so a value is released
+    after whichever of its readers within ``order`` runs last.
+    """
+    last_reader: dict[int, int] = {}  # value -> the slot of ``order`` that touches it last
+    for s in order:
+        slot = plan.slots[s]
+        for v in (*slot.inputs, *slot.outputs):
+            if v is not None and v >= 0:
+                last_reader[v] = s
+    released: dict[int, list[int]] = {s: [] for s in order}
+    for s in order:
+        for v in plan.release[s]:
+            released[last_reader.get(v, s)].append(v)
+    return {s: tuple(vs) for s, vs in released.items()}
+
+
+def segment_fusion(
+    plan: Plan, slots: Sequence[int], policy: FusionPolicy | None, variables: Iterable[str] = ()
+) -> FusionResult:
+    """Groups of a segment's slots once sealed slots (computed once at freeze) are left out."""
+    sealed = sealed_slots(plan, variables)
+    return propose_groups(plan, [s for s in slots if s not in sealed], policy)
+
+
+__all__ = [
+    "NO_FUSION",
+    "REFERENCE_POLICY",
+    "Boundary",
+    "FusionLimits",
+    "FusionPolicy",
+    "FusionResult",
+    "Group",
+    "GroupView",
+    "PatternKind",
+    "ReferencePolicy",
+    "SlotPattern",
+    "classify",
+    "propose_groups",
+    "release_order",
+    "sealed_slots",
+    "segment_fusion",
+]
