@@ -99,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
     expl.set_defaults(func=cmd_plan_explain)
+    fuse = plan.add_parser("fuse", help="fusion groups: each group's template and slots, kernels vs slots per step")
+    fuse.add_argument("model")
+    fuse.add_argument("--backend", help="group with this backend's fusion policy (default: the reference policy)")
+    fuse.add_argument("--decode", action="store_true", help="the decode plan GenerationPipeline builds (fixed KV)")
+    fuse.add_argument("--max-length", type=int, default=64, metavar="L", help="KV buffer length for --decode (64)")
+    fuse.add_argument("--json", action="store_true")
+    fuse.set_defaults(func=cmd_plan_fuse)
 
     cache = sub.add_parser("cache", help="the on-disk plan cache (DSP_CACHE_DIR)").add_subparsers(
         title="cache commands"
@@ -734,7 +741,82 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
         )
         for d in seg["declines"]:
             print(f"    slot {d['slot']} {d['op']}: {d['backend']} declined ({d['reason']}: {d['detail']})")
+        fusion = seg.get("fusion")
+        if fusion:  # the winner's fusion policy grouped the segment
+            print(f"    fusion ({fusion['policy']}): {fusion['slots']} slots -> {fusion['kernels']} kernels")
+            for g in fusion["groups"]:
+                print(f"      group {g['index']} [{g['template']}]: slots {g['slots']}")
+            for b in fusion["boundaries"]:
+                print(f"      boundary slot {b['producer']} -> {b['consumer']}: {b['reason']}")
     print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")
+    return 0
+
+
+def fuse_report(path: str, backend: str | None = None, decode: bool = False, max_length: int = 64) -> dict[str, Any]:
+    """What `dsp plan fuse` prints, as a dict: groups per segment, kernels vs slots per step."""
+    from dsp_core.backends.discovery import discover
+    from dsp_core.plan.fusion import NO_FUSION, REFERENCE_POLICY, FusionPolicy, segment_fusion
+
+    registry = discover()
+    policy: FusionPolicy = REFERENCE_POLICY
+    if backend is not None:
+        found = next((b for b in registry.backends if b.name == backend), None)
+        if found is None:
+            names = ", ".join(b.name for b in registry.backends)
+            raise DSPError(f"--backend {backend}: no installed backend has that name; installed: {names}")
+        policy = found.fusion_policy() or NO_FUSION  # pure Python: no device needed
+    variables: list[str] = []
+    if decode:
+        from dsp_core.llm.pipeline import GenerationPipeline, state_inputs
+
+        decoder = GenerationPipeline(path, max_length=max_length, mode="slot_by_slot").decoder(1)
+        model = decoder.model
+        variables = state_inputs(decoder.fixed, model)
+    else:
+        import dsp_core
+
+        model = dsp_core.compile(path, mode="slot_by_slot")
+    plan, part = model.plan(), model.partition()
+    if plan is None or part is None:
+        raise DSPError(f"{path}: the plan was declined ({model.declined}); nothing to group (it runs interpreted)")
+    results = [segment_fusion(plan, seg.slots, policy, variables) for seg in part.segments]
+    groups = [g.as_dict(plan) for r in results for g in r.groups]
+    live = sum(len(r.order) for r in results)
+    return {
+        "model": path,
+        "decode": decode,
+        "policy": policy.name,
+        "slots": len(plan.slots),
+        "live_slots": live,
+        "sealed": len(plan.slots) - live,
+        "kernels": sum(r.kernels for r in results),
+        "groups": groups,
+        "boundaries": [b.as_dict() for r in results for b in r.boundaries],
+        "templates": {
+            name: sum(1 for g in groups if g["template"] == name) for name in sorted({g["template"] for g in groups})
+        },
+    }
+
+
+def cmd_plan_fuse(args: argparse.Namespace) -> int:
+    """`dsp plan fuse MODEL [--backend NAME] [--decode --max-length L] [--json]`."""
+    report = fuse_report(args.model, args.backend, args.decode, args.max_length)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    what = "decode plan" if report["decode"] else "plan"
+    print(
+        f"{what} of {report['model']}: {report['slots']} slots, {report['live_slots']} run per step "
+        f"({report['sealed']} sealed at freeze) -> {report['kernels']} kernels per step "
+        f"(policy {report['policy']}; templates {report['templates']})"
+    )
+    why = {(b["producer"], b["consumer"]): b["reason"] for b in report["boundaries"]}
+    for g in report["groups"]:
+        slots = " ".join(f"{s}:{op}" for s, op in zip(g["slots"], g["ops"]))
+        print(f"group {g['index']} [{g['template']}] {g['kernels']} kernel(s): {slots}")
+        for (p, c), reason in why.items():
+            if c in g["slots"]:
+                print(f"    not fused with producer slot {p}: {reason}")
     return 0
 
 

@@ -398,20 +398,20 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
             for i in seg.slots
             for name, d in result.declines.get(i, [])
         ]
-        segs.append(
-            {
-                "segment": seg.index,
-                "backend": seg.backend,
-                "mode": seg.mode,
-                "slots": [seg.slots[0], seg.slots[-1]] if seg.slots else [],
-                "n_slots": len(seg.slots),
-                "bids": result.bids.get(seg.index, {}),
-                "declines": declines,
-                "faults": [
-                    f.as_dict() for f in result.faults if f.segment == seg.index or set(f.slots) & set(seg.slots)
-                ],
-            }
-        )
+        entry = {
+            "segment": seg.index,
+            "backend": seg.backend,
+            "mode": seg.mode,
+            "slots": [seg.slots[0], seg.slots[-1]] if seg.slots else [],
+            "n_slots": len(seg.slots),
+            "bids": result.bids.get(seg.index, {}),
+            "declines": declines,
+            "faults": [f.as_dict() for f in result.faults if f.segment == seg.index or set(f.slots) & set(seg.slots)],
+        }
+        fusion = _fusion_of(plan, seg, result.backends.get(seg.backend))
+        if fusion is not None:
+            entry["fusion"] = fusion
+        segs.append(entry)
     return {
         "mode": result.mode.name,
         "chain": [b.name for b in result.chain],
@@ -420,6 +420,19 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
         "notes": result.notes,
         "faults": [f.as_dict() for f in result.faults],
     }
+
+
+def _fusion_of(plan: Plan, seg: Segment, backend: Backend | None) -> dict[str, Any] | None:
+    """The segment's fusion groups and boundaries under its winner's policy (None: it fuses nothing)."""
+    try:
+        policy = backend.fusion_policy() if backend is not None else None
+    except Exception as exc:  # noqa: BLE001  (explain reports; compile is where a broken policy fails)
+        return {"policy": "error", "error": describe(exc), "slots": 0, "kernels": 0, "groups": [], "boundaries": []}
+    if policy is None:
+        return None
+    from dsp_core.plan.fusion import segment_fusion
+
+    return segment_fusion(plan, seg.slots, policy).as_dict(plan)
 
 
 __all__ = [

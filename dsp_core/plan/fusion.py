@@ -191,6 +191,8 @@ def classify(plan: Plan, s: int) -> SlotPattern:
             outer = total // rnumel if total is not None and rnumel else None
             return SlotPattern(PatternKind.ROW_REDUCTION, outer, rnumel)
         return SlotPattern(PatternKind.OPAQUE, numel)
+    if slot.op == "BatchNormalization" and len([v for v in slot.outputs if v is not None]) == 1:
+        return SlotPattern(PatternKind.BROADCAST, numel)  # inference form: a per-channel scale and shift
     if slot.op in INJECTIVE_OPS:
         return SlotPattern(PatternKind.INJECTIVE, numel)
     if slot.traits & Trait.ELEMENTWISE:
@@ -295,7 +297,7 @@ class ReferencePolicy(FusionPolicy):
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         kind = pattern.kind
         if group.template in ("matmul", "attention", "opaque"):
-            return f"group {group.index} is a {group.template} (product templates are the backend's own)"
+            return f"group {group.index} is a {group.template} slot, which runs alone (no reference template fuses it)"
         if kind in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE):
             return f"{plan.slots[s].op} is {kind.value}: no reference template fuses it"
         if kind is PatternKind.INJECTIVE and plan.slots[s].op not in VIEW_OPS:
