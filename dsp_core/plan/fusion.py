@@ -64,7 +64,9 @@ class SlotPattern:
 
     kind: PatternKind
     numel: int | None  # elements of the output (of the outer space, for a reduction); None: not static
-    rnumel: int = 1  # elements reduced per output point (1 unless a row reduction)
+    rnumel: int | None = 1  # elements reduced per output point (1 unless a row reduction)
+    shape: tuple[Dim, ...] | None = None  # the output's shape (dims may be symbolic)
+    row: tuple[Dim, ...] | None = None  # a row reduction's input shape: outer dims, then the row
 
 
 @dataclass(frozen=True)
@@ -150,56 +152,118 @@ def _numel(shape: tuple[Dim, ...] | None) -> int | None:
     return total
 
 
-def _last_axis_only(plan: Plan, s: int) -> bool:
-    """True when a reduction slot reduces exactly the last axis of its input."""
+def _last_axis_only(plan: Plan, s: int, shape: tuple[Dim, ...]) -> bool:
+    """True when a reduction slot reduces exactly the last axis of its input (of ``shape``)."""
     slot = plan.slots[s]
-    _, shape = plan.ref_info(slot.inputs[0]) if slot.inputs else (None, None)
-    if shape is None:
-        return False
     rank = len(shape)
     if slot.op in ROW_OPS or slot.op in ("ArgMax", "ArgMin"):
         axis = int(slot.attrs.get("axis", -1))
         return axis % max(rank, 1) == rank - 1
+    axes = _axes(plan, s)
+    if axes is None:
+        return rank == 1 and not (len(slot.inputs) > 1 and slot.inputs[1] is not None)
+    if not axes:
+        return rank == 1  # all axes reduced: a row only when there is one axis
+    return [a % max(rank, 1) for a in axes] == [rank - 1]
+
+
+def _broadcast(shapes: Sequence[tuple[Dim, ...] | None]) -> tuple[Dim, ...] | None:
+    """The broadcast of shapes (symbolic dims must match exactly), or None when unknown."""
+    if not shapes or any(s is None for s in shapes):
+        return None
+    rank = max(len(s) for s in shapes if s is not None)
+    out: list[Dim] = []
+    for k in range(rank):
+        dims = {s[len(s) - rank + k] for s in shapes if s is not None and len(s) - rank + k >= 0} - {1}
+        if len(dims) > 1 or None in dims:
+            return None
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def _axes(plan: Plan, s: int) -> list[int] | None:
+    """A reduction's axes from its attribute or its constant second input (None: unknown)."""
+    slot = plan.slots[s]
     axes = slot.attrs.get("axes")
     if axes is None and len(slot.inputs) > 1 and slot.inputs[1] is not None:
         ref = slot.inputs[1]
         if ref < 0 and (-ref - 1) in plan.constants:
-            axes = [int(a) for a in plan.constants[-ref - 1].reshape(-1)]
-        else:
-            return False
-    if axes is None:
-        return rank == 1  # all axes reduced: a row only when there is one axis
-    return [int(a) % max(rank, 1) for a in axes] == [rank - 1]
+            return [int(a) for a in plan.constants[-ref - 1].reshape(-1)]
+        return None
+    return [int(a) for a in axes] if axes is not None else None
 
 
-def classify(plan: Plan, s: int) -> SlotPattern:
-    """The pattern kind and iteration space of slot ``s``."""
+def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
+    """Value id -> shape, filling what static inference left unknown for the ops fusion reasons about.
+
+    Elementwise ops broadcast their inputs, row ops keep their input's shape, reductions
+    with constant axes drop or keep those axes; anything else stays as the plan has it.
+    """
+    shapes: dict[int, tuple[Dim, ...] | None] = {}
+
+    def shape(ref: int | None) -> tuple[Dim, ...] | None:
+        if ref is None:
+            return None
+        known = plan.ref_info(ref)[1]
+        return known if known is not None or ref < 0 else shapes.get(ref)
+
+    for slot in plan.slots:
+        out = slot.outputs[0] if slot.outputs else None
+        if out is None:
+            continue
+        got = plan.values[out].shape
+        if got is None and slot.inputs:
+            first = shape(slot.inputs[0])
+            if slot.traits & Trait.ELEMENTWISE:
+                got = _broadcast([shape(r) for r in slot.inputs if r is not None])
+            elif slot.op in ROW_OPS:
+                got = first
+            elif slot.traits & Trait.REDUCTION and first is not None and slot.op not in ("ArgMax", "ArgMin"):
+                axes = _axes(plan, slot.index)
+                if axes is not None:
+                    rank = len(first)
+                    drop = {a % max(rank, 1) for a in axes} if axes else set(range(rank))
+                    keep = int(slot.attrs.get("keepdims", 1))
+                    got = tuple(1 if k in drop else d for k, d in enumerate(first) if keep or k not in drop)
+        shapes[out] = got
+    return shapes
+
+
+def classify(plan: Plan, s: int, shapes: dict[int, tuple[Dim, ...] | None] | None = None) -> SlotPattern:
+    """The pattern kind and iteration space of slot ``s`` (``shapes``: from ``infer_shapes``)."""
     slot = plan.slots[s]
-    out = next((v for v in slot.outputs if v is not None), None)
-    numel = _numel(plan.ref_info(out)[1]) if out is not None else None
+    known = shapes if shapes is not None else {}
+
+    def shape(ref: int | None) -> tuple[Dim, ...] | None:
+        if ref is None:
+            return None
+        info = plan.ref_info(ref)[1]
+        return info if info is not None or ref < 0 else known.get(ref)
+
+    out_shape = shape(next((v for v in slot.outputs if v is not None), None))
+    numel = _numel(out_shape)
     if slot.traits & OPAQUE_TRAITS or slot.traits & Trait.MUTATES_INPUT or s in plan.regions:
-        return SlotPattern(PatternKind.OPAQUE, numel)
+        return SlotPattern(PatternKind.OPAQUE, numel, shape=out_shape)
     if slot.traits & Trait.ATTENTION:
-        return SlotPattern(PatternKind.ATTENTION, numel)
+        return SlotPattern(PatternKind.ATTENTION, numel, shape=out_shape)
     if slot.op in MATMUL_OPS:
-        return SlotPattern(PatternKind.MATMUL, numel)
+        return SlotPattern(PatternKind.MATMUL, numel, shape=out_shape)
     if slot.op in ROW_OPS or slot.traits & Trait.REDUCTION:
-        shape = plan.ref_info(slot.inputs[0])[1] if slot.inputs else None
-        if _last_axis_only(plan, s) and shape is not None and isinstance(shape[-1], int):
-            total = _numel(shape)
-            rnumel = int(shape[-1])
-            outer = total // rnumel if total is not None and rnumel else None
-            return SlotPattern(PatternKind.ROW_REDUCTION, outer, rnumel)
-        return SlotPattern(PatternKind.OPAQUE, numel)
+        row = shape(slot.inputs[0]) if slot.inputs else None
+        if row and _last_axis_only(plan, s, row):
+            rnumel = row[-1] if isinstance(row[-1], int) else None
+            outer = _numel(row[:-1])
+            return SlotPattern(PatternKind.ROW_REDUCTION, outer, rnumel, out_shape, row)
+        return SlotPattern(PatternKind.OPAQUE, numel, shape=out_shape)
     if slot.op == "BatchNormalization" and len([v for v in slot.outputs if v is not None]) == 1:
-        return SlotPattern(PatternKind.BROADCAST, numel)  # inference form: a per-channel scale and shift
+        return SlotPattern(PatternKind.BROADCAST, numel, shape=out_shape)  # inference: per-channel scale, shift
     if slot.op in INJECTIVE_OPS:
-        return SlotPattern(PatternKind.INJECTIVE, numel)
+        return SlotPattern(PatternKind.INJECTIVE, numel, shape=out_shape)
     if slot.traits & Trait.ELEMENTWISE:
-        shapes = [plan.ref_info(r)[1] for r in slot.inputs if r is not None]
-        same = numel is not None and all(_numel(sh) == numel for sh in shapes)
-        return SlotPattern(PatternKind.ELEMENTWISE if same else PatternKind.BROADCAST, numel)
-    return SlotPattern(PatternKind.OPAQUE, numel)
+        ins = [shape(r) for r in slot.inputs if r is not None]
+        same = out_shape is not None and all(sh == out_shape for sh in ins)
+        return SlotPattern(PatternKind.ELEMENTWISE if same else PatternKind.BROADCAST, numel, shape=out_shape)
+    return SlotPattern(PatternKind.OPAQUE, numel, shape=out_shape)
 
 
 def sealed_slots(plan: Plan, variables: Iterable[str] = ()) -> set[int]:
@@ -238,6 +302,7 @@ class GroupView:
     template: str
     reduction: SlotPattern | None = None  # the group's reduction stage, if any
     reductions: list[int] = field(default_factory=list)
+    patterns: dict[int, SlotPattern] = field(default_factory=dict)  # every slot's pattern (shared)
 
 
 class FusionPolicy:
@@ -249,7 +314,7 @@ class FusionPolicy:
     """
 
     name = "none"
-    limits = FusionLimits(max_nodes=1)
+    limits = FusionLimits()
 
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         """The template of a new group that starts with slot ``s``."""
@@ -311,23 +376,20 @@ class ReferencePolicy(FusionPolicy):
         return None
 
     def _row_space(self, plan: Plan, group: GroupView, red: SlotPattern, prologue: bool) -> str | None:
-        """A prologue must iterate the reduction's row space (outer x rnumel) or its outer space."""
-        if red.numel is None:
-            return "the reduction's rows are not static"
+        """A prologue must iterate the reduction's row space (outer x row) or its outer space."""
+        if red.row is None:
+            return "the reduction's rows are not known"
         for m in group.slots:
-            if not _in_row_space(plan, m, red):
-                return f"prologue slot {m} does not iterate the reduction's row space {red.numel}x{red.rnumel}"
+            if not _in_row_space(group.patterns[m], red):
+                return f"prologue slot {m} does not iterate the reduction's row space {_dims(red.row)}"
         return None
 
     def _epilogue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         red = group.reduction
-        if red is None or red.numel is None:
-            return "the reduction's rows are not static"
-        if not _in_row_space(plan, s, red):
-            return (
-                f"slot {s} iterates {pattern.numel} elements: a different row than the reduction's "
-                f"{red.numel}x{red.rnumel}"
-            )
+        if red is None or red.row is None:
+            return "the reduction's rows are not known"
+        if not _in_row_space(pattern, red):
+            return f"slot {s} iterates {_dims(pattern.shape)}: a different row than the reduction's {_dims(red.row)}"
         return None
 
     def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
@@ -341,16 +403,24 @@ class ReferencePolicy(FusionPolicy):
         return 0 if template == "view" else 1
 
 
-def _in_row_space(plan: Plan, s: int, red: SlotPattern) -> bool:
-    """True when slot ``s`` iterates a reduction's outer space, or its rows (last axis = the row)."""
-    out = next((v for v in plan.slots[s].outputs if v is not None), None)
-    shape = plan.ref_info(out)[1] if out is not None else None
-    n = _numel(shape)
-    if n is None or red.numel is None:
+def _strip(shape: tuple[Dim, ...]) -> tuple[Dim, ...]:
+    """``shape`` without its leading 1s (they do not change the iteration order)."""
+    k = 0
+    while k < len(shape) and shape[k] == 1:
+        k += 1
+    return tuple(shape[k:])
+
+
+def _dims(shape: tuple[Dim, ...] | None) -> str:
+    return "an unknown shape" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _in_row_space(pattern: SlotPattern, red: SlotPattern) -> bool:
+    """True when a slot iterates a reduction's rows (outer x row) or its outer space."""
+    if pattern.shape is None or red.row is None:
         return False
-    if n == red.numel:
-        return True
-    return n == red.numel * red.rnumel and bool(shape) and shape[-1] == red.rnumel  # type: ignore[index]
+    outer = tuple(red.row[:-1])
+    return _strip(tuple(pattern.shape)) in {_strip(tuple(red.row)), _strip(outer), _strip((*outer, 1))}
 
 
 NO_FUSION = FusionPolicy()
@@ -398,7 +468,8 @@ class _Grouper:
         self.slots = sorted(slots)
         self.deps = _dependencies(plan, self.slots)
         self.readers = _readers(plan, self.slots)
-        self.patterns = {s: classify(plan, s) for s in self.slots}
+        shapes = infer_shapes(plan)
+        self.patterns = {s: classify(plan, s, shapes) for s in self.slots}
         self.group_of: dict[int, int] = {}
         self.groups: list[GroupView] = []
         self.ancestors: list[set[int]] = []  # group -> groups it depends on, transitively
@@ -435,8 +506,8 @@ class _Grouper:
             return f"fusing would create a cycle through group {cyclic[0]}"
         if pattern.kind is PatternKind.ROW_REDUCTION and group.reduction is not None:
             red = group.reduction
-            if (red.numel, red.rnumel) != (pattern.numel, pattern.rnumel):
-                return f"group {g} already reduces rows of {red.numel}x{red.rnumel} (one reduction stage per kernel)"
+            if red.row != pattern.row:
+                return f"group {g} already reduces rows of {_dims(red.row)} (one reduction stage per kernel)"
             if any(self._reads_through(s, r, group) for r in group.reductions):
                 return f"slot {s} reads group {g}'s reduction: a second reduction stage"
         members = set(group.slots)
@@ -477,7 +548,7 @@ class _Grouper:
 
     def _open(self, s: int, pattern: SlotPattern) -> int:
         g = len(self.groups)
-        view = GroupView(g, [s], self.policy.seed(self.plan, s, pattern))
+        view = GroupView(g, [s], self.policy.seed(self.plan, s, pattern), patterns=self.patterns)
         if pattern.kind is PatternKind.ROW_REDUCTION:
             view.reduction, view.reductions = pattern, [s]
         self.groups.append(view)
