@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import FIXTURES
+from dsp_cpu_ref.plugin import EmulatedReplayBackend, SlotBySlotBackend
 
 import dsp_core as dsp
 from dsp_core.backends.base import Registry
@@ -26,7 +27,6 @@ from dsp_core.plan.fusion import (
 )
 from dsp_core.plan.plan import Plan
 from dsp_core.runtime.model import CompiledModel
-from dsp_cpu_ref.plugin import EmulatedReplayBackend, SlotBySlotBackend
 
 FIXTURE_MODELS = ["cnn", "gpt2_eager", "gpt2_sdpa23", "gpt2_torchscript", "llama_eager", "llama_sdpa23"]
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
