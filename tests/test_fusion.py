@@ -301,3 +301,14 @@ def test_grouped_decode_gives_the_same_greedy_tokens(name: str) -> None:
     assert pipe.generate(data["prompt"], max_new_tokens=16).token_list() == data["greedy_tokens"][:16].tolist()
     units = pipe.decode_model.dsp.runtime.units
     assert any(u.compiled.segment.groups for u in units)
+
+
+def test_explain_shows_a_fusing_winners_groups_and_every_boundary_reason() -> None:
+    plain = dsp.compile(FIXTURES / "llama_eager.onnx", mode="slot_by_slot")
+    model = CompiledModel(plain.graph, M.SLOT_BY_SLOT, registry=grouped_registry())
+    fusion = model.explain()["segments"][0]["fusion"]
+    assert fusion["policy"] == "reference" and 0 < fusion["kernels"] < fusion["slots"]
+    assert any(g["template"] == "row_reduction" for g in fusion["groups"])
+    assert fusion["boundaries"] and all(b["reason"] for b in fusion["boundaries"])
+    grouped = {s: g["index"] for g in fusion["groups"] for s in g["slots"]}
+    assert all(grouped[b["producer"]] != grouped[b["consumer"]] for b in fusion["boundaries"])
