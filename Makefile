@@ -73,11 +73,13 @@ bench: $(STAMP)
 # Fuzzes dsp.compile/run with mutated ONNX models (docs/fuzzing.md); exits 1 on a crash,
 # hang, blow-up, non-DSPError or a run/run_legacy mismatch (FUZZ_ARGS= to report mismatches
 # only). FUZZ_TIME seconds (default 120; no limit with FUZZ_CASES), FUZZ_CASES inputs,
-# FUZZ_JOBS workers, FUZZ_MEM_MB cap, FUZZ_TIMEOUT per case, FUZZ_SEED, FUZZ_OUT.
+# FUZZ_JOBS workers, FUZZ_MEM_MB cap, FUZZ_TIMEOUT per case, FUZZ_SEED, FUZZ_OUT,
+# FUZZ_ENGINE=atheris for coverage-guided fuzzing (atheris comes with the test extra).
 FUZZ_ARGS ?= --fail-on-mismatch
 fuzz: $(STAMP)
 	FUZZ_TIME="$(FUZZ_TIME)" FUZZ_CASES="$(FUZZ_CASES)" FUZZ_JOBS="$(FUZZ_JOBS)" FUZZ_MEM_MB="$(FUZZ_MEM_MB)" \
-	FUZZ_TIMEOUT="$(FUZZ_TIMEOUT)" FUZZ_SEED="$(FUZZ_SEED)" FUZZ_OUT="$(FUZZ_OUT)" $(BIN)/python scripts/fuzz.py $(FUZZ_ARGS)
+	FUZZ_TIMEOUT="$(FUZZ_TIMEOUT)" FUZZ_SEED="$(FUZZ_SEED)" FUZZ_OUT="$(FUZZ_OUT)" FUZZ_ENGINE="$(FUZZ_ENGINE)" \
+	$(BIN)/python scripts/fuzz.py $(FUZZ_ARGS)
 
 # Regenerates tests/fixtures (needs torch; uses its own venv, not needed by tests).
 fixtures:

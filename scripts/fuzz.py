@@ -691,16 +691,22 @@ class Corpus:
 
     def case(self, seed: int, case_id: int) -> tuple[bytes, str, list[str]]:
         """Case ``case_id`` of run ``seed``: (its bytes, its seed's name, the mutations applied)."""
-        import onnx
-
         rng = random.Random(f"{seed}:{case_id}")
         group = rng.choices(self._groups, self._group_weights)[0]
         index = group[rng.randrange(len(group))]
         name, raw = self.seeds[index]
-        proto, ops = self.parsed[index], []
         roll = rng.random()
         if roll < 0.02:
             return raw, name, ["none"]  # the seed itself: a baseline, and the repros as they are
+        data, ops = self.mutate(raw, self.parsed[index], rng, roll)
+        return data, name, ops
+
+    def mutate(self, raw: bytes, proto: Any, rng: random.Random, roll: float | None = None) -> tuple[bytes, list[str]]:
+        """``raw`` mutated: protobuf-level on ``proto`` (its parse, or None), then perhaps byte-level."""
+        import onnx
+
+        ops: list[str] = []
+        roll = rng.random() if roll is None else roll
         if proto is not None and roll < 0.8:
             model = onnx.ModelProto()
             model.CopyFrom(proto)
@@ -717,11 +723,11 @@ class Corpus:
             except Exception as exc:  # noqa: BLE001  (a mutation protobuf cannot encode)
                 ops.append(f"unserializable:{type(exc).__name__}")
             if rng.random() > 0.15:
-                return raw, name, ops
+                return raw, ops
         data = bytearray(raw)
         for _ in range(1 + int(rng.expovariate(1.0))):
             ops.append(rng.choice(self._byte_ops)(data, rng, self))
-        return bytes(data), name, ops
+        return bytes(data), ops
 
 
 # --------------------------------------------------------------------------------------
@@ -975,30 +981,89 @@ def worker_main(args: argparse.Namespace) -> int:
     target = load_target(args.target)
     corpus = Corpus(read_corpus(work / "seeds.bin"))
     cap_memory(args.mem_mb)
-    pipe = args.pipe_fd
     cur = os.open(work / f"current-{args.worker_id}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    kept: Counter[str] = Counter()
+    reporter = Reporter(args, out, cur, target)
+    if args.engine == "atheris":
+        return atheris_worker(args, corpus, reporter, work)
     case_id = args.start
     while args.stop < 0 or case_id < args.stop:
         data, seed_name, ops = corpus.case(args.seed, case_id)
-        os.ftruncate(cur, 0)
-        os.pwrite(cur, data, 0)
-        os.write(pipe, f"C\t{case_id}\t{seed_name}\t{','.join(ops)[:300]}\n".encode())
+        if reporter.run(case_id, data, seed_name, ",".join(ops)) == BLOWUP:
+            return BLOWUP_EXIT
+        case_id += args.jobs
+    return 0
+
+
+class Reporter:
+    """One worker's side of the protocol: announce a case, run it, save a reproducer, report."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, cur: int, target: Any) -> None:
+        self.args, self.out, self.cur, self.target = args, out, cur, target
+        self.kept: Counter[str] = Counter()
+
+    def run(self, case_id: int, data: bytes, seed_name: str, ops: str) -> str:
+        """Run one case; returns its outcome class."""
+        args, pipe = self.args, self.args.pipe_fd
+        os.ftruncate(self.cur, 0)
+        os.pwrite(self.cur, data, 0)
+        os.write(pipe, f"C\t{case_id}\t{seed_name}\t{ops[:300]}\n".encode())
         t = time.monotonic()
-        outcome = run_case(target, data)
+        outcome = run_case(self.target, data)
         seconds = time.monotonic() - t
         path = ""
-        if outcome.cls not in (OK, DSP) and kept[outcome.signature] < args.keep:
-            kept[outcome.signature] += 1
+        if outcome.cls not in (OK, DSP) and self.kept[outcome.signature] < args.keep:
+            self.kept[outcome.signature] += 1
             text = f"{outcome.cls} {outcome.key}\ncase {case_id} seed {args.seed} from {seed_name}: {ops}\n\n"
-            path = str(save_reproducer(out, outcome.cls, case_id, data, text + outcome.detail, outcome.signature))
+            path = str(save_reproducer(self.out, outcome.cls, case_id, data, text + outcome.detail, outcome.signature))
         sig = outcome.signature.replace("\t", " ").replace("\n", " ")
         os.write(pipe, f"R\t{case_id}\t{outcome.cls}\t{outcome.key}\t{sig}\t{path}\t{seconds:.3f}\n".encode())
-        if outcome.cls == BLOWUP:
-            return BLOWUP_EXIT
         if case_id % 4096 < args.jobs and os.fstat(2).st_size > 4 << 20:
             os.ftruncate(2, 0)  # stray output of a million cases; the log matters only at a death
-        case_id += args.jobs
+        return outcome.cls
+
+
+def atheris_worker(args: argparse.Namespace, corpus: Corpus, reporter: Reporter, work: Path) -> int:
+    """Coverage-guided: libFuzzer (through atheris) picks and keeps the inputs that reach new
+    code of the instrumented DSP; mutations are half libFuzzer's byte-level ones, half this
+    harness's protobuf-level ones. Cases are numbered as in the plain engine, but an input is
+    not regenerated from its id (libFuzzer's choices depend on coverage): reproducers hold it."""
+    import onnx
+
+    try:
+        import atheris  # type: ignore[import-not-found]
+    except ImportError:
+        print("fuzz: --engine atheris needs atheris (pip install -e '.[fuzz]')", file=sys.stderr)
+        return 2
+    seeds = work / f"atheris-seeds-{args.worker_id}"
+    seeds.mkdir(exist_ok=True)
+    for i, (_, data) in enumerate(corpus.seeds):
+        (seeds / f"seed-{i:05d}").write_bytes(data)
+    numbers = iter(range(args.start, sys.maxsize, args.jobs))
+    origin = f"atheris:w{args.worker_id}"
+
+    def one_input(data: bytes) -> None:
+        case_id = next(numbers)
+        if 0 <= args.stop <= case_id:
+            os._exit(0)  # libFuzzer has no "stop after N": this worker's share is done
+        if reporter.run(case_id, bytes(data), origin, "coverage-guided") == BLOWUP:
+            os._exit(BLOWUP_EXIT)
+
+    def mutate(data: bytes, max_size: int, seed: int) -> bytes:
+        rng = random.Random(seed)
+        if rng.random() < 0.5:
+            return bytes(atheris.Mutate(data, max_size))
+        proto: Any = onnx.ModelProto()
+        try:
+            proto.ParseFromString(data)
+        except Exception:  # noqa: BLE001  (not a model: byte-level mutators only)
+            proto = None
+        return corpus.mutate(bytes(data), proto, rng)[0][:max_size]
+
+    atheris.instrument_all()  # every loaded Python module, DSP's included, reports its coverage
+    flags = [sys.argv[0], str(seeds), f"-seed={args.seed * 1000 + args.worker_id + 1}", "-rss_limit_mb=0"]
+    flags += ["-timeout=0", "-max_len=4194304", "-print_final_stats=0"]
+    atheris.Setup(flags, one_input, custom_mutator=mutate)
+    atheris.Fuzz()
     return 0
 
 
@@ -1066,7 +1131,7 @@ class Supervisor:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--pipe-fd", str(write_fd)]
         cmd += ["--worker-id", str(w.wid), "--start", str(w.next_case), "--stop", str(a.cases if a.cases else -1)]
         cmd += ["--jobs", str(a.jobs), "--seed", str(a.seed), "--mem-mb", str(a.mem_mb), "--keep", str(a.keep)]
-        cmd += ["--out", str(self.out), "--work", str(self.work), "--target", a.target]
+        cmd += ["--out", str(self.out), "--work", str(self.work), "--target", a.target, "--engine", a.engine]
         cache = self.work / f"cache-{w.wid}"
         cache.mkdir(exist_ok=True)
         env = dict(os.environ, DSP_DISK_CACHE="0", DSP_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
@@ -1332,6 +1397,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-default-seeds", action="store_true", help="only the --seed-dir seeds")
     p.add_argument("--target", default="dsp", help="dsp, or FILE.py:FUNCTION (a test target)")
     p.add_argument("--fail-on-mismatch", action="store_true", help="run/run_legacy disagreeing fails too")
+    p.add_argument(
+        "--engine",
+        choices=("mutate", "atheris"),
+        default=os.environ.get("FUZZ_ENGINE") or "mutate",
+        help="mutate: seeded mutations, each input regenerated from its id; atheris: coverage-guided (FUZZ_ENGINE)",
+    )
     p.add_argument("--replay", nargs="+", metavar="FILE", help="run the target on these inputs in-process")
     p.add_argument("--regen", type=int, metavar="ID", help="write the input of case ID of --seed to --out/case-ID.onnx")
     # internal: how the supervisor starts a worker

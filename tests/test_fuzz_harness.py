@@ -57,6 +57,10 @@ def planted(data):
 def clean(data):
     if zlib.crc32(data) % 3 == 0:
         raise Expected("fine")
+
+def soft(data):
+    if zlib.crc32(data) % 7 == 0:
+        raise ValueError("planted")
 """
 
 CLASS_OF = {"abort": "crash", "segv": "crash", "hang": "hang", "blowup": "blowup", "nondsp": "nondsp"}
@@ -188,3 +192,21 @@ def test_a_clean_target_passes(setup):
     fuzz = load_fuzz()
     corpus = fuzz.Corpus(fuzz.dir_seeds(seeds))
     assert summary["classes"]["dsp"] == sum(zlib.crc32(corpus.case(0, i)[0]) % 3 == 0 for i in range(300))
+
+
+def test_the_coverage_guided_engine_counts_and_keeps_what_it_finds(setup):
+    pytest.importorskip("atheris", reason="atheris (the coverage-guided engine, in the test extra) is not installed")
+    base, seeds, target = setup
+    out = base / "atheris"
+    args = ["--engine", "atheris", "--cases", "300", "--time", "0", "--jobs", "2", "--no-default-seeds"]
+    args += ["--seed-dir", str(seeds), "--out", str(out), "--target", f"{target}:soft"]
+    proc = run_fuzz(args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the planted ValueErrors are failures
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["inputs"] == 300 and summary["restarts"] == 0
+    assert summary["classes"]["nondsp"] >= 1 and summary["classes"]["ok"] >= 1
+    assert summary["classes"]["ok"] + summary["classes"]["nondsp"] == 300
+    repro = sorted((out / "nondsp").glob("*.onnx"))[0]
+    assert zlib.crc32(repro.read_bytes()) % 7 == 0  # the reproducer is the very input that failed
+    replay = run_fuzz(["--replay", str(repro), "--target", f"{target}:soft"], timeout=60)
+    assert replay.returncode == 1 and "nondsp run:ValueError" in replay.stdout
