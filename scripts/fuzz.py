@@ -1217,6 +1217,35 @@ class Supervisor:
             w.next_case = case_id + self.args.jobs
         w.current = None
 
+    def record_libfuzzer_exit(self, w: Worker, text: str) -> None:
+        """libFuzzer ended a worker (its exit code): a deadly signal, or its own view of an
+        allocation that fails under the cap. Replay the input in a plain process: that decides."""
+        assert w.current is not None
+        data = (self.work / f"current-{w.wid}").read_bytes()
+        probe = self.work / f"libfuzzer-exit-{w.wid}.onnx"
+        probe.write_bytes(data)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--replay", str(probe), "--target", self.args.target]
+        cmd += ["--mem-mb", str(self.args.mem_mb)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **{k: os.environ.get(k, v) for k, v in FUZZ_BOUNDS.items()})
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.args.timeout + 30, env=env)
+        except subprocess.TimeoutExpired:
+            self.record_death(w, HANG, "timeout", text + "\n(libFuzzer exit; the plain replay timed out)")
+            return
+        if done.returncode < 0:
+            sig = signal.Signals(-done.returncode).name
+            self.record_death(w, CRASH, f"signal:{sig}", text + "\n(libFuzzer exit; the plain replay died too)")
+            return
+        line = next((ln for ln in done.stdout.splitlines() if ln.startswith(str(probe))), "")
+        cls, key = (line.split(": ", 1)[1].split()[:2] + ["?", "?"])[:2] if line else (CRASH, f"exit:{LIBFUZZER_EXIT}")
+        if cls in (OK, DSP):  # fine in a plain process: libFuzzer's environment ended it, not DSP
+            case_id = w.current[0]
+            self.tally.add(cls, key, f"{key}@libfuzzer-exit", "")
+            w.next_case = case_id + self.args.jobs
+            w.current = None
+            return
+        self.record_death(w, cls, key, text + f"\n(libFuzzer exit; the plain replay: {line})")
+
     def on_exit(self, w: Worker) -> None:
         """A worker exited: classify the case it was in, if any, and start it again."""
         assert w.proc is not None
@@ -1230,6 +1259,8 @@ class Supervisor:
                 sig = signal.Signals(-rc).name
                 blowup = "bad_alloc" in text or "MemoryError" in text or rc == -signal.SIGKILL
                 self.record_death(w, BLOWUP if blowup else CRASH, f"signal:{sig}", text)
+            elif self.args.engine == "atheris" and rc == LIBFUZZER_EXIT:
+                self.record_libfuzzer_exit(w, text)
             else:
                 self.record_death(w, CRASH, f"exit:{rc}", text)
         elif rc == 0:
@@ -1356,6 +1387,8 @@ def env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     return int(value) if value.strip() else default
 
+
+LIBFUZZER_EXIT = 77  # libFuzzer's -error_exitcode: how it ends a worker it judged crashed
 
 FUZZ_BOUNDS = {
     "DSP_SHAPE_INFERENCE_TIMEOUT": "2",
