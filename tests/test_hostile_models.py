@@ -466,3 +466,9 @@ def test_a_65535_row_max_pool_window_over_32_rows_costs_what_32_rows_cost() -> N
     padded = np.pad(big, ((0, 0), (0, 0), (0, 0), (1, 0)), constant_values=-np.inf)  # SAME_LOWER: pad before
     want = np.maximum(padded[..., :-1], padded[..., 1:]).max(axis=2, keepdims=True).repeat(32, axis=2)
     np.testing.assert_array_equal(y, want)
+
+
+def test_a_missing_external_data_file_names_the_folder_and_the_remedy(tmp_path: Path) -> None:
+    (tmp_path / "m.onnx").write_bytes(_bytes(_external_model("weights.bin")))
+    with pytest.raises(ModelLoadError, match="cannot open external data 'weights.bin' in .*keep the data file beside"):
+        dsp.compile(tmp_path / "m.onnx")

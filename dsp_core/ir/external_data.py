@@ -161,7 +161,10 @@ def _read(tensor: onnx.TensorProto, root: Path, where: str, into_array: bool = F
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
-        raise ModelLoadError(f"{where}: tensor {name!r}: cannot open external data {location!r}: {exc}") from None
+        raise ModelLoadError(
+            f"{where}: tensor {name!r}: cannot open external data {location!r} in {root}: {exc.strerror}; "
+            "keep the data file beside the model (or pass base_dir= the folder that holds it)"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
