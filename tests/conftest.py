@@ -9,7 +9,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 import dsp_core as dsp
 
@@ -29,6 +31,43 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         timeout=120,
         env={**os.environ, **(env or {})},
     )
+
+
+# -- ONNX models the cache and CLI tests write to files -------------------------------------
+CACHE_X = np.linspace(-1, 1, 128, dtype=np.float32).reshape(1, 128)
+
+
+def weight_matmul_model(scale: float, batch: int | str = 1) -> onnx.ModelProto:
+    """y = x @ W with W (128x256 float32, 128 KiB: stored as a weight file) all ``scale``."""
+    w = numpy_helper.from_array(np.full((128, 256), scale, np.float32), name="W")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 128])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 256])],
+        [w],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def weight_matmul_expected(scale: float) -> np.ndarray:
+    """What ``weight_matmul_model(scale)`` gives for ``CACHE_X``."""
+    return CACHE_X @ np.full((128, 256), scale, np.float32)
+
+
+def write_tiny_mlp(path: Path) -> Path:
+    """x[n, 3] -> MatMul(w) -> Relu -> y[n, 4], opset 18, saved at ``path``."""
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4) / 10, "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    return path
 
 
 @pytest.fixture

@@ -22,10 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from conftest import run_cli
-from onnx import TensorProto, helper, numpy_helper
+from conftest import CACHE_X, run_cli, weight_matmul_expected, weight_matmul_model
 
 import dsp_core as dsp
 from dsp_core import cli, diag
@@ -37,24 +35,6 @@ from dsp_core.runtime import loader
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT2 = FIXTURES / "gpt2_eager.onnx"
-X = np.linspace(-1, 1, 128, dtype=np.float32).reshape(1, 128)
-
-
-def _model(scale: float) -> onnx.ModelProto:
-    """y = x @ W with W (128x256 float32, 128 KiB: stored as a weight file) all ``scale``."""
-    w = numpy_helper.from_array(np.full((128, 256), scale, np.float32), name="W")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["y"])],
-        "mm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 128])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 256])],
-        [w],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _expected(scale: float) -> np.ndarray:
-    return X @ np.full((128, 256), scale, np.float32)
 
 
 @pytest.fixture
@@ -66,7 +46,7 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def model_path(tmp_path: Path) -> Path:
     path = tmp_path / "m.onnx"
-    path.write_bytes(_model(1.0).SerializeToString())
+    path.write_bytes(weight_matmul_model(1.0, batch="batch").SerializeToString())
     return path
 
 
@@ -283,8 +263,10 @@ def test_unwritable_cache_warns_once_with_the_remedy(
         with caplog.at_level(logging.WARNING, logger="dsp.cache"):
             for scale in (1.0, 2.0):
                 path = tmp_path / f"m{scale}.onnx"
-                path.write_bytes(_model(scale).SerializeToString())
-                np.testing.assert_allclose(dsp.compile(path).run({"x": X})["y"], _expected(scale), rtol=1e-5)
+                path.write_bytes(weight_matmul_model(scale, batch="batch").SerializeToString())
+                np.testing.assert_allclose(
+                    dsp.compile(path).run({"x": CACHE_X})["y"], weight_matmul_expected(scale), rtol=1e-5
+                )
         codes = [e.code for e in diag.events(Category.CACHE)]
     finally:
         diag.disable()
@@ -298,7 +280,7 @@ def test_unwritable_cache_warns_once_with_the_remedy(
 def test_unwritable_cache_warns_on_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("in the way")
     path = tmp_path / "m.onnx"
-    path.write_bytes(_model(1.0).SerializeToString())
+    path.write_bytes(weight_matmul_model(1.0, batch="batch").SerializeToString())
     out = run_cli("run", str(path), "--random-inputs", env={"DSP_CACHE_DIR": str(tmp_path / "file" / "cache")})
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("cannot be written") == 1 and "DSP_DISK_CACHE=0" in out.stderr
@@ -386,7 +368,7 @@ def test_a_new_process_does_not_rehash_a_settled_model(tmp_path: Path, model_pat
     warm = _warm_child(model_path, cache_dir)
     assert cold["hashed"] == [str(model_path)] and cold["stats"]["disk_writes"] == 1
     assert warm["hashed"] == [] and warm["stats"]["disk_hits"] == 1
-    assert warm["y0"] == pytest.approx(float(_expected(1.0)[0, 0]))
+    assert warm["y0"] == pytest.approx(float(weight_matmul_expected(1.0)[0, 0]))
 
 
 def _fresh_process() -> None:
@@ -412,11 +394,11 @@ def test_digest_memo_of_a_replaced_model_is_not_trusted(cache_dir: Path, model_p
     st = model_path.stat()
     time.sleep(0.05)
     with open(model_path, "r+b") as f:  # same size, same mtime, other weights: only ctime tells
-        f.write(_model(4.0).SerializeToString())
+        f.write(weight_matmul_model(4.0, batch="batch").SerializeToString())
     os.utime(model_path, ns=(st.st_atime_ns, st.st_mtime_ns))
     _fresh_process()
     model = dsp.compile(model_path)
-    np.testing.assert_allclose(model.run({"x": X})["y"], _expected(4.0), rtol=1e-5)
+    np.testing.assert_allclose(model.run({"x": CACHE_X})["y"], weight_matmul_expected(4.0), rtol=1e-5)
     assert model.stats.disk_hits == 0 and hashed == [model_path, model_path]
 
 
@@ -456,7 +438,7 @@ def test_damaged_digest_memo_is_ignored(
         memo.mkdir()
     _fresh_process()
     model = dsp.compile(model_path)
-    np.testing.assert_allclose(model.run({"x": X})["y"], _expected(1.0), rtol=1e-5)
+    np.testing.assert_allclose(model.run({"x": CACHE_X})["y"], weight_matmul_expected(1.0), rtol=1e-5)
     assert hashed == [model_path, model_path] and model.stats.disk_hits == 1
 
 

@@ -18,35 +18,16 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from conftest import CACHE_X, weight_matmul_expected, weight_matmul_model
 
 import dsp_core as dsp
 from dsp_core.cache import disk
 from dsp_core.cache.disk import DiskCache
 from dsp_core.runtime import loader
 
-X = np.linspace(-1, 1, 128, dtype=np.float32).reshape(1, 128)
-
-
-def _model(scale: float) -> onnx.ModelProto:
-    """y = x @ W with W (128x256 float32, 128 KiB: stored as a weight file) all ``scale``."""
-    w = numpy_helper.from_array(np.full((128, 256), scale, np.float32), name="W")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["y"])],
-        "mm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 128])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])],
-        [w],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _expected(scale: float) -> np.ndarray:
-    return X @ np.full((128, 256), scale, np.float32)
-
 
 def _y(model: dsp.CompiledModel) -> np.ndarray:
-    return model.run({"x": X})["y"]
+    return model.run({"x": CACHE_X})["y"]
 
 
 @pytest.fixture
@@ -73,14 +54,14 @@ def _quarantined(cache_dir: Path) -> list[str]:
 
 # -- item 1: a model's identity is its content ----------------------------------------------
 def test_model_replaced_with_same_size_and_mtime_is_not_served_stale(cache_dir: Path, tmp_path: Path) -> None:
-    a, b = _model(1.0).SerializeToString(), _model(2.0).SerializeToString()
+    a, b = weight_matmul_model(1.0).SerializeToString(), weight_matmul_model(2.0).SerializeToString()
     path = tmp_path / "m.onnx"
     path.write_bytes(a)
-    np.testing.assert_allclose(_y(dsp.compile(path)), _expected(1.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(dsp.compile(path)), weight_matmul_expected(1.0), rtol=1e-5)
     assert dsp.compile(path).stats.disk_hits == 1
     _replace_keeping_size_and_mtime(path, b)
     model = dsp.compile(path)
-    np.testing.assert_allclose(_y(model), _expected(2.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(model), weight_matmul_expected(2.0), rtol=1e-5)
     assert model.stats.disk_hits == 0
 
 
@@ -91,40 +72,42 @@ def test_digest_memo_is_revalidated_by_ctime(cache_dir: Path, tmp_path: Path, mo
     real = loader._hash_file
     monkeypatch.setattr(loader, "_hash_file", lambda p: hashed.append(p) or real(p))
     path = tmp_path / "m.onnx"
-    path.write_bytes(_model(1.0).SerializeToString())
+    path.write_bytes(weight_matmul_model(1.0).SerializeToString())
     dsp.compile(path)
     assert dsp.compile(path).stats.disk_hits == 1 and hashed == [path]  # the second start used the memo
     time.sleep(0.05)  # past the file system's timestamp tick, so the rewrite gets a new ctime
-    _replace_keeping_size_and_mtime(path, _model(3.0).SerializeToString())
-    np.testing.assert_allclose(_y(dsp.compile(path)), _expected(3.0), rtol=1e-5)
+    _replace_keeping_size_and_mtime(path, weight_matmul_model(3.0).SerializeToString())
+    np.testing.assert_allclose(_y(dsp.compile(path)), weight_matmul_expected(3.0), rtol=1e-5)
     assert hashed == [path, path]
 
 
 def _external_model(directory: Path, scale: float) -> Path:
     path = directory / "ext.onnx"
-    onnx.save_model(_model(scale), str(path), save_as_external_data=True, location="ext.bin", size_threshold=0)
+    onnx.save_model(
+        weight_matmul_model(scale), str(path), save_as_external_data=True, location="ext.bin", size_threshold=0
+    )
     return path
 
 
 def test_changed_external_data_file_is_not_served_stale(cache_dir: Path, tmp_path: Path) -> None:
     path = _external_model(tmp_path, 1.0)
-    np.testing.assert_allclose(_y(dsp.compile(path)), _expected(1.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(dsp.compile(path)), weight_matmul_expected(1.0), rtol=1e-5)
     assert dsp.compile(path).stats.disk_hits == 1
     model_bytes = path.read_bytes()
     _replace_keeping_size_and_mtime(tmp_path / "ext.bin", np.full((128, 256), 5.0, np.float32).tobytes())
     assert path.read_bytes() == model_bytes  # the model file itself did not change
     model = dsp.compile(path)
-    np.testing.assert_allclose(_y(model), _expected(5.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(model), weight_matmul_expected(5.0), rtol=1e-5)
     assert model.stats.disk_hits == 0
 
 
 def test_bytes_with_base_dir_are_keyed_by_their_external_data(cache_dir: Path, tmp_path: Path) -> None:
     path = _external_model(tmp_path, 1.0)
     data = path.read_bytes()
-    np.testing.assert_allclose(_y(dsp.compile(data, base_dir=tmp_path)), _expected(1.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(dsp.compile(data, base_dir=tmp_path)), weight_matmul_expected(1.0), rtol=1e-5)
     assert dsp.compile(data, base_dir=tmp_path).stats.disk_hits == 1
     _replace_keeping_size_and_mtime(tmp_path / "ext.bin", np.full((128, 256), 7.0, np.float32).tobytes())
-    np.testing.assert_allclose(_y(dsp.compile(data, base_dir=tmp_path)), _expected(7.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(dsp.compile(data, base_dir=tmp_path)), weight_matmul_expected(7.0), rtol=1e-5)
 
 
 # -- faults that may hang or kill: run in a child with a timeout and a memory cap -------------
@@ -173,7 +156,7 @@ def _child(cache_dir: Path, model_path: Path, action: str) -> dict:
 def warm(cache_dir: Path, tmp_path: Path) -> Path:
     """A model compiled once into the cache (the next compile is a warm start)."""
     path = tmp_path / "m.onnx"
-    path.write_bytes(_model(1.0).SerializeToString())
+    path.write_bytes(weight_matmul_model(1.0).SerializeToString())
     dsp.compile(path)
     assert dsp.compile(path).stats.disk_hits == 1
     return path
@@ -185,7 +168,7 @@ def test_live_model_survives_weight_file_overwrite_and_truncation(cache_dir: Pat
     assert result == {"hits": 1, "same": True}
     model = dsp.compile(warm)  # the damage is found on the next start and healed
     assert model.stats.disk_hits == 1 and model.stats.quarantines == 1
-    np.testing.assert_allclose(_y(model), _expected(1.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(model), weight_matmul_expected(1.0), rtol=1e-5)
     assert dsp.compile(warm).stats.quarantines == 0
 
 
@@ -229,7 +212,7 @@ def test_damaged_weight_file_is_quarantined_and_healed(cache_dir: Path, warm: Pa
     damage[how]()  # again, for a compile to meet
     model = dsp.compile(warm)
     assert model.stats.disk_hits == 1 and model.stats.quarantines == 1
-    np.testing.assert_allclose(_y(model), _expected(1.0), rtol=1e-5)
+    np.testing.assert_allclose(_y(model), weight_matmul_expected(1.0), rtol=1e-5)
     healed = dsp.compile(warm)
     assert healed.stats.disk_hits == 1 and healed.stats.quarantines == 0 and healed._graph is None
     assert DiskCache.from_config().verify()["weights_ok"] == 1
@@ -286,7 +269,7 @@ def test_non_regular_cache_file_is_refused(cache_dir: Path, warm: Path, which: s
     victim = _target(cache_dir, which)
     _put_in_place(victim, kind)
     result = _child(cache_dir, warm, "compile")
-    np.testing.assert_allclose(np.array(result["y"], np.float32), _expected(1.0), rtol=1e-5)
+    np.testing.assert_allclose(np.array(result["y"], np.float32), weight_matmul_expected(1.0), rtol=1e-5)
     assert result["stats"]["quarantines"] == 1
     assert result["stats"]["disk_hits"] == (1 if which == "weight" else 0)  # a weight is healed from the model
     assert len(_quarantined(cache_dir)) == 2

@@ -9,23 +9,14 @@ import numpy as np
 import onnx
 import pytest
 from conftest import run_cli as dsp
-from onnx import TensorProto, helper, numpy_helper
+from conftest import write_tiny_mlp
+from onnx import TensorProto, helper
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> Path:
-    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4) / 10, "w")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
-    graph = helper.make_graph(
-        nodes,
-        "tiny",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
-        [w],
-    )
-    path = tmp_path_factory.mktemp("m") / "tiny.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
-    return path
+    """The tiny MLP (conftest.write_tiny_mlp), written once for this module."""
+    return write_tiny_mlp(tmp_path_factory.mktemp("m") / "tiny.onnx")
 
 
 def test_version() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import FIXTURES, run_cli
-from onnx import TensorProto, helper, numpy_helper
+from conftest import FIXTURES, run_cli, write_tiny_mlp
+from onnx import TensorProto, helper
 
 import dsp_core as dsp
 from dsp_core import config
@@ -24,19 +24,8 @@ GPT2 = str(FIXTURES / "gpt2_eager.onnx")
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """x[n, 3] -> MatMul(w) -> Relu -> y[n, 4], opset 18."""
-    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4) / 10, "w")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
-    graph = helper.make_graph(
-        nodes,
-        "tiny",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
-        [w],
-    )
-    path = tmp_path_factory.mktemp("tiny") / "tiny.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
-    return path
+    """The tiny MLP (conftest.write_tiny_mlp), written once for this module."""
+    return write_tiny_mlp(tmp_path_factory.mktemp("tiny") / "tiny.onnx")
 
 
 # -- item 3: SHAPE_INFERENCE_ONLY computes no values -------------------------------------------
