@@ -54,6 +54,7 @@ PROVIDERS: dict[GraphExecutionMode, str] = {
     M.EMULATED_REPLAY: "dsp-cpu-ref",
     M.SHAPE_INFERENCE_ONLY: "dsp-cpu-ref",
     M.CUDA_GRAPHS: "dsp-cuda-graphs",
+    M.TRITON: "dsp-triton",
 }
 
 # AUTO's preference order per platform: the first available backend that supports a

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from dsp_cpu_ref.slot_by_slot import bind_steps, generate
+from dsp_cpu_ref.slot_by_slot import bind_steps, generate, run_order
 
 from dsp_core.backends.auction import slot_view
 from dsp_core.backends.base import Backend, CaptureFailed, CaptureOutOfMemory, CompiledSegment, ReplayStatus
@@ -172,7 +172,7 @@ class CudaGraphSegment(CompiledSegment):
             st = device.state(self._tf32)
             steps = bind_steps(self._plan, self.segment, xp=CublasXP(st))
             bound = []
-            for s, (kernel, ins, outs, releases) in zip(self.segment.slots, steps):
+            for s, (kernel, ins, outs, releases) in zip(run_order(self.segment), steps):  # steps follow the groups
                 slot = self._plan.slots[s]
                 if slot.domain in ("", "ai.onnx") and slot.op == "MatMul":
                     kernel = matmul_kernel(st)
@@ -188,9 +188,18 @@ class CudaGraphSegment(CompiledSegment):
                 if positions:
                     kernel = _HostArgs(kernel, positions, self)
                 bound.append((kernel, ins, outs, releases))
+            bound = self._fuse(st, bound)
             self._run_fn, self._first_line = generate(bound, f"{self._plan.graph_name}#cuda{self.segment.index}")
             self._st = st
         return self._st
+
+    def _fuse(self, st: dict[str, Any], bound: list[Any]) -> list[Any]:
+        """Hook for a fusing backend: the bound steps (one per slot, in ``run_order``) with some replaced.
+
+        A backend built on this segment (dsp-triton) swaps each fusion group's steps for one
+        step that launches its fused kernel; this backend runs every slot as bound.
+        """
+        return bound
 
     # -- value placement ---------------------------------------------------------------
     def host_value(self, flat: int, x: Any) -> Any:
@@ -255,7 +264,7 @@ class CudaGraphSegment(CompiledSegment):
                 line = tb.tb_lineno
             tb = tb.tb_next
         k = max(0, min((line - self._first_line) if line is not None else 0, len(self.segment.slots) - 1))
-        slot = self._plan.slots[self.segment.slots[k]]
+        slot = self._plan.slots[run_order(self.segment)[k]]
         return KernelError(
             f'{slot.op} node "{slot.name}" (slot {slot.index}) failed on CUDA: {type(exc).__name__}: {exc}'
         )

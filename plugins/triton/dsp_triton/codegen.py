@@ -1,0 +1,834 @@
+"""Triton source for one fusion group, from its slots and the concrete shapes of one step.
+
+Pure Python: nothing here imports Triton or touches a GPU, so the generator is tested on
+any machine. A group is described by a ``GroupSpec`` (its nodes, every value's shape and
+dtype, the element strides of what it reads, small constant inputs read on the host);
+``generate`` returns the source of one ``@triton.jit`` kernel and how to launch it, or
+raises ``Unsupported`` with the reason (the group then runs on the reference kernels).
+
+How a kernel is built. Every value is computed *at an index*: an output is requested at
+the index of the lane that stores it, and each op asks its inputs for the index it needs
+(an elementwise op the broadcast of its own index, a transpose the permuted index, a
+reshape the same flat position in the input's shape, a slice the shifted one, a gather
+the row the index tensor names). Reads from outside the group are loads at those
+indexes, through the input's real strides; an index asked twice is computed once. So
+injective ops cost no kernel: they are index arithmetic. Shapes, strides and constants
+are literals in the source: a kernel is specialised to one step's layout (a plan is for
+one shape signature), and its only arguments are pointers.
+
+Templates (docs/fusion.md):
+- ``pointwise`` (also ``copy``): one lane per element of the iteration space (the largest
+  group output), ``BLOCK`` lanes per program;
+- ``row_reduction``: one program per row of the reduction's input, the whole row in
+  ``RBLOCK`` lanes (fp32 accumulation); values of the row space are lane vectors, values
+  of the outer space (a mean, a max) are scalars of the program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# numpy dtype name -> Triton dtype
+TL_DTYPES = {
+    "float16": "tl.float16",
+    "bfloat16": "tl.bfloat16",
+    "float32": "tl.float32",
+    "float64": "tl.float64",
+    "int8": "tl.int8",
+    "int16": "tl.int16",
+    "int32": "tl.int32",
+    "int64": "tl.int64",
+    "uint8": "tl.uint8",
+    "uint16": "tl.uint16",
+    "uint32": "tl.uint32",
+    "uint64": "tl.uint64",
+    "bool": "tl.int1",
+}
+FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+HALF = frozenset({"float16", "bfloat16"})
+
+MAX_ROW = 16384  # the row template keeps a whole row in registers
+MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
+
+
+class Unsupported(Exception):
+    """A group the templates cannot generate; the message says why."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A value of one step: shape, dtype (numpy name), element strides (inputs only)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    strides: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One slot of the group."""
+
+    op: str
+    inputs: tuple[int | None, ...]  # value ids
+    outputs: tuple[int | None, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    opset: int = 17
+    domain: str = ""
+    name: str = ""
+
+
+@dataclass
+class GroupSpec:
+    """What ``generate`` needs: the nodes in order, every value's spec, what is read and stored."""
+
+    template: str
+    nodes: list[NodeSpec]
+    values: dict[int, TensorSpec]  # every value the nodes read or write (inputs with strides)
+    inputs: list[int]  # values read from outside the group
+    outputs: list[int]  # values stored (read outside the group)
+    constants: Callable[[int], np.ndarray | None] = lambda v: None  # host copy of a small constant input
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Generated source and how to launch it."""
+
+    source: str
+    name: str
+    args: tuple[int, ...]  # value ids, in argument order: inputs read, then outputs stored
+    n_inputs: int
+    grid: tuple[int, int, int]
+    num_warps: int
+    block: int  # BLOCK (pointwise) or RBLOCK (row)
+    template: str
+
+
+# Which inputs of an op are data (loaded); the rest are shape-like (read on the host or implied).
+def data_inputs(node: NodeSpec) -> tuple[int, ...]:
+    op = node.op
+    if op in ("Reshape", "Expand", "Squeeze", "Unsqueeze", "Slice", "Split", "Transpose", "Flatten", "Identity"):
+        return (0,)
+    if op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL1", "ReduceL2"):
+        return (0,)
+    if op in ("ReduceLogSumExp", "Softmax", "LogSoftmax"):
+        return (0,)
+    return tuple(k for k, r in enumerate(node.inputs) if r is not None)
+
+
+@dataclass(frozen=True)
+class Idx:
+    """An index into a value: one expression per dim, and whether each varies across lanes."""
+
+    dims: tuple[str, ...]
+    lane: tuple[bool, ...]
+
+    @property
+    def varies(self) -> bool:
+        return any(self.lane)
+
+
+def _strip(shape: Sequence[int], idx: Idx) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    keep = [k for k, d in enumerate(shape) if d != 1]
+    return tuple(shape[k] for k in keep), tuple(idx.dims[k] for k in keep)
+
+
+def _row_major(shape: Sequence[int]) -> list[int]:
+    st, acc = [0] * len(shape), 1
+    for k in range(len(shape) - 1, -1, -1):
+        st[k] = acc
+        acc *= shape[k]
+    return st
+
+
+class _Emitter:
+    """Lines of the kernel body with common subexpressions named once."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, str] = {}
+        self.lane_names: set[str] = set()
+
+    def let(self, expr: str, lane: bool, prefix: str = "t") -> str:
+        if expr.isidentifier() or _is_int(expr):
+            return expr
+        name = self.names.get(expr)
+        if name is None:
+            name = f"{prefix}{len(self.names)}"
+            self.names[expr] = name
+            self.lines.append(f"    {name} = {expr}")
+            if lane:
+                self.lane_names.add(name)
+        return name
+
+
+def _is_int(s: str) -> bool:
+    return s.lstrip("-").isdigit()
+
+
+class _Gen:
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self.em = _Emitter()
+        self.producer: dict[int, tuple[NodeSpec, int]] = {}
+        for node in spec.nodes:
+            for k, v in enumerate(node.outputs):
+                if v is not None:
+                    self.producer[v] = (node, k)
+        self.inputs = set(spec.inputs)
+        self.args: list[int] = []  # input value ids in argument order
+        self.memo: dict[tuple[int, tuple[str, ...]], tuple[str, bool]] = {}
+        self.mask = "mask"
+        self.row: tuple[int, ...] | None = None
+        self.row_idx: Idx | None = None
+        self.scalars: dict[int, str] = {}  # row template: reduction outputs per program
+        self.rowvals: dict[int, str] = {}  # row template: Softmax/LayerNorm outputs (lane vectors)
+
+    # -- indexes -------------------------------------------------------------------------
+    def unflatten(self, flat: str, shape: Sequence[int], lane: bool) -> Idx:
+        st = _row_major(shape)
+        dims: list[str] = []
+        for k, d in enumerate(shape):
+            if d == 1:
+                dims.append("0")
+                continue
+            expr = flat if st[k] == 1 else f"({flat} // {st[k]})"
+            if k > 0 and any(shape[j] != 1 for j in range(k)):
+                expr = f"({expr} % {d})"
+            dims.append(self.em.let(expr, lane, "i"))
+        return Idx(tuple(dims), tuple(lane and d != "0" for d in dims))
+
+    def flatten(self, idx: Idx, shape: Sequence[int]) -> tuple[str, bool]:
+        st = _row_major(shape)
+        terms = [d if st[k] == 1 else f"{d} * {st[k]}" for k, d in enumerate(idx.dims) if shape[k] != 1 and d != "0"]
+        if not terms:
+            return "0", False
+        return self.em.let(" + ".join(terms), idx.varies, "f"), idx.varies
+
+    def reshape(self, idx: Idx, out_shape: Sequence[int], in_shape: Sequence[int]) -> Idx:
+        s_out, d_out = _strip(out_shape, idx)
+        if s_out == tuple(d for d in in_shape if d != 1):
+            it = iter(zip(d_out, (idx.lane[k] for k, d in enumerate(out_shape) if d != 1)))
+            dims, lane = [], []
+            for d in in_shape:
+                if d == 1:
+                    dims.append("0")
+                    lane.append(False)
+                else:
+                    e, ln = next(it)
+                    dims.append(e)
+                    lane.append(ln)
+            return Idx(tuple(dims), tuple(lane))
+        flat, varies = self.flatten(idx, out_shape)
+        return self.unflatten(flat, in_shape, varies)
+
+    @staticmethod
+    def broadcast(idx: Idx, out_shape: Sequence[int], in_shape: Sequence[int]) -> Idx:
+        off = len(out_shape) - len(in_shape)
+        if off < 0:
+            raise Unsupported(f"broadcast of {list(in_shape)} to the smaller {list(out_shape)}")
+        dims, lane = [], []
+        for k, d in enumerate(in_shape):
+            o = out_shape[off + k]
+            if d == 1:
+                dims.append("0")
+                lane.append(False)
+            elif d == o:
+                dims.append(idx.dims[off + k])
+                lane.append(idx.lane[off + k])
+            else:
+                raise Unsupported(f"shapes {list(in_shape)} and {list(out_shape)} do not broadcast")
+        return Idx(tuple(dims), tuple(lane))
+
+    # -- values ---------------------------------------------------------------------------
+    def value(self, v: int, idx: Idx) -> tuple[str, bool]:
+        """Expression name of value ``v`` at ``idx``, and whether it varies across lanes."""
+        key = (v, idx.dims)
+        got = self.memo.get(key)
+        if got is None:
+            got = self._load(v, idx) if v in self.inputs else self._compute(v, idx)
+            self.memo[key] = got
+        return got
+
+    def _load(self, v: int, idx: Idx) -> tuple[str, bool]:
+        spec = self.spec.values[v]
+        literal = self._literal(v)
+        if literal is not None:
+            return literal, False
+        if v not in self.args:
+            self.args.append(v)
+        ptr = f"in{self.args.index(v)}"
+        strides = spec.strides if spec.strides is not None else tuple(_row_major(spec.shape))
+        terms = [
+            d if strides[k] == 1 else f"{d} * {strides[k]}"
+            for k, d in enumerate(idx.dims)
+            if d != "0" and strides[k] != 0 and spec.shape[k] != 1
+        ]
+        off = " + ".join(terms) if terms else "0"
+        if idx.varies:
+            expr = f"tl.load({ptr} + ({off}), mask={self.mask}, other=0)"
+        else:
+            expr = f"tl.load({ptr} + ({off}))"
+        return self.em.let(expr, idx.varies, "x"), idx.varies
+
+    def _literal(self, v: int) -> str | None:
+        """A one-element constant input as a literal of its dtype (no argument, no load)."""
+        spec = self.spec.values[v]
+        if spec.numel != 1 or spec.dtype not in TL_DTYPES:
+            return None
+        got = self.spec.constants(v)
+        if got is None:
+            return None
+        x = np.asarray(got).reshape(-1)[0]
+        if spec.dtype == "bool":
+            text = "1" if bool(x) else "0"
+        elif spec.dtype in FLOATS:
+            f = float(x)
+            text = repr(f) if math.isfinite(f) else f"float('{f}')"
+        else:
+            text = str(int(x))
+        return self.em.let(f"tl.full([], {text}, {_tl(spec.dtype)})", False, "c")
+
+    def _compute(self, v: int, idx: Idx) -> tuple[str, bool]:
+        if v in self.scalars:
+            return self._scalar_at(v, idx)
+        if v not in self.producer:
+            raise Unsupported(f"value {v} is neither read nor computed by the group")
+        node, k = self.producer[v]
+        out = self.spec.values[v]
+        op = node.op
+        if op in _ROW_VALUED:
+            return self._row_valued(node, k, v, idx)
+        if op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"):
+            src = node.inputs[0]
+            assert src is not None
+            return self.value(src, self.reshape(idx, out.shape, self.spec.values[src].shape))
+        if op == "Expand":
+            src = node.inputs[0]
+            assert src is not None
+            return self.value(src, self.broadcast(idx, out.shape, self.spec.values[src].shape))
+        if op == "Transpose":
+            src = node.inputs[0]
+            assert src is not None
+            rank = len(out.shape)
+            perm = [int(p) for p in node.attrs.get("perm", list(range(rank - 1, -1, -1)))]
+            dims, lane = ["0"] * rank, [False] * rank
+            for j, p in enumerate(perm):
+                dims[p], lane[p] = idx.dims[j], idx.lane[j]
+            return self.value(src, Idx(tuple(dims), tuple(lane)))
+        if op == "Slice":
+            return self._slice(node, v, idx)
+        if op == "Split":
+            return self._split(node, k, idx)
+        if op == "Concat":
+            return self._concat(node, v, idx)
+        if op == "Gather":
+            return self._gather(node, v, idx)
+        return self._elementwise(node, v, idx)
+
+    # -- injective ops ---------------------------------------------------------------------
+    def _slice(self, node: NodeSpec, v: int, idx: Idx) -> tuple[str, bool]:
+        src = node.inputs[0]
+        assert src is not None
+        in_shape = self.spec.values[src].shape
+        rank = len(in_shape)
+        if node.opset < 10:
+            starts, ends = node.attrs.get("starts", []), node.attrs.get("ends", [])
+            axes, steps = node.attrs.get("axes", list(range(len(starts)))), [1] * len(starts)
+        else:
+            starts, ends = self._host(node, 1), self._host(node, 2)
+            axes = (
+                self._host(node, 3) if len(node.inputs) > 3 and node.inputs[3] is not None else list(range(len(starts)))
+            )
+            steps = self._host(node, 4) if len(node.inputs) > 4 and node.inputs[4] is not None else [1] * len(starts)
+        dims, lane = list(idx.dims), list(idx.lane)
+        for st, en, ax, sp in zip(starts, ends, axes, steps):
+            a = int(ax) % rank
+            begin, _, step = slice(int(st), int(en), int(sp)).indices(in_shape[a])
+            if dims[a] == "0":
+                dims[a] = str(begin)
+            else:
+                expr = dims[a] if step == 1 else f"{dims[a]} * {step}"
+                dims[a] = self.em.let(f"{expr} + {begin}" if begin else expr, lane[a], "i")
+        return self.value(src, Idx(tuple(dims), tuple(lane)))
+
+    def _split(self, node: NodeSpec, k: int, idx: Idx) -> tuple[str, bool]:
+        src = node.inputs[0]
+        assert src is not None
+        rank = len(self.spec.values[src].shape)
+        axis = int(node.attrs.get("axis", 0)) % rank
+        offset = sum(self.spec.values[o].shape[axis] for o in node.outputs[:k] if o is not None)
+        if any(o is None for o in node.outputs[:k]):
+            raise Unsupported("Split with an unused output before this one")
+        dims = list(idx.dims)
+        if offset:
+            dims[axis] = self.em.let(f"{dims[axis]} + {offset}", idx.lane[axis], "i")
+        return self.value(src, Idx(tuple(dims), idx.lane))
+
+    def _concat(self, node: NodeSpec, v: int, idx: Idx) -> tuple[str, bool]:
+        out = self.spec.values[v]
+        axis = int(node.attrs.get("axis", 0)) % len(out.shape)
+        parts: list[tuple[int, int, str]] = []
+        offset = 0
+        for r in node.inputs:
+            if r is None:
+                continue
+            size = self.spec.values[r].shape[axis]
+            if size == 0:
+                continue
+            dims = list(idx.dims)
+            clamped = f"{idx.dims[axis]} - {offset}" if offset else idx.dims[axis]
+            if len(parts) or size != out.shape[axis]:
+                clamped = f"tl.minimum(tl.maximum({clamped}, 0), {size - 1})"
+            dims[axis] = self.em.let(clamped, idx.lane[axis], "i")
+            name, _ = self.value(r, Idx(tuple(dims), idx.lane))
+            parts.append((offset, size, name))
+            offset += size
+        expr = parts[-1][2]
+        for start, size, name in reversed(parts[:-1]):
+            expr = f"tl.where({idx.dims[axis]} < {start + size}, {name}, {expr})"
+        return self.em.let(expr, idx.varies, "v"), idx.varies
+
+    def _gather(self, node: NodeSpec, v: int, idx: Idx) -> tuple[str, bool]:
+        data, ind = node.inputs[0], node.inputs[1]
+        assert data is not None and ind is not None
+        d_shape = self.spec.values[data].shape
+        i_shape = self.spec.values[ind].shape
+        axis = int(node.attrs.get("axis", 0)) % len(d_shape)
+        n_i = len(i_shape)
+        ind_idx = Idx(idx.dims[axis : axis + n_i], idx.lane[axis : axis + n_i])
+        pos, lane = self.value(ind, ind_idx)
+        size = d_shape[axis]
+        at = self.em.let(
+            f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size}, {pos}), 0), {size - 1})", lane, "i"
+        )
+        dims = (*idx.dims[:axis], at, *idx.dims[axis + n_i :])
+        lanes = (*idx.lane[:axis], lane, *idx.lane[axis + n_i :])
+        return self.value(data, Idx(tuple(dims), tuple(lanes)))
+
+    def _host(self, node: NodeSpec, k: int) -> list[int]:
+        r = node.inputs[k] if k < len(node.inputs) else None
+        got = self.spec.constants(r) if r is not None else None
+        if got is None:
+            raise Unsupported(f"{node.op} input {k} is not a constant: its value changes per step")
+        return [int(x) for x in np.asarray(got).reshape(-1)]
+
+    # -- elementwise ops -------------------------------------------------------------------
+    def _elementwise(self, node: NodeSpec, v: int, idx: Idx) -> tuple[str, bool]:
+        out = self.spec.values[v]
+        op = node.op
+        if op not in _UNARY and op not in _BINARY and op not in _OTHER:
+            raise Unsupported(f"no template for {op}")
+        args: list[tuple[str, str, bool]] = []  # (expr name, dtype, varies)
+        for k in data_inputs(node):
+            r = node.inputs[k]
+            if r is None:
+                continue
+            spec = self.spec.values[r]
+            sub = self.broadcast(idx, out.shape, spec.shape)
+            name, varies = self.value(r, sub)
+            args.append((name, spec.dtype, varies))
+        varies = any(a[2] for a in args)
+        expr = self._op_expr(node, out.dtype, args)
+        return self.em.let(expr, varies, "v"), varies
+
+    def _op_expr(self, node: NodeSpec, dtype: str, args: list[tuple[str, str, bool]]) -> str:
+        op = node.op
+        tl_out = _tl(dtype)
+        if op == "Cast" or op == "CastLike":
+            src = args[0]
+            if dtype == "bool":
+                return f"({src[0]} != 0)"
+            return f"{src[0]}.to({tl_out})"
+        if op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"):
+            a, b = (self._up(x) for x in args[:2])
+            return f"({a} {_CMP[op]} {b})"
+        if op in ("And", "Or", "Xor"):
+            return f"({args[0][0]} {_LOGIC[op]} {args[1][0]})"
+        if op == "Not":
+            return f"({args[0][0]} == 0)"
+        if op == "Where":
+            c = args[0][0]
+            return f"tl.where({c}, {self._cast(args[1], dtype)}, {self._cast(args[2], dtype)}).to({tl_out})"
+        if op in ("Max", "Min"):
+            fn = "tl.maximum" if op == "Max" else "tl.minimum"
+            acc = self._up(args[0])
+            for other in args[1:]:
+                acc = f"{fn}({acc}, {self._up(other)})"
+            return f"({acc}).to({tl_out})"
+        if op == "Clip":
+            x = self._up(args[0])
+            lo = node.attrs.get("min")
+            hi = node.attrs.get("max")
+            if node.opset >= 11:
+                lo = self._scalar_input(node, 1, args)
+                hi = self._scalar_input(node, 2, args)
+            if lo is not None:
+                x = f"tl.maximum({x}, {lo})"
+            if hi is not None:
+                x = f"tl.minimum({x}, {hi})"
+            return f"({x}).to({tl_out})"
+        if op == "Pow":
+            return self._pow(node, dtype, args)
+        if op in _BINARY:
+            if dtype not in FLOATS and op in ("Div", "Mod"):
+                raise Unsupported(f"integer {op}")
+            if op == "Mod":
+                raise Unsupported("Mod")
+            a, b = self._up(args[0]), self._up(args[1])
+            if op == "PRelu":
+                return f"tl.where({a} < 0, {a} * {b}, {a}).to({tl_out})"
+            return f"({a} {_BINARY[op]} {b}).to({tl_out})"
+        if op in _UNARY:
+            if dtype not in FLOATS and op not in ("Neg", "Abs", "Relu", "Identity", "Sign"):
+                raise Unsupported(f"{op} on {dtype}")
+            x = self._up(args[0])
+            return f"({_UNARY[op](x, node.attrs)}).to({tl_out})"
+        raise Unsupported(f"no template for {op}")
+
+    def _scalar_input(self, node: NodeSpec, k: int, args: list[tuple[str, str, bool]]) -> str | None:
+        if k >= len(node.inputs) or node.inputs[k] is None:
+            return None
+        present = [j for j in data_inputs(node) if node.inputs[j] is not None]
+        return self._up(args[present.index(k)])
+
+    def _pow(self, node: NodeSpec, dtype: str, args: list[tuple[str, str, bool]]) -> str:
+        if dtype not in FLOATS:
+            raise Unsupported("integer Pow")
+        base = self._up(args[0])
+        e = node.inputs[1]
+        exp = self.spec.constants(e) if e is not None else None
+        tl_out = _tl(dtype)
+        if exp is not None and np.asarray(exp).size == 1:
+            p = float(np.asarray(exp).reshape(-1)[0])
+            if p == 2.0:
+                return f"({base} * {base}).to({tl_out})"
+            if p == 1.0:
+                return f"({base}).to({tl_out})"
+            if p == 0.5:
+                return f"tl.sqrt_rn({base}).to({tl_out})"
+            if p == 3.0:
+                return f"({base} * {base} * {base}).to({tl_out})"
+        return f"libdevice.pow({base}, {self._up(args[1])}).to({tl_out})"
+
+    @staticmethod
+    def _up(arg: tuple[str, str, bool]) -> str:
+        name, dtype, _ = arg
+        if dtype in HALF or dtype == "bool":
+            return f"{name}.to(tl.float32)" if dtype in HALF else name
+        return name
+
+    def _cast(self, arg: tuple[str, str, bool], dtype: str) -> str:
+        return arg[0] if arg[1] == dtype else f"{arg[0]}.to({_tl(dtype)})"
+
+    # -- the row template ------------------------------------------------------------------
+    def _row_valued(self, node: NodeSpec, k: int, v: int, idx: Idx) -> tuple[str, bool]:
+        """A reduction's output at ``idx``: a scalar of this program, or (Softmax, LayerNorm) a row."""
+        if self.row is None or self.row_idx is None:
+            raise Unsupported(f"{node.op} outside a row-reduction group")
+        if v not in self.scalars and v not in self.rowvals:
+            self._reduce(node)
+        if v in self.rowvals:
+            shape = self.spec.values[v].shape
+            if _strip(shape, idx)[1] != _strip(self.row, self.row_idx)[1]:
+                raise Unsupported(f"{node.op}'s output read at another index than its row")
+            return self.rowvals[v], True
+        return self._scalar_at(v, idx)
+
+    def _scalar_at(self, v: int, idx: Idx) -> tuple[str, bool]:
+        assert self.row is not None and self.row_idx is not None
+        shape = self.spec.values[v].shape
+        outer = self.row[:-1]
+        want = _strip(outer, Idx(self.row_idx.dims[:-1], self.row_idx.lane[:-1]))[1]
+        if _strip(shape, idx)[1] != want:
+            raise Unsupported("a reduced value read at another row than its own")
+        return self.scalars[v], False
+
+    def _reduce(self, node: NodeSpec) -> None:
+        assert self.row is not None and self.row_idx is not None
+        src = node.inputs[0]
+        assert src is not None
+        if tuple(self.spec.values[src].shape) != self.row:
+            raise Unsupported(f"{node.op} reduces rows of {list(self.spec.values[src].shape)}, not the group's")
+        x, _ = self.value(src, self.row_idx)
+        xf = self.em.let(self._up((x, self.spec.values[src].dtype, True)), True, "r")
+        rmask = self.mask
+        em = self.em
+        op = node.op
+        out0 = node.outputs[0]
+        n = self.row[-1]
+
+        if self.spec.values[src].dtype not in FLOATS:
+            raise Unsupported(f"{op} over {self.spec.values[src].dtype}")
+        ninf, pinf = "float('-inf')", "float('inf')"
+
+        def masked(expr: str, neutral: str) -> str:
+            return em.let(f"tl.where({rmask}, {expr}, {neutral})", True, "r")
+
+        def total(expr: str) -> str:
+            return em.let(f"tl.sum({masked(expr, '0.0')}, axis=0)", False, "s")
+
+        if op in ("ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "ReduceL2"):
+            body = {"ReduceSumSquare": f"{xf} * {xf}", "ReduceL2": f"{xf} * {xf}", "ReduceL1": f"tl.abs({xf})"}.get(
+                op, xf
+            )
+            s = total(body)
+            if op == "ReduceMean":
+                s = em.let(f"{s} / {float(n)}", False, "s")
+            if op == "ReduceL2":
+                s = em.let(f"tl.sqrt_rn({s})", False, "s")
+            self._set_scalar(out0, s)
+        elif op in ("ReduceMax", "ReduceMin"):
+            fn = "tl.max" if op == "ReduceMax" else "tl.min"
+            neutral = ninf if op == "ReduceMax" else pinf
+            self._set_scalar(out0, em.let(f"{fn}({masked(xf, neutral)}, axis=0)", False, "s"))
+        elif op == "ReduceLogSumExp":
+            m = em.let(f"tl.max({masked(xf, ninf)}, axis=0)", False, "s")
+            s = total(f"tl.exp({xf} - {m})")
+            self._set_scalar(out0, em.let(f"{m} + tl.log({s})", False, "s"))
+        elif op in ("Softmax", "LogSoftmax"):
+            m = em.let(f"tl.max({masked(xf, ninf)}, axis=0)", False, "s")
+            e = em.let(f"tl.exp({xf} - {m})", True, "r")
+            s = total(e)
+            y = f"{e} / {s}" if op == "Softmax" else f"{xf} - {m} - tl.log({s})"
+            self._set_row(out0, y)
+        elif op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"):
+            eps = float(node.attrs.get("epsilon", 1e-5))
+            if op == "LayerNormalization":
+                mean = total(xf)
+                mean = em.let(f"{mean} / {float(n)}", False, "s")
+                d = em.let(f"{xf} - {mean}", True, "r")
+            else:
+                mean, d = "0.0", xf
+            var = em.let(f"{total(f'{d} * {d}')} / {float(n)}", False, "s")
+            inv = em.let(f"1.0 / tl.sqrt_rn({var} + {eps})", False, "s")
+            y = f"{d} * {inv}"
+            for j in (1, 2):
+                r = node.inputs[j] if j < len(node.inputs) else None
+                if r is None or (j == 2 and op != "LayerNormalization"):
+                    continue
+                sub = self.broadcast(self.row_idx, self.row, self.spec.values[r].shape)
+                w, wv = self.value(r, sub)
+                wf = self._up((w, self.spec.values[r].dtype, wv))
+                y = f"({y}) * {wf}" if j == 1 else f"({y}) + {wf}"
+            self._set_row(out0, y)
+            outs = node.outputs
+            if len(outs) > 1 and outs[1] is not None:
+                self._set_scalar(outs[1], mean)
+            if len(outs) > 2 and outs[2] is not None:
+                self._set_scalar(outs[2], inv)
+        else:
+            raise Unsupported(f"no row template for {op}")
+
+    def _set_scalar(self, v: int | None, expr: str) -> None:
+        if v is not None:
+            self.scalars[v] = self.em.let(f"({expr}).to({_tl(self.spec.values[v].dtype)})", False, "s")
+
+    def _set_row(self, v: int | None, expr: str) -> None:
+        if v is not None:
+            self.rowvals[v] = self.em.let(f"({expr}).to({_tl(self.spec.values[v].dtype)})", True, "r")
+
+
+def _tl(dtype: str) -> str:
+    got = TL_DTYPES.get(dtype)
+    if got is None:
+        raise Unsupported(f"dtype {dtype}")
+    return got
+
+
+_CMP = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
+_LOGIC = {"And": "&", "Or": "|", "Xor": "^"}
+_BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "Mod": "%", "PRelu": ""}
+_ROW_VALUED = frozenset(
+    {
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceSumSquare",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSumExp",
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "RMSNormalization",
+        "SimplifiedLayerNormalization",
+    }
+)
+
+
+def _gelu(x: str, attrs: dict[str, Any]) -> str:
+    if attrs.get("approximate", "none") == "tanh":
+        return f"0.5 * {x} * (2.0 * tl.sigmoid(1.5957691216057308 * ({x} + 0.044715 * {x} * {x} * {x})))"
+    return f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))"
+
+
+_UNARY: dict[str, Callable[[str, dict[str, Any]], str]] = {
+    "Identity": lambda x, a: x,
+    "Neg": lambda x, a: f"-{x}",
+    "Abs": lambda x, a: f"tl.abs({x})",
+    "Exp": lambda x, a: f"tl.exp({x})",
+    "Log": lambda x, a: f"tl.log({x})",
+    "Sqrt": lambda x, a: f"tl.sqrt_rn({x})",
+    "Reciprocal": lambda x, a: f"1.0 / {x}",
+    "Tanh": lambda x, a: f"(2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",
+    "Sigmoid": lambda x, a: f"tl.sigmoid({x})",
+    "Relu": lambda x, a: f"tl.maximum({x}, 0)",
+    "Erf": lambda x, a: f"tl.erf({x})",
+    "Sin": lambda x, a: f"tl.sin({x})",
+    "Cos": lambda x, a: f"tl.cos({x})",
+    "Floor": lambda x, a: f"tl.floor({x})",
+    "Ceil": lambda x, a: f"tl.ceil({x})",
+    "Softplus": lambda x, a: f"tl.where({x} > 20.0, {x}, tl.log(1.0 + tl.exp({x})))",
+    "Gelu": _gelu,
+    "LeakyRelu": lambda x, a: f"tl.where({x} < 0, {x} * {float(a.get('alpha', 0.01))}, {x})",
+    "HardSigmoid": lambda x, a: (
+        f"tl.minimum(tl.maximum({x} * {float(a.get('alpha', 0.2))} + {float(a.get('beta', 0.5))}, 0.0), 1.0)"
+    ),
+    "Sign": lambda x, a: f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0))",
+}
+_OTHER = frozenset(
+    {
+        "Cast",
+        "CastLike",
+        "Equal",
+        "Less",
+        "LessOrEqual",
+        "Greater",
+        "GreaterOrEqual",
+        "And",
+        "Or",
+        "Xor",
+        "Not",
+        "Where",
+        "Max",
+        "Min",
+        "Clip",
+        "Pow",
+    }
+)
+SUPPORTED_OPS = (
+    frozenset(_UNARY)
+    | frozenset(_BINARY) - {"Mod"}
+    | _OTHER
+    | _ROW_VALUED
+    | frozenset(
+        {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Transpose", "Slice", "Split", "Concat", "Gather"}
+    )
+)
+
+
+def _warps(n: int) -> int:
+    return 1 if n <= 128 else 2 if n <= 512 else 4 if n <= 2048 else 8 if n <= 8192 else 16
+
+
+def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = None) -> Kernel:
+    """The Triton kernel for ``spec`` (``block``/``num_warps``: a tuning config; None: the default).
+
+    The kernel is named after its template and a hash of its source, so identical groups
+    (the same layer's norm in every layer) share one compiled binary.
+    """
+    for node in spec.nodes:
+        if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
+            raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
+    gen = _Gen(spec)
+    if not spec.outputs:
+        raise Unsupported("the group stores nothing")
+    for v in spec.outputs:
+        _tl(spec.values[v].dtype)
+    stores: list[tuple[int, Idx]] = []
+    if spec.template == "row_reduction":
+        reductions = [n for n in spec.nodes if n.op in _ROW_VALUED]
+        src = reductions[0].inputs[0] if reductions else None
+        if src is None:
+            raise Unsupported("a row-reduction group without its reduction")
+        row = tuple(spec.values[src].shape)
+        if not row or row[-1] > MAX_ROW:
+            raise Unsupported(f"a row of {row[-1] if row else 0} elements (the template holds {MAX_ROW})")
+        gen.row = row
+        n_rows = math.prod(row[:-1])
+        rblock = max(16, 1 << (row[-1] - 1).bit_length())
+        gen.em.lines.append("    pid = tl.program_id(0)")
+        gen.em.lines.append(f"    r = tl.arange(0, {rblock})")
+        gen.em.lines.append(f"    mask = r < {row[-1]}")
+        outer = gen.unflatten("pid", row[:-1], lane=False) if row[:-1] else Idx((), ())
+        gen.row_idx = Idx((*outer.dims, "r"), (*outer.lane, True))
+        flat_row = "pid" if n_rows > 1 else "0"
+        for v in spec.outputs:
+            shape = spec.values[v].shape
+            numel = math.prod(shape)
+            if numel == math.prod(row):
+                idx = gen.reshape(gen.row_idx, row, shape)
+            elif numel == n_rows:
+                idx = gen.unflatten(flat_row, shape, lane=False)
+            else:
+                raise Unsupported(f"an output of {list(shape)} in a group over rows of {list(row)}")
+            stores.append((v, idx))
+        grid = (n_rows, 1, 1)
+        block_size = rblock
+        warps = num_warps or _warps(rblock)
+    else:
+        space = max(spec.outputs, key=lambda v: spec.values[v].numel)
+        shape = spec.values[space].shape
+        numel = max(1, math.prod(shape))
+        block_size = block or min(1024, max(32, 1 << (numel - 1).bit_length()))
+        gen.em.lines.append("    pid = tl.program_id(0)")
+        gen.em.lines.append(f"    i = pid * {block_size} + tl.arange(0, {block_size})")
+        gen.em.lines.append(f"    mask = i < {numel}")
+        full = gen.unflatten("i", shape, lane=True)
+        for v in spec.outputs:
+            oshape = spec.values[v].shape
+            if math.prod(oshape) == numel:
+                idx = gen.unflatten("i", oshape, lane=True)
+            else:
+                idx = gen.broadcast(full, shape, oshape)
+            stores.append((v, idx))
+        grid = ((numel + block_size - 1) // block_size, 1, 1)
+        warps = num_warps or (4 if block_size >= 512 else 2 if block_size >= 128 else 1)
+    stored: list[tuple[str, bool, str, bool, str]] = []  # value name, varies, offset, offset varies, dtype
+    for v, idx in stores:
+        expr, varies = gen.value(v, idx)
+        off, off_varies = gen.flatten(idx, spec.values[v].shape)
+        stored.append((expr, varies, off, off_varies, _tl(spec.values[v].dtype)))
+    n_in = len(gen.args)
+    body = list(gen.em.lines)
+    for k, (expr, varies, off, off_varies, tl_dtype) in enumerate(stored):
+        if off_varies or varies:
+            val = f"{expr}.to({tl_dtype})" if varies else f"tl.full([{block_size}], {expr}, {tl_dtype})"
+            body.append(f"    tl.store(out{k} + ({off}), {val}, mask=mask)")
+        else:
+            body.append(f"    tl.store(out{k} + ({off}), {expr}.to({tl_dtype}))")
+    params = [f"in{j}" for j in range(n_in)] + [f"out{k}" for k in range(len(stored))]
+    if len(body) > MAX_SOURCE_LINES:
+        raise Unsupported(f"the kernel would have {len(body)} lines")
+    source = "\n".join(
+        [
+            "import triton",
+            "import triton.language as tl",
+            "from triton.language.extra import libdevice",
+            "",
+            "",
+            "@triton.jit",
+            f"def KERNEL({', '.join(params)}):",
+            *body,
+            "",
+        ]
+    )
+    args = (*gen.args, *(v for v, _ in stores))
+    tag = hashlib.blake2b(source.encode(), digest_size=5).hexdigest()
+    name = f"dsp_{'row' if spec.template == 'row_reduction' else 'pw'}_{tag}"
+    source = source.replace("def KERNEL(", f"def {name}(", 1)
+    return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template)
+
+
+__all__ = ["GroupSpec", "Kernel", "NodeSpec", "SUPPORTED_OPS", "TensorSpec", "Unsupported", "data_inputs", "generate"]

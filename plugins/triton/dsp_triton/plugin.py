@@ -1,0 +1,118 @@
+"""The plugin module named by the entry point: the TRITON backend, its contract, profile and fusion policy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from dsp_cuda_graphs import device
+from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
+
+from dsp_core import config, hookimpl
+from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
+from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core.plan.fusion import FusionLimits, GroupView, PatternKind, ReferencePolicy, SlotPattern
+from dsp_core.plan.plan import Plan, Segment
+from dsp_triton import codegen
+
+# Fused kernels accumulate in fp32 and round once per value, the reference once per op:
+# half-precision results differ by an ulp or two of the reference's rounding.
+TOLERANCE = 5e-3
+
+
+def _contract() -> ModeContract:
+    tf32 = bool(config.get("cublas_tf32"))
+    return ModeContract(
+        deterministic=not tf32,  # no atomics in the generated kernels; cuBLAS with fixed algorithms
+        needs_stable_addresses=True,
+        can_update_in_place=True,
+        tf32=tf32,
+        dtypes=DTYPES,
+        tolerance=max(TOLERANCE, 1e-2 if tf32 else 0.0),
+    )
+
+
+class TritonPolicy(ReferencePolicy):
+    """The reference templates, limited to what the generator takes: its ops, rows it holds in registers."""
+
+    name = "triton"
+    limits = FusionLimits(max_nodes=64, max_inputs=16)
+
+    def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
+        template = super().seed(plan, s, pattern)
+        if template in ("pointwise", "row_reduction", "copy") and not self._generated(plan, s, pattern):
+            return "opaque"  # no template generates it: alone, on the reference kernels
+        return template
+
+    def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        if not self._generated(plan, s, pattern):
+            slot = plan.slots[s]
+            return f"{slot.op} has no Triton template (dsp-triton generates {len(codegen.SUPPORTED_OPS)} ops)"
+        if (
+            pattern.kind is PatternKind.ROW_REDUCTION
+            and pattern.rnumel is not None
+            and pattern.rnumel > codegen.MAX_ROW
+        ):
+            return f"a row of {pattern.rnumel} elements exceeds the row template's {codegen.MAX_ROW}"
+        return super().merge_ok(plan, group, s, pattern)
+
+    @staticmethod
+    def _generated(plan: Plan, s: int, pattern: SlotPattern) -> bool:
+        slot = plan.slots[s]
+        if slot.domain not in ("", "ai.onnx") or slot.op not in codegen.SUPPORTED_OPS:
+            return False
+        if pattern.kind is PatternKind.ROW_REDUCTION:
+            return pattern.rnumel is not None and pattern.rnumel <= codegen.MAX_ROW
+        return True
+
+    def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
+        return 0 if template == "view" else 1
+
+
+def _probe() -> str | None:
+    """Why the backend cannot run here (None: it can). Finds triton and torch without importing
+    them (importing torch takes seconds); a broken install shows at the first compile instead,
+    where the segment falls to the next backend with the error."""
+    import importlib.util
+
+    reason = device.probe()
+    if reason is not None:
+        return reason
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed (pip install dsp-triton[gpu], or triton>=3.4)"
+    if importlib.util.find_spec("torch") is None:
+        return "torch not installed: Triton's NVIDIA driver needs it to find the GPU (pip install torch)"
+    return None
+
+
+class TritonBackend(CudaGraphsBackend):
+    """CUDA_GRAPHS' runtime layer with each fusion group run as one generated Triton kernel."""
+
+    name = "triton"
+    mode = GraphExecutionMode.TRITON
+    platform = "cuda"
+    captures = True
+    contract = _contract()
+    profile = CaptureProfile(max_island_nodes=None, excluded_ops=HOST_READING_OPS)
+    _policy = TritonPolicy()
+
+    def _availability_probe(self) -> Availability:
+        reason = _probe()
+        return Availability.yes() if reason is None else Availability.no(reason)
+
+    def fusion_policy(self) -> TritonPolicy:
+        return self._policy
+
+    def cost(self, segment: Segment, plan: Plan) -> float:
+        return float(math.ceil(len(segment.slots) / 2))  # fused: fewer launches than CUDA_GRAPHS for the same slots
+
+    def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
+        from dsp_triton.segment import TritonSegment
+
+        return TritonSegment(self, plan, segment, self.contract.tf32, self.contract.tolerance)
+
+
+@hookimpl
+def dsp_register_backends() -> list[Backend]:
+    """dsp-triton's one backend."""
+    return [TritonBackend()]

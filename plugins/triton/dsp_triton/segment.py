@@ -1,0 +1,137 @@
+"""A TRITON segment: the CUDA_GRAPHS segment with each fusion group run as one generated kernel.
+
+Everything else is dsp-cuda-graphs' runtime layer, reused as it is: device buffers and
+staging, the owned cuBLAS binding for products (they are gaps of the fusion, launched in
+the same captured graph), the traced and planned allocators, the capture lock and the
+replay. The one difference is the steps the segment's code is generated from: a group's
+slots are replaced by one ``FusedGroup`` step (kernels.py), which compiles, tunes and
+checks its Triton kernel on the first eager run and launches it from then on; warm-up,
+capture and replay see one kernel per group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from dsp_cpu_ref.slot_by_slot import run_order
+from dsp_cuda_graphs import device
+from dsp_cuda_graphs.segment import CudaGraphSegment
+
+from dsp_core.errors import KernelError
+from dsp_core.plan.fusion import propose_groups
+from dsp_core.plan.plan import Plan, Segment
+from dsp_triton import codegen
+from dsp_triton.kernels import FusedGroup, GroupReport
+
+# Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
+FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy"})
+MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
+
+
+class TritonSegment(CudaGraphSegment):
+    """One segment (or island) on the GPU with fused Triton kernels for its groups."""
+
+    def __init__(self, backend: Any, plan: Plan, segment: Segment, tf32: bool, tolerance: float) -> None:
+        super().__init__(backend, plan, segment, tf32)
+        self._tolerance = tolerance
+        self.groups: list[FusedGroup] = []
+        self.reports: list[GroupReport] = []
+        self._step_slots: list[tuple[int, ...]] = []
+
+    def _fuse(self, st: dict[str, Any], bound: list[Any]) -> list[Any]:
+        plan, seg = self._plan, self.segment
+        order = run_order(seg)
+        self._step_slots = [(s,) for s in order]
+        if not seg.groups:
+            return bound
+        policy = self.backend.fusion_policy()
+        result = propose_groups(plan, seg.slots, policy)
+        if result.slot_groups() != seg.groups:
+            return bound  # grouped by another policy: run as bound (still correct)
+        step_of = dict(zip(order, bound))
+        steps: list[Any] = []
+        step_slots: list[tuple[int, ...]] = []
+        for g in result.groups:
+            mine = [step_of[s] for s in g.slots]
+            report = GroupReport(g.index, g.template, g.slots)
+            self.reports.append(report)
+            fusable = g.template in FUSED_TEMPLATES and (len(g.slots) > 1 or g.template == "row_reduction")
+            if not fusable or not g.outputs:
+                report.status = "reference"
+                report.reason = (
+                    f"a {g.template} group runs alone" if g.template not in FUSED_TEMPLATES else "one slot: no gain"
+                )
+                if not g.outputs:
+                    report.reason = "nothing it computes is read"
+                steps.extend(mine)
+                step_slots.extend((s,) for s in g.slots)
+                continue
+            produced = {o for _, _, outs, _ in mine for o in ((outs,) if isinstance(outs, int) else outs)}
+            ins: list[int] = []
+            for _, step_ins, _, _ in mine:
+                for i in step_ins:
+                    if i not in produced and i not in ins:
+                        ins.append(i)
+            outs = tuple(plan.flat(v) for v in g.outputs)
+            releases = tuple(dict.fromkeys(r for *_, rel in mine for r in rel if r not in outs))
+            nodes = [
+                codegen.NodeSpec(
+                    op=plan.slots[s].op,
+                    inputs=tuple(plan.flat(r) if r is not None else None for r in plan.slots[s].inputs),
+                    outputs=tuple(plan.flat(v) if v is not None else None for v in plan.slots[s].outputs),
+                    attrs=dict(plan.slots[s].attrs),
+                    opset=plan.slots[s].opset,
+                    domain=plan.slots[s].domain,
+                    name=plan.slots[s].name,
+                )
+                for s in g.slots
+            ]
+            fg = FusedGroup(
+                report,
+                mine,
+                tuple(ins),
+                outs,
+                nodes,
+                self._constant,
+                self._tolerance,
+                st["cupy"],
+                lambda: self._capturing,
+            )
+            self.groups.append(fg)
+            steps.append((fg, tuple(ins), outs if len(outs) > 1 else outs[0], releases))
+            step_slots.append(g.slots)
+        self._step_slots = step_slots
+        return steps
+
+    def _constant(self, flat: int, value: Any) -> np.ndarray | None:
+        """A host copy of a small input that does not change between steps (None: it does, or it is big)."""
+        if (
+            flat in self._tainted
+            or value is None
+            or getattr(value, "size", MAX_CONSTANT_ELEMENTS + 1) > MAX_CONSTANT_ELEMENTS
+        ):
+            return None
+        return np.asarray(value) if isinstance(value, np.ndarray | np.generic) else self._cp.asnumpy(value)
+
+    def _error(self, exc: Exception) -> KernelError:
+        tb, line = exc.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code is self._run_fn.__code__:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        k = max(0, min((line - self._first_line) if line is not None else 0, len(self._step_slots) - 1))
+        slots = self._step_slots[k] if self._step_slots else self.segment.slots[:1]
+        slot = self._plan.slots[slots[0]]
+        what = f'{slot.op} node "{slot.name}" (slot {slot.index})'
+        if len(slots) > 1:
+            what = f"fusion group of slots {list(slots)} starting at {what}"
+        return KernelError(f"{what} failed on CUDA (TRITON): {type(exc).__name__}: {exc}")
+
+    def fusion_report(self) -> list[dict[str, Any]]:
+        """Per group: fused into a Triton kernel, or why it runs its reference kernels."""
+        return [r.as_dict() for r in self.reports]
+
+    @property
+    def stream(self) -> Any:
+        return device.state(self._tf32)["stream"]

@@ -1,0 +1,108 @@
+"""TRITON on a GPU: fused groups match the reference, capture and replay; generation gives torch's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dsp_core as dsp
+from dsp_core.llm import GenerationPipeline
+from dsp_core.runtime.lifecycle import PlanPhase
+from dsp_core.runtime.units import UnitKind
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
+
+
+def _backend() -> Any:
+    from dsp_triton.plugin import TritonBackend
+
+    return TritonBackend()
+
+
+def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
+    tol = _backend().contract.tolerance
+    for name, ref in want.items():
+        out = np.asarray(got[name])
+        assert out.shape == ref.shape and out.dtype == ref.dtype, f"{what} {name}"
+        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
+        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale, err_msg=f"{what} {name}")
+
+
+def _reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    return [r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()]
+
+
+def test_available_here() -> None:
+    backend = _backend()
+    assert backend.availability().ok, backend.availability().reason
+
+
+def test_auto_resolves_to_triton() -> None:
+    model = dsp.compile(FIXTURES / "gpt2_eager.onnx")
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    model.run({n: golden[f"step0.{n}"] for n in model.input_names})
+    assert model.resolved_backends() == ["triton"]
+
+
+@pytest.mark.parametrize("name", [*DECODERS, "cnn"])
+def test_fixture_matches_reference_fused_and_replaying(name: str) -> None:
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    ref = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    model = dsp.compile(FIXTURES / f"{name}.onnx", mode="triton", strict=True)
+    steps = (0, 1) if name != "cnn" else (None,)
+    for step in steps:
+        prefix = f"step{step}." if step is not None else ""
+        feeds = {n: golden[f"{prefix}{n}"] for n in model.input_names}
+        want = ref.run(feeds)
+        for i in range(8):  # eager, freeze, warm (kernels compiled and checked), capture, replays
+            _close(model.run(feeds), want, f"{name} step {step} run {i}")
+        runtime = model.last_live.runtime  # type: ignore[union-attr]
+        islands = [u for u in runtime.units if u.kind is UnitKind.ISLAND]
+        reasons = [u.reason for u in islands if u.reason]
+        assert model.dsp.phase is PlanPhase.REPLAYING, f"{name} step {step}: {model.dsp.phase}; {reasons}"
+        reports = _reports(model)
+        fused = [r for r in reports if r["status"] == "triton"]
+        demoted = [r for r in reports if r["status"] == "demoted"]
+        assert not demoted, demoted
+        assert fused, f"{name}: no group ran as a Triton kernel: {reports}"
+        before = runtime.counters()
+        for _ in range(3):
+            _close(model.run(feeds), want, f"{name} step {step} steady")
+        after = runtime.counters()
+        assert after["recaptures"] == before["recaptures"]
+        assert after["replays"] > before["replays"]
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_generation_gives_torchs_greedy_tokens(name: str) -> None:
+    g = np.load(FIXTURES / f"{name}.golden.npz")
+    want = g["greedy_tokens"][:32].tolist()
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="auto")
+    assert pipe.decoder(1).model.resolved_backends() == ["triton"]
+    result = pipe.generate(g["prompt"], 32)
+    assert result.tokens[0].tolist() == want, f"{name}: tokens differ from torch's"
+    again = pipe.generate(g["prompt"], 32)
+    assert again.tokens[0].tolist() == want
+
+
+def test_a_group_that_disagrees_is_demoted_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generated kernel that computes the wrong thing: the group falls back to its reference kernels."""
+    from dsp_triton import codegen
+
+    real = codegen._UNARY["Tanh"]
+    monkeypatch.setitem(codegen._UNARY, "Tanh", lambda x, a: f"({real(x, a)} + 1.0)")
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    ref = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
+    model = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="triton", strict=True)
+    feeds = {n: golden[f"step0.{n}"] for n in model.input_names}
+    want = ref.run(feeds)
+    with pytest.warns(UserWarning, match="demoted to its reference kernels"):
+        for _ in range(6):
+            _close(model.run(feeds), want, "demoted")
+    demoted = [r for r in _reports(model) if r["status"] == "demoted"]
+    assert demoted and "disagreed" in demoted[0]["reason"]

@@ -1,0 +1,320 @@
+"""dsp-triton on a machine without a GPU: it installs, lists as unavailable with its reason, AUTO
+falls through; its pure-Python parts (the fusion policy, the code generator, the checked kernel
+cache) are right; and, where triton and torch are installed, every generated kernel of every
+fixture gives the reference's outputs under Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dsp_cpu_ref.plugin import SlotBySlotBackend
+from dsp_triton import codegen
+from dsp_triton.cache import TuneCache, read_checked, source_key, write_checked
+from dsp_triton.plugin import TritonPolicy
+
+import dsp_core as dsp
+from dsp_core.backends.base import Registry
+from dsp_core.backends.discovery import discover
+from dsp_core.plan.fusion import REFERENCE_POLICY, propose_groups
+from dsp_core.runtime.model import CompiledModel
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
+
+
+def _gpu_missing() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() < 1
+    except Exception:  # noqa: BLE001
+        return True
+
+
+# -- discovery ---------------------------------------------------------------------------
+def test_registered_through_its_entry_point() -> None:
+    backend = next(b for b in discover().backends if b.name == "triton")
+    assert backend.distribution == "dsp-triton"
+    assert backend.mode is dsp.GraphExecutionMode.TRITON
+    assert backend.platform == "cuda" and backend.captures
+    assert backend.contract.needs_stable_addresses and backend.contract.deterministic
+    assert isinstance(backend.fusion_policy(), TritonPolicy)
+
+
+@pytest.mark.skipif(not _gpu_missing(), reason="checks the CPU-only behaviour")
+def test_unavailable_with_a_reason_and_auto_falls_through() -> None:
+    backend = next(b for b in discover().backends if b.name == "triton")
+    avail = backend.availability()
+    assert not avail.ok and avail.reason
+    model = dsp.compile(FIXTURES / "gpt2_eager.onnx")
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    model.run({n: golden[f"step0.{n}"] for n in model.input_names})
+    assert "triton" not in model.resolved_backends()
+
+
+def test_backends_list_shows_it_with_its_reason() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dsp_core.cli", "backends", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("triton "))
+    assert "TRITON" in line and "dsp-triton" in line
+    if _gpu_missing():
+        assert " no: " in line
+
+
+# -- the policy ---------------------------------------------------------------------------
+class TritonGroupedSlotBySlot(SlotBySlotBackend):
+    """The reference backend grouping with dsp-triton's policy: runs each group node by node."""
+
+    def fusion_policy(self) -> TritonPolicy:
+        return TritonPolicy()
+
+
+@pytest.mark.parametrize("name", [*DECODERS, "cnn"])
+def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: str) -> None:
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    plain = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    grouped = CompiledModel(
+        plain.graph, dsp.GraphExecutionMode.SLOT_BY_SLOT, registry=Registry(backends=[TritonGroupedSlotBySlot()])
+    )
+    prefix = "" if name == "cnn" else "step1."
+    feeds = {n: golden[prefix + n] for n in plain.input_names}
+    for _ in range(3):
+        want, got = plain.run(feeds), grouped.run(feeds)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}")
+    plan, part = plain.plan(), plain.partition()
+    assert plan is not None and part is not None
+    slots = [s for seg in part.segments for s in seg.slots]
+    triton = propose_groups(plan, slots, TritonPolicy())
+    if name != "cnn":
+        assert triton.kernels < len(slots) * 0.6, (triton.kernels, len(slots))
+        assert any(g.template == "row_reduction" and len(g.slots) > 1 for g in triton.groups)
+    assert triton.kernels >= propose_groups(plan, slots, REFERENCE_POLICY).kernels
+
+
+def test_policy_keeps_ops_it_cannot_generate_alone() -> None:
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [4, 8])
+    y = g.Relu(g.Mod(g.Exp(x), x, fmod=1))
+    g.output(g.Sigmoid(y), "y")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    model.run({"x": np.ones((4, 8), np.float32)})
+    plan = model.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), TritonPolicy())
+    mod = next(s for s in range(len(plan.slots)) if plan.slots[s].op == "Mod")
+    assert any(g.slots == (mod,) for g in result.groups)
+    assert any("no Triton template" in b.reason for b in result.boundaries)
+
+
+# -- the generator ------------------------------------------------------------------------
+def _spec(
+    template: str,
+    nodes: list[codegen.NodeSpec],
+    values: dict[int, tuple[tuple[int, ...], str]],
+    inputs,
+    outputs,
+    constants=None,
+):
+    specs = {
+        v: codegen.TensorSpec(shape, dtype, tuple(codegen._row_major(shape)) if v in inputs else None)
+        for v, (shape, dtype) in values.items()
+    }
+    return codegen.GroupSpec(template, nodes, specs, list(inputs), list(outputs), constants or (lambda v: None))
+
+
+def test_generates_the_exported_rms_norm_as_one_row_kernel() -> None:
+    n = codegen.NodeSpec
+    nodes = [
+        n("Cast", (1,), (2,), {"to": 1}),
+        n("Pow", (2, 3), (4,)),
+        n("ReduceMean", (4, 5), (6,), {"keepdims": 1}),
+        n("Add", (6, 7), (8,)),
+        n("Sqrt", (8,), (9,)),
+        n("Reciprocal", (9,), (10,)),
+        n("Mul", (2, 10), (11,)),
+        n("Cast", (11,), (12,), {"to": 10}),
+        n("Mul", (13, 12), (14,)),
+    ]
+    values = {
+        1: ((1, 1, 576), "float16"),
+        2: ((1, 1, 576), "float32"),
+        3: ((), "float32"),
+        4: ((1, 1, 576), "float32"),
+        5: ((1,), "int64"),
+        6: ((1, 1, 1), "float32"),
+        7: ((), "float32"),
+        8: ((1, 1, 1), "float32"),
+        9: ((1, 1, 1), "float32"),
+        10: ((1, 1, 1), "float32"),
+        11: ((1, 1, 576), "float32"),
+        12: ((1, 1, 576), "float16"),
+        13: ((576,), "float16"),
+        14: ((1, 1, 576), "float16"),
+    }
+    consts = {3: np.array(2.0, np.float32), 5: np.array([-1]), 7: np.array(1e-5, np.float32)}
+    spec = _spec("row_reduction", nodes, values, [1, 3, 7, 13], [14], consts.get)
+    kernel = codegen.generate(spec)
+    ast.parse(kernel.source)
+    assert kernel.grid == (1, 1, 1) and kernel.block == 1024
+    assert kernel.source.count("tl.sum(") == 1
+    assert "libdevice.pow" not in kernel.source  # x ** 2 is a product
+    # the exponent and epsilon are literals, not arguments
+    assert set(kernel.args[: kernel.n_inputs]) == {1, 13} and kernel.args[kernel.n_inputs :] == (14,)
+
+
+def test_generates_gather_slice_concat_as_index_arithmetic() -> None:
+    n = codegen.NodeSpec
+    nodes = [
+        n("Gather", (1, 2), (3,), {"axis": 0}),  # [1, 5] ids into a [100, 16] table -> [1, 5, 16]
+        n("Slice", (3, 4, 5, 6), (7,)),  # the last 8 of the 16
+        n("Neg", (7,), (8,)),
+        n("Slice", (3, 9, 4, 6), (10,)),  # the first 8
+        n("Concat", (8, 10), (11,), {"axis": -1}),
+    ]
+    values = {
+        1: ((100, 16), "float32"),
+        2: ((1, 5), "int64"),
+        3: ((1, 5, 16), "float32"),
+        4: ((1,), "int64"),
+        5: ((1,), "int64"),
+        6: ((1,), "int64"),
+        7: ((1, 5, 8), "float32"),
+        8: ((1, 5, 8), "float32"),
+        9: ((1,), "int64"),
+        10: ((1, 5, 8), "float32"),
+        11: ((1, 5, 16), "float32"),
+    }
+    consts = {4: np.array([8]), 5: np.array([16]), 6: np.array([-1]), 9: np.array([0])}
+    spec = _spec("copy", nodes, values, [1, 2, 4, 5, 6, 9], [11], consts.get)
+    kernel = codegen.generate(spec)
+    ast.parse(kernel.source)
+    assert set(kernel.args[: kernel.n_inputs]) == {2, 1}  # ids, table: the slice bounds are literals
+    assert kernel.source.count("tl.load(") == 3  # the ids once, the table at two indexes
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "why"),
+    [("Div", "int64", "integer Div"), ("Mod", "float32", "Mod"), ("Hardmax", "float32", "no template")],
+)
+def test_unsupported_groups_say_why(op: str, dtype: str, why: str) -> None:
+    n = codegen.NodeSpec
+    spec = _spec(
+        "pointwise",
+        [n(op, (1, 2), (3,)), n("Neg", (3,), (4,))],
+        {1: ((4,), dtype), 2: ((4,), dtype), 3: ((4,), dtype), 4: ((4,), dtype)},
+        [1, 2],
+        [4],
+    )
+    with pytest.raises(codegen.Unsupported, match=why):
+        codegen.generate(spec)
+
+
+def test_rows_past_the_template_limit_are_declined() -> None:
+    n = codegen.NodeSpec
+    big = codegen.MAX_ROW * 2
+    spec = _spec(
+        "row_reduction",
+        [n("Softmax", (1,), (2,), {"axis": -1})],
+        {1: ((1, big), "float32"), 2: ((1, big), "float32")},
+        [1],
+        [2],
+    )
+    with pytest.raises(codegen.Unsupported, match="row of"):
+        codegen.generate(spec)
+
+
+def test_a_slice_bound_that_changes_per_step_is_declined() -> None:
+    n = codegen.NodeSpec
+    nodes = [n("Slice", (1, 2, 3), (4,)), n("Neg", (4,), (5,))]
+    values = {1: ((8,), "float32"), 2: ((1,), "int64"), 3: ((1,), "int64"), 4: ((4,), "float32"), 5: ((4,), "float32")}
+    spec = _spec("copy", nodes, values, [1, 2, 3], [5])
+    with pytest.raises(codegen.Unsupported, match="not a constant"):
+        codegen.generate(spec)
+
+
+def test_identical_groups_share_one_kernel_name() -> None:
+    n = codegen.NodeSpec
+    a = _spec(
+        "pointwise",
+        [n("Add", (1, 2), (3,)), n("Relu", (3,), (4,))],
+        {1: ((8,), "float32"), 2: ((8,), "float32"), 3: ((8,), "float32"), 4: ((8,), "float32")},
+        [1, 2],
+        [4],
+    )
+    b = _spec(
+        "pointwise",
+        [n("Add", (11, 12), (13,)), n("Relu", (13,), (14,))],
+        {11: ((8,), "float32"), 12: ((8,), "float32"), 13: ((8,), "float32"), 14: ((8,), "float32")},
+        [11, 12],
+        [14],
+    )
+    assert codegen.generate(a).source == codegen.generate(b).source
+
+
+# -- the kernel cache ---------------------------------------------------------------------
+def test_checked_files_round_trip_and_damage_is_never_read(tmp_path: Path) -> None:
+    path = tmp_path / "k" / "kernel.cubin"
+    write_checked(path, b"\x7fELF binary")
+    assert read_checked(path) == b"\x7fELF binary"
+    path.write_bytes(b"\x7fELF binar")  # truncated
+    assert read_checked(path) is None
+    assert not path.exists(), "a damaged entry is removed, so the next compile rewrites it"
+    write_checked(path, b"x")
+    (path.parent / (path.name + ".b2")).unlink()  # a writer that died before the digest
+    assert read_checked(path) is None
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_tune_cache_keeps_winners_per_source_and_device(tmp_path: Path) -> None:
+    tunes = TuneCache(tmp_path)
+    key = source_key("def k(): pass", "H200:sm90", "3.6.0")
+    assert tunes.get(key) is None
+    tunes.put(key, {"block": 512})
+    assert TuneCache(tmp_path).get(key) == {"block": 512}
+    assert source_key("def k(): pass", "H100:sm90", "3.6.0") != key
+    (tmp_path / "tune" / f"{key}.json").write_text(json.dumps({"block": 64}))  # edited behind the digest
+    assert TuneCache(tmp_path).get(key) is None
+
+
+# -- the generated kernels under Triton's interpreter (needs triton + a CPU torch) ---------
+def _interpreter_missing() -> str | None:
+    for mod in ("triton", "torch"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not installed (pip install triton torch: the CPU wheels suffice)"
+    return None
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+@pytest.mark.parametrize("name", [*DECODERS, "cnn"])
+def test_every_generated_kernel_matches_the_reference_under_the_interpreter(name: str) -> None:
+    script = (
+        "import json, sys, numpy as np; sys.path.insert(0, sys.argv[1])\n"
+        "import interpret_check as ic; import dsp_core\n"
+        "name = sys.argv[2]; z = np.load(f'{sys.argv[3]}/{name}.golden.npz'); p = '' if name == 'cnn' else 'step1.'\n"
+        "m = dsp_core.compile(f'{sys.argv[3]}/{name}.onnx', mode='slot_by_slot')\n"
+        "feeds = {n: z[p + n] for n in m.input_names}\n"
+        "print(json.dumps([r.__dict__ for r in ic.check_model(m, feeds)]))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent / "triton"), name, str(FIXTURES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    bad = [r for r in results if r["status"] not in ("ok", "unsupported")]
+    assert not bad, bad[:3]
+    assert sum(r["status"] == "ok" for r in results) >= 1
