@@ -10,8 +10,9 @@ allow it, else opens a new group:
   ordering edges of MUTATES_INPUT slots (a reader of a buffer runs before its in-place write);
 - one reduction stage per group (tinygrad's grouper): reductions of one group share the
   row space and none reads another's result;
-- the output of an injective op (reshape, transpose, slice, gather, ...) fuses only when
-  every read of it is the same index: here, when its one reader is the slot joining;
+- the output of an injective op (transpose, slice, gather, ...) fuses only when every
+  read of it is the same index: here, when its one reader is the slot joining (a view
+  op, reshape and friends, only relabels indexes and may have any number of readers);
 - an opaque slot (control flow, random, dynamic output size, unknown) is a group alone.
 
 Groups are *dependency-ordered*, not necessarily contiguous: ``FusionResult.schedule()``
@@ -516,7 +517,13 @@ class _Grouper:
                 continue
             p = self._producer_in(r, members)
             assert p is not None
-            if self.patterns[p].kind is PatternKind.INJECTIVE and len(set(self.readers.get(r, []))) > 1:
+            # A view (reshape and friends) only relabels indexes: reading it at several
+            # indexes reads its input at several indexes, nothing is recomputed.
+            if (
+                self.patterns[p].kind is PatternKind.INJECTIVE
+                and plan.slots[p].op not in VIEW_OPS
+                and len(set(self.readers.get(r, []))) > 1
+            ):
                 return (
                     f"{plan.slots[p].op} slot {p}'s output has {len(set(self.readers[r]))} readers: "
                     "an injective op fuses only when every read uses the same index"

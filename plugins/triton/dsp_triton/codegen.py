@@ -746,6 +746,8 @@ def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = 
         raise Unsupported("the group stores nothing")
     for v in spec.outputs:
         _tl(spec.values[v].dtype)
+        if spec.values[v].numel == 0:
+            raise Unsupported("an empty output (nothing to compute; the reference kernels make it)")
     stores: list[tuple[int, Idx]] = []
     if spec.template == "row_reduction":
         reductions = [n for n in spec.nodes if n.op in _ROW_VALUED]
@@ -785,14 +787,13 @@ def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = 
         gen.em.lines.append("    pid = tl.program_id(0)")
         gen.em.lines.append(f"    i = pid * {block_size} + tl.arange(0, {block_size})")
         gen.em.lines.append(f"    mask = i < {numel}")
-        full = gen.unflatten("i", shape, lane=True)
         for v in spec.outputs:
             oshape = spec.values[v].shape
-            if math.prod(oshape) == numel:
-                idx = gen.unflatten("i", oshape, lane=True)
-            else:
-                idx = gen.broadcast(full, shape, oshape)
-            stores.append((v, idx))
+            size = max(1, math.prod(oshape))
+            # A smaller output is stored by the first lanes, and again (the same values) by
+            # the lanes past its size: every index stays in bounds, no store disagrees.
+            flat = "i" if size == numel else gen.em.let(f"i % {size}", True, "i")
+            stores.append((v, gen.unflatten(flat, oshape, lane=True)))
         grid = ((numel + block_size - 1) // block_size, 1, 1)
         warps = num_warps or (4 if block_size >= 512 else 2 if block_size >= 128 else 1)
     stored: list[tuple[str, bool, str, bool, str]] = []  # value name, varies, offset, offset varies, dtype
@@ -831,4 +832,70 @@ def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = 
     return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template)
 
 
-__all__ = ["GroupSpec", "Kernel", "NodeSpec", "SUPPORTED_OPS", "TensorSpec", "Unsupported", "data_inputs", "generate"]
+def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis: int, block: int = 1024) -> Kernel:
+    """``dsp::KVScatter``: ``update`` written into ``buffer`` along ``axis`` from the device-held position.
+
+    Arguments: the buffer, the update, the position (its first element is read on the
+    device, so one graph serves every step). Rows past the buffer's end are not written.
+    """
+    for t in (buffer, update):
+        _tl(t.dtype)
+    if position.dtype not in ("int32", "int64"):
+        raise Unsupported(f"a KV position of {position.dtype}")
+    rank = len(buffer.shape)
+    ax = axis % rank
+    if len(update.shape) != rank:
+        raise Unsupported("an update of another rank than its buffer")
+    if update.numel == 0 or buffer.numel == 0:
+        raise Unsupported("an empty update or buffer")
+    gen = _Gen(GroupSpec("copy", [], {}, [], []))
+    numel = max(1, update.numel)
+    blk = min(block, max(32, 1 << (numel - 1).bit_length()))
+    em = gen.em
+    em.lines += [
+        "    pid = tl.program_id(0)",
+        f"    i = pid * {blk} + tl.arange(0, {blk})",
+        f"    mask = i < {numel}",
+        "    p = tl.load(in2).to(tl.int32)",
+    ]
+    idx = gen.unflatten("i", update.shape, lane=True)
+    ustr = update.strides or tuple(_row_major(update.shape))
+    bstr = buffer.strides or tuple(_row_major(buffer.shape))
+    row = em.let(f"{idx.dims[ax]} + p", True, "i")
+    u_off = " + ".join(f"{d} * {ustr[k]}" for k, d in enumerate(idx.dims) if d != "0") or "0"
+    b_dims = [row if k == ax else d for k, d in enumerate(idx.dims)]
+    b_off = " + ".join(f"{d} * {bstr[k]}" for k, d in enumerate(b_dims) if d != "0") or "0"
+    body = list(em.lines)
+    body.append(f"    ok = mask & ({row} >= 0) & ({row} < {buffer.shape[ax]})")
+    body.append(f"    x = tl.load(in1 + ({u_off}), mask=ok, other=0)")
+    body.append(f"    tl.store(in0 + ({b_off}), x.to({_tl(buffer.dtype)}), mask=ok)")
+    source = "\n".join(
+        [
+            "import triton",
+            "import triton.language as tl",
+            "",
+            "",
+            "@triton.jit",
+            "def KERNEL(in0, in1, in2):",
+            *body,
+            "",
+        ]
+    )
+    tag = hashlib.blake2b(source.encode(), digest_size=5).hexdigest()
+    name = f"dsp_kv_{tag}"
+    source = source.replace("def KERNEL(", f"def {name}(", 1)
+    grid = ((numel + blk - 1) // blk, 1, 1)
+    return Kernel(source, name, (0, 1, 2), 3, grid, 4 if blk >= 512 else 2 if blk >= 128 else 1, blk, "kv_store")
+
+
+__all__ = [
+    "SUPPORTED_OPS",
+    "GroupSpec",
+    "Kernel",
+    "NodeSpec",
+    "TensorSpec",
+    "Unsupported",
+    "data_inputs",
+    "generate",
+    "kv_store",
+]

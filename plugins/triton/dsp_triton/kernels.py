@@ -37,6 +37,7 @@ log = logging.getLogger("dsp.triton")
 
 Step = tuple[Any, tuple[int, ...], Any, tuple[int, ...]]
 TUNE_RUNS = 5
+MAX_KEYED_ELEMENTS = 4096  # host inputs up to this size are keyed by value
 # Loaded kernels by (source, warps), alive as long as the process: a captured graph holds
 # their functions, and a module freed while a graph can still launch it breaks the graph.
 _BINARIES: dict[tuple[str, int], Any] = {}
@@ -75,6 +76,9 @@ class _Compiled:
         self.binary = binary  # triton CompiledKernel, handles initialised (module loaded)
         self.kernel = kernel
         self.shapes = shapes  # output value -> (shape, dtype)
+        # input flat -> (the array seen at compile time, its value): inputs whose values the
+        # generator baked into the source (slice bounds, exponents, literals)
+        self.constants: dict[int, tuple[Any, np.ndarray]] = {}
 
     def empty_outputs(self, cp: Any) -> dict[int, Any]:
         return {
@@ -130,33 +134,52 @@ class FusedGroup:
         return tuple(local.get(o) for o in self.out_flats), local
 
     def __call__(self, *inputs: Any) -> Any:
-        if self.report.status in ("reference", "demoted"):
-            outs, _ = self.reference(inputs)
-        else:
-            outs = self._fused(inputs)
+        try:
+            if self.report.status in ("reference", "demoted"):
+                outs, _ = self.reference(inputs)
+            else:
+                outs = self._fused(inputs)
+        except CaptureFailed:
+            raise
+        except Exception as exc:
+            shapes = ", ".join(f"v{f}: {getattr(x, 'shape', type(x).__name__)}" for f, x in zip(self.in_flats, inputs))
+            raise RuntimeError(
+                f"{type(exc).__name__}: {exc} (fusion group {self.report.index}, {self.report.status}, inputs {shapes})"
+            ) from exc
         return outs[0] if self.single else outs
 
     # -- the fused path ----------------------------------------------------------------------
     def _signature(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """The layout of the inputs (and the values of host inputs: shape vectors decide output shapes)."""
         sig: list[Any] = []
         for x in inputs:
-            if hasattr(x, "data") and hasattr(x, "strides"):
-                sig.append(
-                    (
-                        x.shape,
-                        x.strides,
-                        x.dtype.str,
-                        isinstance(x, np.ndarray),
-                        int(x.data.ptr) % 16 == 0 if not isinstance(x, np.ndarray) else True,
-                    )
-                )
+            if isinstance(x, np.ndarray | np.generic):
+                small = x.size <= MAX_KEYED_ELEMENTS
+                sig.append((np.shape(x), x.dtype.str, x.tobytes() if small else id(x)))
+            elif hasattr(x, "data") and hasattr(x, "strides"):
+                sig.append((x.shape, x.strides, x.dtype.str, int(x.data.ptr) % 16 == 0))
             else:
-                sig.append((type(x).__name__, np.asarray(x).shape if x is not None else None))
+                sig.append((type(x).__name__, repr(x)[:200]))
         return tuple(sig)
+
+    def _constants_match(self, compiled: _Compiled, inputs: Sequence[Any]) -> bool:
+        """True when the inputs baked into the kernel still hold the values it was made for."""
+        by_flat = dict(zip(self.in_flats, inputs))
+        for flat, (seen, value) in list(compiled.constants.items()):
+            x = by_flat.get(flat)
+            if x is seen:
+                continue
+            host = np.asarray(x) if isinstance(x, np.ndarray | np.generic) else self.cp.asnumpy(x)
+            if host.shape != value.shape or not np.array_equal(host, value):
+                return False
+            compiled.constants[flat] = (x, value)
+        return True
 
     def _fused(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         key = self._signature(inputs)
         compiled = self.compiled.get(key)
+        if compiled is not None and not self.capturing() and not self._constants_match(compiled, inputs):
+            compiled = None  # a value the kernel baked in changed (a segment run for another signature)
         if compiled is None:
             if self.capturing():
                 raise CaptureFailed(
@@ -202,12 +225,34 @@ class FusedGroup:
             values,
             device_inputs,
             list(self.out_flats),
-            lambda v: self.constants(v, local.get(v)),
+            lambda v: self._used(v, local),
         )
         return spec, ref_outs, local
 
+    def _used(self, v: int, local: dict[int, Any]) -> np.ndarray | None:
+        """The generator's constants callback: a host value, remembered so reuse can be checked."""
+        got = self.constants(v, local.get(v))
+        if got is not None:
+            self._baked[v] = got
+        return got
+
     def _compile(self, inputs: Sequence[Any], key: tuple[Any, ...]) -> _Compiled | None:
+        """Generate, build, tune and check the kernel for this layout; None: run the reference kernels.
+
+        Everything here allocates from CuPy's default pool, never from the allocator in
+        effect: a warm-up traces its allocations to plan the captured graph's memory, and
+        the capture will only make the launch's allocations (or the reference kernels').
+        """
+        cp = self.cp
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            got = self._compile_untraced(inputs, key)
+        if got is not None:
+            self.compiled[key] = got
+        return got
+
+    def _compile_untraced(self, inputs: Sequence[Any], key: tuple[Any, ...]) -> _Compiled | None:
         start = time.perf_counter()
+        self._baked: dict[int, np.ndarray] = {}
         try:
             spec, ref_outs, local = self._spec(inputs)
             kernel = codegen.generate(spec)
@@ -239,7 +284,22 @@ class FusedGroup:
             warnings.warn(message, stacklevel=2)
             log.warning(message)
             return None
-        self.compiled[key] = compiled
+        compiled = _Compiled(compiled.binary, compiled.kernel, compiled.shapes)  # its own record of constants
+        # Inputs whose values shaped the source: shape-like inputs (they fixed the concrete
+        # shapes), literals; with a constant computed inside the group, every small input.
+        pointers = set(compiled.kernel.args[: compiled.kernel.n_inputs])
+        inside = any(v not in self.in_flats for v in self._baked)
+        for flat, x in zip(self.in_flats, inputs):
+            if x is None or (flat in pointers and flat not in self._baked and not inside):
+                continue
+            if getattr(x, "size", MAX_KEYED_ELEMENTS + 1) > MAX_KEYED_ELEMENTS:
+                continue
+            if flat in pointers:  # read by the kernel: only a value that never changes is baked in
+                host = self.constants(flat, x)
+            else:
+                host = np.asarray(x) if isinstance(x, np.ndarray | np.generic) else self.cp.asnumpy(x)
+            if host is not None:
+                compiled.constants[flat] = (x, host)
         self.report.status = "triton"
         self.report.kernel = compiled.kernel.name
         self.report.config = {"block": compiled.kernel.block, "num_warps": compiled.kernel.num_warps}
@@ -252,6 +312,14 @@ class FusedGroup:
     def _build(
         self, kernel: codegen.Kernel, local: dict[int, Any], shapes: dict[int, tuple[tuple[int, ...], Any]]
     ) -> _Compiled:
+        inputs = [local[v] for v in kernel.args[: kernel.n_inputs]]
+        return FusedGroup._build_kernel(kernel, inputs, self.cp, shapes)
+
+    @staticmethod
+    def _build_kernel(
+        kernel: codegen.Kernel, inputs: Sequence[Any], cp: Any, shapes: dict[int, tuple[tuple[int, ...], Any]]
+    ) -> _Compiled:
+        """Load (or compile) ``kernel`` specialised for these inputs and outputs of ``shapes``."""
         memo = _BINARIES.get((kernel.source, kernel.num_warps))
         if memo is not None:
             return _Compiled(memo, kernel, shapes)
@@ -273,8 +341,8 @@ class FusedGroup:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         fn = getattr(module, kernel.name)
-        args = [_Arg(local[v]) for v in kernel.args[: kernel.n_inputs]]
-        scratch = [self.cp.empty(shapes[v][0], dtype=shapes[v][1]) for v in kernel.args[kernel.n_inputs :]]
+        args = [_Arg(x) for x in inputs]
+        scratch = [cp.empty(shapes[v][0], dtype=shapes[v][1]) for v in kernel.args[kernel.n_inputs :]]
         args += [_Arg(x) for x in scratch]
         with scoped():
             binary = fn.warmup(*args, grid=kernel.grid, num_warps=kernel.num_warps)
@@ -394,3 +462,74 @@ def _mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, cp: Any
         elif not np.array_equal(x, y):
             return f"output {k}: {int(np.sum(x != y))} of {x.size} elements differ"
     return None
+
+
+class KVStore:
+    """The step that runs ``dsp::KVScatter`` as one generated Triton kernel (its reference: 4-5 CuPy kernels).
+
+    Compiled on first use outside a capture for the buffer's layout, and checked once: the
+    rows it wrote must equal the update (the reference write then runs too, so a wrong
+    kernel is demoted before it can leave a wrong row behind).
+    """
+
+    def __init__(
+        self, report: GroupReport, reference: Any, axis: int, cupy: Any, capturing: Callable[[], bool]
+    ) -> None:
+        self.report = report
+        self.reference = reference
+        self.axis = axis
+        self.cp = cupy
+        self.capturing = capturing
+        self.compiled: dict[tuple[Any, ...], _Compiled] = {}
+
+    def __call__(self, buffer: Any, update: Any, position: Any) -> Any:
+        host = any(isinstance(x, np.ndarray | np.generic) for x in (buffer, update, position))
+        if self.report.status in ("reference", "demoted") or host:
+            return self.reference(buffer, update, position)
+        key = tuple((x.shape, x.strides, x.dtype.str) for x in (buffer, update, position))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            if self.capturing():
+                raise CaptureFailed("a KV store met a new buffer layout during capture")
+            with self.cp.cuda.using_allocator(self.cp.get_default_memory_pool().malloc):
+                got = self._compile(buffer, update, position)
+            if got is None:
+                return self.reference(buffer, update, position)
+            self.compiled[key] = compiled = got
+        compiled.launch(
+            [int(buffer.data.ptr), int(update.data.ptr), int(position.data.ptr)], self.cp.cuda.get_current_stream().ptr
+        )
+        return buffer
+
+    def _compile(self, buffer: Any, update: Any, position: Any) -> _Compiled | None:
+        start = time.perf_counter()
+        specs = []
+        for x in (buffer, update, position):
+            item = x.dtype.itemsize
+            specs.append(codegen.TensorSpec(tuple(x.shape), str(x.dtype), tuple(int(s) // item for s in x.strides)))
+        try:
+            kernel = codegen.kv_store(specs[0], specs[1], specs[2], axis=self.axis)
+            compiled = FusedGroup._build_kernel(kernel, [buffer, update, position], self.cp, {})
+        except Exception as exc:  # noqa: BLE001  (Unsupported, or a compiler error)
+            self.report.status, self.report.reason = "reference", f"{type(exc).__name__}: {str(exc)[:300]}"
+            return None
+        cp = self.cp
+        compiled.launch(
+            [int(buffer.data.ptr), int(update.data.ptr), int(position.data.ptr)], cp.cuda.get_current_stream().ptr
+        )
+        ax = self.axis % buffer.ndim
+        p = int(cp.asnumpy(position.reshape(-1)[:1])[0])
+        n = update.shape[ax]
+        rows = buffer[(slice(None),) * ax + (slice(p, p + n),)]
+        ok = rows.shape == update.shape and bool(cp.all(rows == update.astype(buffer.dtype)))
+        self.reference(buffer, update, position)  # the reference write: right rows whatever happened
+        self.report.compile_ms += (time.perf_counter() - start) * 1000
+        if not ok:
+            self.report.status = "demoted"
+            self.report.reason = "its kernel wrote other values than the update"
+            warnings.warn(
+                f"DSP TRITON: KV store (slot {self.report.slots}) demoted to its reference kernel", stacklevel=2
+            )
+            return None
+        self.report.status, self.report.kernel = "triton", kernel.name
+        return compiled

@@ -11,7 +11,7 @@ from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
 from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.plan.fusion import FusionLimits, GroupView, PatternKind, ReferencePolicy, SlotPattern
+from dsp_core.plan.fusion import VIEW_OPS, FusionLimits, GroupView, PatternKind, ReferencePolicy, SlotPattern
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 
@@ -38,6 +38,9 @@ class TritonPolicy(ReferencePolicy):
     name = "triton"
     limits = FusionLimits(max_nodes=64, max_inputs=16)
 
+    def __init__(self) -> None:
+        self._ops: dict[int, str] = {}
+
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         template = super().seed(plan, s, pattern)
         if template in ("pointwise", "row_reduction", "copy") and not self._generated(plan, s, pattern):
@@ -54,7 +57,20 @@ class TritonPolicy(ReferencePolicy):
             and pattern.rnumel > codegen.MAX_ROW
         ):
             return f"a row of {pattern.rnumel} elements exceeds the row template's {codegen.MAX_ROW}"
+        self._ops[s] = plan.slots[s].op  # for joined(), which is not given the plan
+        if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
+            # The generator computes every value at the index its reader asks for, so a
+            # transpose, slice, concat or gather of a pointwise group's values is index
+            # arithmetic in the same kernel (a value read at two indexes is computed twice).
+            return None
         return super().merge_ok(plan, group, s, pattern)
+
+    def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
+        if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
+            if self._ops.get(s) in VIEW_OPS:  # a view relabels: the group keeps its template
+                return group.template
+            return "copy"
+        return super().joined(group, s, pattern)
 
     @staticmethod
     def _generated(plan: Plan, s: int, pattern: SlotPattern) -> bool:
@@ -62,7 +78,7 @@ class TritonPolicy(ReferencePolicy):
         if slot.domain not in ("", "ai.onnx") or slot.op not in codegen.SUPPORTED_OPS:
             return False
         if pattern.kind is PatternKind.ROW_REDUCTION:
-            return pattern.rnumel is not None and pattern.rnumel <= codegen.MAX_ROW
+            return pattern.rnumel is None or pattern.rnumel <= codegen.MAX_ROW  # unknown: the generator decides
         return True
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:

@@ -22,7 +22,7 @@ from dsp_core.errors import KernelError
 from dsp_core.plan.fusion import propose_groups
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
-from dsp_triton.kernels import FusedGroup, GroupReport
+from dsp_triton.kernels import FusedGroup, GroupReport, KVStore
 
 # Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
 FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy"})
@@ -36,6 +36,7 @@ class TritonSegment(CudaGraphSegment):
         super().__init__(backend, plan, segment, tf32)
         self._tolerance = tolerance
         self.groups: list[FusedGroup] = []
+        self.kv_stores: list[KVStore] = []
         self.reports: list[GroupReport] = []
         self._step_slots: list[tuple[int, ...]] = []
 
@@ -56,6 +57,15 @@ class TritonSegment(CudaGraphSegment):
             mine = [step_of[s] for s in g.slots]
             report = GroupReport(g.index, g.template, g.slots)
             self.reports.append(report)
+            first = plan.slots[g.slots[0]]
+            if len(g.slots) == 1 and first.domain == "dsp" and first.op == "KVScatter":
+                kernel, step_ins, step_outs, step_rel = mine[0]
+                report.template = "kv_store"
+                store = KVStore(report, kernel, int(first.attrs.get("axis", -2)), st["cupy"], lambda: self._capturing)
+                self.kv_stores.append(store)
+                steps.append((store, step_ins, step_outs, step_rel))
+                step_slots.append(g.slots)
+                continue
             fusable = g.template in FUSED_TEMPLATES and (len(g.slots) > 1 or g.template == "row_reduction")
             if not fusable or not g.outputs:
                 report.status = "reference"
