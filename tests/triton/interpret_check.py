@@ -57,7 +57,7 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
     from dsp_triton import codegen
     from dsp_triton.kernels import _mismatch
     from dsp_triton.plugin import TritonPolicy
-    from dsp_triton.segment import FUSED_TEMPLATES
+    from dsp_triton.segment import unfused_reason
 
     from dsp_core.plan.fusion import propose_groups
 
@@ -68,11 +68,7 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
     for seg in part.segments:
         fusion = propose_groups(plan, seg.slots, TritonPolicy())
         for g in fusion.groups:
-            if (
-                g.template not in FUSED_TEMPLATES
-                or not g.outputs
-                or (len(g.slots) < 2 and g.template != "row_reduction")
-            ):
+            if unfused_reason(plan, g) is not None:
                 continue
             ops = [plan.slots[s].op for s in g.slots]
             nodes = [

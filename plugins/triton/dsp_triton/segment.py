@@ -29,6 +29,24 @@ FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy"})
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 
 
+# Single ops whose reference kernel is a view on CuPy (no kernel at all): a generated copy
+# would add one. Inside a group they are index arithmetic.
+VIEW_ON_CUPY = frozenset(
+    {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
+)
+
+
+def unfused_reason(plan: Plan, group: Any) -> str | None:
+    """Why a group runs its reference kernels rather than a generated one (None: it is generated)."""
+    if group.template not in FUSED_TEMPLATES:
+        return f"a {group.template} group runs alone"
+    if not group.outputs:
+        return "nothing it computes is read"
+    if len(group.slots) == 1 and plan.slots[group.slots[0]].op in VIEW_ON_CUPY:
+        return f"a lone {plan.slots[group.slots[0]].op} is a view on the reference kernels: no kernel to save"
+    return None
+
+
 class TritonSegment(CudaGraphSegment):
     """One segment (or island) on the GPU with fused Triton kernels for its groups."""
 
@@ -66,14 +84,9 @@ class TritonSegment(CudaGraphSegment):
                 steps.append((store, step_ins, step_outs, step_rel))
                 step_slots.append(g.slots)
                 continue
-            fusable = g.template in FUSED_TEMPLATES and (len(g.slots) > 1 or g.template == "row_reduction")
-            if not fusable or not g.outputs:
-                report.status = "reference"
-                report.reason = (
-                    f"a {g.template} group runs alone" if g.template not in FUSED_TEMPLATES else "one slot: no gain"
-                )
-                if not g.outputs:
-                    report.reason = "nothing it computes is read"
+            why = unfused_reason(plan, g)
+            if why is not None:
+                report.status, report.reason = "reference", why
                 steps.extend(mine)
                 step_slots.extend((s,) for s in g.slots)
                 continue
