@@ -258,16 +258,23 @@ class CudaGraphSegment(CompiledSegment):
             raise self._error(exc) from exc
 
     def _error(self, exc: Exception) -> KernelError:
+        failing = self._failing_slot(exc)
+        slot = self._plan.slots[failing if failing is not None else self.segment.slots[0]]
+        return KernelError(
+            f'{slot.op} node "{slot.name}" (slot {slot.index}) failed on CUDA: {type(exc).__name__}: {exc}'
+        )
+
+    def _failing_slot(self, exc: BaseException) -> int | None:
+        """The plan slot whose line of the generated step function raised ``exc`` (None: not raised there)."""
         tb, line = exc.__traceback__, None
         while tb is not None:
             if tb.tb_frame.f_code is self._run_fn.__code__:
                 line = tb.tb_lineno
             tb = tb.tb_next
-        k = max(0, min((line - self._first_line) if line is not None else 0, len(self.segment.slots) - 1))
-        slot = self._plan.slots[run_order(self.segment)[k]]
-        return KernelError(
-            f'{slot.op} node "{slot.name}" (slot {slot.index}) failed on CUDA: {type(exc).__name__}: {exc}'
-        )
+        if line is None:
+            return None
+        order = run_order(self.segment)  # the slot of each line (fusion groups may reorder them)
+        return order[max(0, min(line - self._first_line, len(order) - 1))]
 
     # -- eager -------------------------------------------------------------------------
     def run(self, values: list[Any]) -> None:
@@ -386,10 +393,18 @@ class CudaGraphSegment(CompiledSegment):
                 finally:
                     self._capturing = False
                 graph = stream.end_capture()
-        except (CaptureFailed, cp.cuda.memory.OutOfMemoryError):
+        except CaptureFailed as exc:
+            if exc.slot is None:  # the island hook: name the slot, the core captures around it
+                exc.slot = self._failing_slot(exc)
+            raise
+        except cp.cuda.memory.OutOfMemoryError:
             raise
         except Exception as exc:
-            raise CaptureFailed(f"segment {self.segment.index}: capture failed: {type(exc).__name__}: {exc}") from exc
+            slot = self._failing_slot(exc)  # None (the graph was invalidated, seen at end_capture): the core bisects
+            where = f" at {self._plan.slots[slot].op} (slot {slot})" if slot is not None else ""
+            raise CaptureFailed(
+                f"segment {self.segment.index}: capture failed{where}: {type(exc).__name__}: {exc}", slot=slot
+            ) from exc
         # The capture only recorded: run it once so the outputs hold this step's values.
         graph.launch(stream)
         return graph
