@@ -219,7 +219,22 @@ def div(ctx: KernelContext, a: Array, b: Array) -> Array:
 def mod(ctx: KernelContext, a: Array, b: Array, *, fmod: int = 0) -> Array:
     """ONNX Mod: sign of the divisor (Python's %) by default, sign of the dividend if fmod=1."""
     xp = ctx.xp
-    return _float_op(xp, xp.fmod if fmod else xp.remainder, a, b)
+    if fmod:
+        return _float_op(xp, xp.fmod, a, b)
+    if a.dtype.kind == "f" or a.dtype in _HALF_FLOATS:
+        return _float_op(xp, lambda x, y: _float_remainder(xp, x, y), a, b)
+    return xp.remainder(a, b)
+
+
+def _float_remainder(xp: Any, a: Array, b: Array) -> Array:
+    """Python's float %, from C's fmod: numpy's own algorithm (bit-equal to np.remainder), on any xp.
+
+    CuPy's remainder is ``a - floor(a / b) * b``, which is wrong at the edges (3 % inf is
+    nan there, 3.0 in Python); fmod is exact everywhere.
+    """
+    r = xp.fmod(a, b)
+    r = xp.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    return xp.where(r == 0, xp.copysign(xp.zeros_like(r), b), r)
 
 
 @op("Pow", traits=_EW, shape=broadcast_rule, since=7, specialize=_plain_ufunc("power", floats_only=True))

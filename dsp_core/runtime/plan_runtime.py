@@ -24,6 +24,7 @@ Strict mode raises a BackendFault instead. A failing ``release`` is logged and i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -179,10 +180,11 @@ class PlanRuntime:
         for flat, shape, dtype in self.feed_shapes:  # shape-only ops read these; no value is read
             values[flat] = np.broadcast_to(np.zeros((), dtype=dtype), shape) if dtype is not None else None
         owner = {s: seg for seg in self.executor.partition.segments for s in seg.slots}
+        view = _sealed_view(plan, sealed)
         for seg in self.executor.partition.segments:
             mine = tuple(s for s in seg.slots if s in sealed)
             if mine:
-                self._run_sealed(seg, mine, values)
+                self._run_sealed(seg, mine, values, view)
         template: list[Any] = list(self.executor.template)
         for s in sorted(sealed):
             for v in plan.slots[s].outputs:
@@ -203,13 +205,17 @@ class PlanRuntime:
         if not any(u.kind is UnitKind.ISLAND for u in self.units):
             self.machine.move(PlanPhase.REPLAY_BLOCKED, "no segment can capture", self.executions)
 
-    def _run_sealed(self, seg: Segment, mine: tuple[int, ...], values: list[Any]) -> None:
-        """Compute the sealed slots of ``seg`` once; a backend that fails here hands the segment to the reference."""
+    def _run_sealed(self, seg: Segment, mine: tuple[int, ...], values: list[Any], view: Plan) -> None:
+        """Compute the sealed slots of ``seg`` once; a backend that fails here hands the segment to the reference.
+
+        They run on ``view``: the plan whose liveness keeps every value a live slot reads.
+        """
         backend = self.executor.partition.backends[seg.backend]
         piece = Segment(seg.index, seg.backend, seg.mode, mine)
         try:
-            compiled = backend.compile(self.plan, piece)
+            compiled = backend.compile(view, piece)
             compiled.run(values)
+            release_quietly(compiled)
             if backend is not self.executor.partition.reference:
                 outputs = unit_io(self.plan, mine, frozenset())[1]
                 specs = output_specs(self.plan, mine, outputs)
@@ -222,7 +228,7 @@ class PlanRuntime:
             self.executor.fail_segment(self.executor.segment_of(seg.slots), "sealed run", exc)
             ref = self.executor.partition.reference
             assert ref is not None
-            ref.compile(self.plan, Segment(seg.index, ref.name, ref.mode.name, mine)).run(values)
+            ref.compile(view, Segment(seg.index, ref.name, ref.mode.name, mine)).run(values)
 
     def _feed_stand_ins(self, values: list[Any]) -> list[tuple[int, Any]]:
         return [(flat, values[flat]) for flat, _, _ in self.feed_shapes]
@@ -716,6 +722,19 @@ class PlanRuntime:
             + sum(int(getattr(b, "nbytes", 0)) for b in self.bridges.values())
             + sum(u.compiled.nbytes for u in self.units)
         )
+
+
+def _sealed_view(plan: Plan, sealed: set[int]) -> Plan:
+    """``plan`` with liveness for the freeze: no value a live slot (or the caller) reads is released.
+
+    Sealed slots run once, before any live slot: a value whose last reader in plan order
+    is sealed may still be read by an earlier live slot at every step (it lives in the
+    template), so the sealed run must not release it.
+    """
+    keep = {r for slot in plan.slots if slot.index not in sealed for r in slot.inputs if r is not None and r >= 0}
+    keep.update(r for r in plan.outputs if r >= 0)
+    release = tuple(tuple(v for v in rel if v not in keep) for rel in plan.release)
+    return dataclasses.replace(plan, release=release) if release != plan.release else plan
 
 
 def _owned(value: Any) -> Any:

@@ -91,6 +91,11 @@ def tainted_flats(plan: Plan) -> set[int]:
     return {plan.flat(r) for r in tainted}
 
 
+def host_contiguous(x: np.ndarray) -> np.ndarray:
+    """``x`` in C order with its own shape (``np.ascontiguousarray`` makes a 0-d array 1-d)."""
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(x.shape)
+
+
 class _HostArgs:
     """A kernel whose shape-like arguments are handed over as host arrays."""
 
@@ -211,8 +216,8 @@ class CudaGraphSegment(CompiledSegment):
             return memo[1]
         if self._capturing:
             raise CaptureFailed(
-                f"a shape-like input (value {flat}) is computed on the device every step; "
-                "its value cannot be baked into a CUDA graph"
+                f"a shape-like input (value {flat}: axes, sizes, indices read on the host) is fed or computed "
+                "every step: its value (and the output shape it decides) cannot be baked into a CUDA graph"
             )
         host = self._cp.asnumpy(x)
         if flat not in self._tainted:
@@ -358,7 +363,7 @@ class CudaGraphSegment(CompiledSegment):
                     if isinstance(x, np.ndarray):
                         if flat in self._tainted:
                             buf = self._input_buffer(flat, x)
-                            buf.set(np.ascontiguousarray(x), stream=stream)
+                            buf.set(host_contiguous(x), stream=stream)
                             host_inputs[flat] = buf
                             local[flat] = buf
                         else:
@@ -420,7 +425,7 @@ class CudaGraphSegment(CompiledSegment):
             x = values[flat]
             if not isinstance(x, np.ndarray) or x.shape != buf.shape or x.dtype != buf.dtype:
                 return ReplayStatus.STALE_BUFFER
-            buf.set(x if x.flags.c_contiguous else np.ascontiguousarray(x), stream=stream)
+            buf.set(host_contiguous(x), stream=stream)
         self._graph.launch(stream)
         if self._host_outputs:
             with stream:
