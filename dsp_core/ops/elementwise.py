@@ -418,15 +418,15 @@ def softsign(ctx: KernelContext, x: Array) -> Array:
 
 @op("Gelu", traits=_EW, shape=same_as_first, since=20)
 def gelu(ctx: KernelContext, x: Array, *, approximate: str = "none") -> Array:
-    """ONNX Gelu: x * Phi(x) exactly (erf), or its tanh approximation, in float32 or wider."""
+    """ONNX Gelu: x * Phi(x) exactly (erf), or its tanh approximation, computed in float64."""
     xp = ctx.xp
+    v = x.astype(xp.float64)
     if approximate == "tanh":
-        v = x.astype(xp.float64)
         inner = math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)
         return _narrow(0.5 * v * (1.0 + xp.tanh(inner)), x)
     if approximate != "none":
         raise ValueError(f"Gelu approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _float_op(xp, lambda v: 0.5 * v * (1.0 + special.erf(xp, v * (1.0 / math.sqrt(2.0)))), x)
+    return _narrow(0.5 * v * (1.0 + special.erf(xp, v / math.sqrt(2.0))), x)
 
 
 @op("Mish", traits=_EW, shape=same_as_first, since=18)
