@@ -276,10 +276,19 @@ class CudaGraphSegment(CompiledSegment):
             if tb.tb_frame.f_code is self._run_fn.__code__:
                 line = tb.tb_lineno
             tb = tb.tb_next
-        if line is None:
+        lines = self._line_slots()
+        if line is None or not lines:
             return None
-        order = run_order(self.segment)  # the slot of each line (fusion groups may reorder them)
-        return order[max(0, min(line - self._first_line, len(order) - 1))]
+        slots = lines[max(0, min(line - self._first_line, len(lines) - 1))]
+        return slots[0] if len(slots) == 1 else None  # a fused group: the core bisects it
+
+    def _line_slots(self) -> list[tuple[int, ...]]:
+        """The slots each line of the generated step function runs (the islands hook names slots with it).
+
+        One slot per line, in ``run_order``; a backend whose ``_fuse`` puts a fusion group on
+        one line overrides this to say so.
+        """
+        return [(s,) for s in run_order(self.segment)]
 
     # -- eager -------------------------------------------------------------------------
     def run(self, values: list[Any]) -> None:
