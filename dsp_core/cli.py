@@ -98,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     expl.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
+    _add_runs(expl, 0, "then show the frozen plan's islands and gaps (with each gap's reason)")
     expl.set_defaults(func=cmd_plan_explain)
     fuse = plan.add_parser("fuse", help="fusion groups: each group's template and slots, kernels vs slots per step")
     fuse.add_argument("model")
@@ -724,7 +725,16 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
     import dsp_core
 
     model = dsp_core.compile(args.model, mode=args.mode, strict=args.strict)
+    runs = getattr(args, "runs", 0)
+    if runs and model.declined is None:
+        _exercise(model, runs, getattr(args, "dim", []))
     report = model.explain()
+    if runs and model.declined is None:
+        report["units"] = [
+            {k: v for k, v in u.as_dict().items() if k in ("index", "kind", "phase", "slots", "n_slots", "reason")}
+            for u in model.dsp.segments
+        ]
+        report["phase"] = model.dsp.phase.name
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -748,7 +758,15 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
                 print(f"      group {g['index']} [{g['template']}]: slots {g['slots']}")
             for b in fusion["boundaries"]:
                 print(f"      boundary slot {b['producer']} -> {b['consumer']}: {b['reason']}")
+        for gap in seg.get("gaps", []):
+            print(f"    gap slot {gap['slot']} {gap['op']}: {gap['reason']}")
     print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")
+    if "units" in report:
+        print(f"after {runs} run(s): plan phase {report['phase']}")
+        for u in report["units"]:
+            span = f"slots {u['slots'][0]}..{u['slots'][-1]}" if u["slots"] else "no slots"
+            why = f": {u['reason']}" if u["reason"] else ""
+            print(f"  {u['kind']} {u['index']} ({span}, {u['n_slots']}) {u['phase']}{why}")
     return 0
 
 

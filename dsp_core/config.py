@@ -129,6 +129,13 @@ OPTIONS: tuple[Option, ...] = (
         "Executions between retries of a capture that ran out of memory.",
         minimum=1,
     ),
+    Option(
+        "capture_fault",
+        "DSP_CAPTURE_FAULT",
+        "str",
+        "",
+        "Test switch: every capture of a slot of these ops (OP[,OP...]) fails, on any capturing backend.",
+    ),
     # -- bounds on what a model may ask for (docs/robustness.md); no real model comes near them --
     Option(
         "max_tensor_elements",

@@ -4,9 +4,24 @@
     python scripts/node_suite.py --ops Add,Sub,Relu   # only cases whose graph uses these ops
     python scripts/node_suite.py --pattern '^test_conv' --verbose
     python scripts/node_suite.py --json out.json
+    python scripts/node_suite.py --mode cuda_graphs --json $OUT/node_suite_cuda.json   # on a GPU
 
 Each case's model runs on its stored inputs; outputs are compared with the stored
 outputs at the case's own tolerance (rtol, atol), as onnx's BackendTest does.
+
+With ``--mode`` (cuda_graphs, emulated_replay, triton, ...) each case is compiled for that
+mode and run ``--runs`` times (default 5: two slot-by-slot steps, the freeze and warm-up,
+the capture, a replay), every run checked, and reported as one of:
+
+- ``captured``: correct, and every live slot replays in a captured island;
+- ``partly_captured``: correct, islands replay, some slots run eagerly in gaps (reasons given);
+- ``eager``: correct, nothing replays (reasons: the gaps, declines, faults, or why it blocked);
+- ``wrong``: an output differs from the stored one (on any run);
+- ``failed``: a run raised (the error is the reason);
+- ``excluded``: listed in tests/conformance/exclusions.py (with why), not run.
+
+``correct`` counts captured + partly_captured + eager. The JSON has the counts and, per
+case, the status and the reason.
 """
 
 from __future__ import annotations
@@ -73,30 +88,92 @@ def _arrays(values: list[Any]) -> list[Any]:
     return [numpy_helper.to_array(v) if isinstance(v, TensorProto) else v for v in values]
 
 
-def run_case(case: Any) -> None:
-    """Run one case through dsp_core.onnx_backend; raise on any difference."""
+class WrongOutput(AssertionError):
+    """An output differs from the case's stored one."""
+
+
+def run_case(case: Any, mode: str = "auto", runs: int = 1) -> Any:
+    """Run one case through dsp_core.onnx_backend ``runs`` times per data set; raise on any difference.
+
+    Returns the compiled model (its live plan tells what was captured). A difference is a
+    WrongOutput; anything else the run raised propagates as it is.
+    """
     from dsp_core import onnx_backend
 
-    rep = onnx_backend.prepare(case.model)
+    rep = onnx_backend.prepare(case.model, mode=mode)
     for inputs, outputs in case.data_sets:
         inputs, outputs = _arrays(inputs), _arrays(outputs)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = rep.run(inputs)
-        if len(got) != len(outputs):
-            raise AssertionError(f"{len(got)} outputs, expected {len(outputs)}")
-        for exp, g in zip(outputs, got):
-            if isinstance(exp, list):  # sequence output
-                if not isinstance(g, list) or len(exp) != len(g):
-                    got_kind = f"sequence of {len(g)}" if isinstance(g, list) else type(g).__name__
-                    raise AssertionError(f"{got_kind}, expected a sequence of {len(exp)}")
-                for e, x in zip(exp, g):
-                    compare(np.asarray(e), x, case.rtol, case.atol)
-            elif exp is None or g is None:  # an empty optional on either side
-                if exp is not g:
-                    raise AssertionError(f"{type(g).__name__}, expected {type(exp).__name__}")
-            else:
-                compare(np.asarray(exp), g, case.rtol, case.atol)
+        for _ in range(runs):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = rep.run(inputs)
+            try:
+                _check_outputs(case, outputs, got)
+            except AssertionError as exc:
+                raise WrongOutput(str(exc)) from exc
+    return rep.model
+
+
+def _check_outputs(case: Any, outputs: list[Any], got: Any) -> None:
+    """AssertionError when ``got`` is not the case's stored ``outputs``."""
+    if len(got) != len(outputs):
+        raise AssertionError(f"{len(got)} outputs, expected {len(outputs)}")
+    for exp, g in zip(outputs, got):
+        if isinstance(exp, list):  # sequence output
+            if not isinstance(g, list) or len(exp) != len(g):
+                got_kind = f"sequence of {len(g)}" if isinstance(g, list) else type(g).__name__
+                raise AssertionError(f"{got_kind}, expected a sequence of {len(exp)}")
+            for e, x in zip(exp, g):
+                compare(np.asarray(e), x, case.rtol, case.atol)
+        elif exp is None or g is None:  # an empty optional on either side
+            if exp is not g:
+                raise AssertionError(f"{type(g).__name__}, expected {type(exp).__name__}")
+        else:
+            compare(np.asarray(exp), g, case.rtol, case.atol)
+
+
+def capture_state(model: Any) -> tuple[str, str]:
+    """(captured / partly_captured / eager, the reasons for what ran eagerly) of a model after its runs."""
+    from dsp_core.runtime.lifecycle import PlanPhase, SegmentPhase
+    from dsp_core.runtime.units import UnitKind
+
+    if model.declined is not None:
+        return "eager", f"plan declined: {model.declined}"
+    live = model.last_live
+    if live is None:
+        return "eager", "no live plan"
+    runtime = live.runtime
+    if runtime.phase is PlanPhase.SLOT_BY_SLOT:
+        return "eager", "the plan never froze"
+    if not runtime.units:
+        return "captured", "every slot sealed at freeze (computed once)"
+    part = model.partition()
+    reasons: list[str] = []
+    replaying = 0
+    for unit in runtime.units:
+        if unit.kind is UnitKind.ISLAND and unit.phase is SegmentPhase.REPLAYING:
+            replaying += 1
+            continue
+        for why in _unit_reasons(unit, part, runtime.plan):
+            if why not in reasons:
+                reasons.append(why)
+    if not reasons:
+        return "captured", ""
+    return ("partly_captured" if replaying else "eager"), "; ".join(reasons)
+
+
+def _unit_reasons(unit: Any, part: Any, plan: Any) -> list[str]:
+    """Why ``unit`` ran eagerly: its backend's faults or declines when it fell to the reference, else its reason."""
+    slots = set(unit.segment.slots)
+    found = [f"fault: {f.backend} {f.stage}: {f.reason}" for f in part.faults if slots & set(f.slots)]
+    if unit.backend is part.reference:
+        for s in unit.segment.slots:
+            for name, decline in part.declines.get(s, []):
+                found.append(f"{plan.slots[s].op} declined by {name}: {decline}")
+    return found or [unit.reason or f"{unit.kind.value} {unit.phase.name}"]
+
+
+CAPTURE_STATUSES = ("captured", "partly_captured", "eager", "wrong", "failed", "excluded")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,17 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", "-v", action="store_true", help="print each failure")
     parser.add_argument("--json", help="write the per-case results here")
     parser.add_argument("--no-exclusions", action="store_true", help="run excluded cases too")
+    parser.add_argument("--mode", help="compile every case for this mode and report what was captured")
+    parser.add_argument("--runs", type=int, default=5, help="runs per data set with --mode (default 5)")
     args = parser.parse_args(argv)
+    if args.mode:
+        return main_mode(args)
 
-    cases = load_cases()
-    total = len(cases)
-    if args.ops:
-        wanted = set(args.ops.split(","))
-        cases = [c for c in cases if op_types(c.model) & wanted]
-    if args.pattern:
-        rx = re.compile(args.pattern)
-        cases = [c for c in cases if rx.search(c.name)]
-
+    cases, total = select(args)
     results: dict[str, str] = {}
     failures: dict[str, str] = {}
     start = time.perf_counter()
@@ -146,6 +219,73 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"total": total, "counts": counts, "results": results, "failures": failures}, indent=1)
         )
     return 1 if counts["failed"] else 0
+
+
+def select(args: argparse.Namespace) -> tuple[list[Any], int]:
+    """The cases ``--ops`` and ``--pattern`` keep, and how many there are in all."""
+    cases = load_cases()
+    total = len(cases)
+    if args.ops:
+        wanted = set(args.ops.split(","))
+        cases = [c for c in cases if op_types(c.model) & wanted]
+    if args.pattern:
+        rx = re.compile(args.pattern)
+        cases = [c for c in cases if rx.search(c.name)]
+    return cases, total
+
+
+def run_mode(cases: list[Any], mode: str, runs: int, exclusions: bool = True, verbose: bool = False) -> dict[str, Any]:
+    """Run ``cases`` in ``mode``; the report: counts per status and, per case, status and reason."""
+    from conformance.exclusions import EXCLUDED
+
+    from dsp_core import progress
+
+    report: dict[str, dict[str, str]] = {}
+    with progress.step(f"node cases ({mode})", len(cases)) as bar:
+        for case in cases:
+            bar.advance(1)
+            if case.name in EXCLUDED and exclusions:
+                report[case.name] = {"status": "excluded", "reason": EXCLUDED[case.name]}
+                continue
+            try:
+                model = run_case(case, mode, runs)
+                status, reason = capture_state(model)
+            except WrongOutput as exc:
+                status, reason = "wrong", str(exc).splitlines()[0] if str(exc) else ""
+            except Exception as exc:  # noqa: BLE001  (a report: every failure counts)
+                status, reason = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            report[case.name] = {"status": status, "reason": reason}
+            if verbose and status in ("wrong", "failed"):
+                print(f"{status.upper()} {case.name}: {reason}")
+    counts = {k: sum(1 for r in report.values() if r["status"] == k) for k in CAPTURE_STATUSES}
+    counts["correct"] = counts["captured"] + counts["partly_captured"] + counts["eager"]
+    return {"mode": mode, "runs": runs, "selected": len(cases), "counts": counts, "cases": report}
+
+
+def main_mode(args: argparse.Namespace) -> int:
+    """``--mode``: per case captured / partly captured / eager (with reasons) / wrong / failed."""
+    cases, total = select(args)
+    start = time.perf_counter()
+    report = run_mode(cases, args.mode, args.runs, not args.no_exclusions, args.verbose)
+    report["total"] = total
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    c = report["counts"]
+    print(
+        f"node cases ({args.mode}, {args.runs} runs each): {len(cases)} selected of {total}; correct {c['correct']} "
+        f"(captured {c['captured']}, partly captured {c['partly_captured']}, eager {c['eager']}), "
+        f"wrong {c['wrong']}, failed {c['failed']}, excluded {c['excluded']} ({report['seconds']} s)"
+    )
+    reasons: dict[str, int] = {}
+    for r in report["cases"].values():
+        if r["status"] in ("eager", "partly_captured"):
+            for why in r["reason"].split("; "):
+                reasons[why[:100]] = reasons.get(why[:100], 0) + 1
+    for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {n:5d}  {why}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 1 if c["wrong"] or c["failed"] else 0
 
 
 if __name__ == "__main__":

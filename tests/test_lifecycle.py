@@ -250,48 +250,51 @@ def test_fault_backend_is_unavailable_without_the_switch() -> None:
         dsp.compile(mlp(), "vulkan")
 
 
-def test_capture_failure_fails_for_good_keeps_reason_and_runs_eagerly(faults) -> None:
+def test_capture_failure_splits_the_island_around_the_failing_op(faults) -> None:
+    """The backend does not say which slot failed: the core bisects [MatMul, Tanh] and keeps MatMul captured."""
     faults.setenv("DSP_TEST_CAPTURE_FAIL_OPS", "Tanh")
     model, ref = dsp.compile(mlp(gap=True), "vulkan"), dsp.compile(mlp(gap=True), "slot_by_slot")
     for step in range(10):
         check(model, ref, feeds(step))
-    first, gap, last = units(model)
-    assert (first.kind, gap.kind, last.kind) == (UnitKind.ISLAND, UnitKind.GAP, UnitKind.ISLAND)
+    first, gap, matmul, tanh, identity = units(model)
+    assert [u.kind for u in (first, gap, matmul, tanh)] == [UnitKind.ISLAND, UnitKind.GAP] * 2
+    assert identity.kind is UnitKind.ISLAND and identity.phase is S.REPLAYING
     assert first.phase is S.REPLAYING and first.counters.replays == 8
-    assert gap.phase is S.FAILED and gap.reason.startswith("gap")
-    assert last.phase is S.FAILED and last.reason == "injected capture failure: segment holds Tanh"
-    assert segment_path(last) == ["NEEDS_WARMUP", "NEEDS_COMPILE", "CAPTURE_PENDING", "FAILED"]
-    assert last.machine.history[-1].reason == last.reason
-    assert last.counters.captures == 0 and last.counters.replays == 0
-    assert last.counters.eager_runs == 8  # the step whose capture failed (run 3), then one per step FAILED (4..10)
-    assert model.dsp.phase is P.REPLAYING  # the other island replays
-    view = model.dsp.segments[2]
-    assert view.phase is S.FAILED and view.reason == last.reason and not view.replaying
+    assert gap.phase is S.FAILED and gap.reason.startswith("gap: Sigmoid is excluded")
+    assert matmul.phase is S.REPLAYING and matmul.counters.captures == 1 and matmul.counters.replays == 8
+    assert tanh.phase is S.FAILED and "injected capture failure: segment holds Tanh" in tanh.reason
+    assert tanh.machine.history[-1].reason == tanh.reason
+    assert tanh.counters.eager_runs == 8  # the step whose capture failed (run 3), then one per step (4..10)
+    assert model.dsp.runtime.counters()["capture_splits"] == 1
+    assert model.dsp.phase is P.REPLAYING
+    view = model.dsp.segments[3]
+    assert view.kind == "gap" and view.reason == tanh.reason and not view.replaying
 
 
-def test_every_island_failing_blocks_replay(faults) -> None:
-    faults.setenv("DSP_TEST_CAPTURE_FAIL_OPS", "MatMul")
+def test_every_slot_failing_blocks_replay(faults) -> None:
+    faults.setenv("DSP_TEST_CAPTURE_FAIL_OPS", "MatMul,Relu,Tanh,Identity")
     model, ref = dsp.compile(mlp(gap=True), "vulkan"), dsp.compile(mlp(gap=True), "slot_by_slot")
     for step in range(5):
         check(model, ref, feeds(step))
     assert plan_path(model) == ["SLOT_BY_SLOT", "SHAPES_FROZEN", "REPLAY_BLOCKED"]
-    assert model.dsp.runtime.machine.history[-1].reason == "every island failed to capture"
-    assert all(u.phase is S.FAILED for u in units(model))
+    reason = model.dsp.runtime.machine.history[-1].reason
+    assert reason.startswith("no slot could be captured: gap: ") and "segment holds MatMul" in reason
+    assert all(u.kind is UnitKind.GAP and u.phase is S.FAILED for u in units(model))
 
 
-def test_failed_island_feeding_a_replaying_island_does_not_recapture(faults) -> None:
+def test_failed_slot_feeding_a_replaying_island_does_not_recapture(faults) -> None:
     """h = Relu(MatMul(x)) feeds the second island directly (skip connection) as well as the gap.
 
-    The first island fails to capture and runs eagerly; its output must reach the second
-    island at a stable address (bridged, like a gap's), or that island recaptures every step.
+    Relu fails to capture and runs eagerly in a gap; its output must reach the second
+    island at a stable address (bridged), or that island recaptures every step.
     """
     faults.setenv("DSP_TEST_CAPTURE_FAIL_OPS", "Relu")
     graph = mlp(gap=True, skip=True)
     model, ref = dsp.compile(graph, "vulkan"), dsp.compile(graph, "slot_by_slot")
     for step in range(12):
         check(model, ref, feeds(step))
-    first, _, last = units(model)
-    assert first.phase is S.FAILED and last.phase is S.REPLAYING
+    matmul, relu, _, last = units(model)[:4]
+    assert matmul.phase is S.REPLAYING and relu.kind is UnitKind.GAP and last.phase is S.REPLAYING
     assert last.counters.recaptures == 0, model.dsp.json_report()["segments"]
     assert model.dsp.runtime.flags == []
     assert model.dsp.phase is P.REPLAYING

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dsp_core as dsp
-from dsp_core.backends.base import CaptureFailed, CaptureProfile
+from dsp_core.backends.base import CaptureOutOfMemory, CaptureProfile
 from dsp_core.runtime.lifecycle import PlanPhase, SegmentPhase
 from dsp_core.runtime.units import UnitKind
 from dsp_core.testing import (
@@ -63,21 +63,35 @@ def blocked() -> dsp.CompiledModel:
 
 @pytest.fixture
 def one_island_failed(monkeypatch: pytest.MonkeyPatch) -> dsp.CompiledModel:
-    """Emulated replay, islands of two slots, the island holding Relu fails to capture."""
+    """Emulated replay, islands of two slots, the island holding Relu runs out of memory for good."""
     from dsp_cpu_ref.emulated import EmulatedSegment
     from dsp_cpu_ref.plugin import EmulatedReplayBackend
 
     monkeypatch.setattr(EmulatedReplayBackend, "profile", CaptureProfile(max_island_nodes=2))
-    capture = EmulatedSegment._capture
+    monkeypatch.setenv("DSP_OOM_RETRIES", "0")
+    prepare = EmulatedSegment._prepare
 
     def failing(self: EmulatedSegment, values: list) -> None:
         if any(self._plan.slots[s].op == "Relu" for s in self.segment.slots):
-            raise CaptureFailed("capture refused on purpose: the island holds Relu")
-        capture(self, values)
+            raise CaptureOutOfMemory("capture refused on purpose: the island holds Relu")
+        prepare(self, values)
 
-    monkeypatch.setattr(EmulatedSegment, "_capture", failing)
+    monkeypatch.setattr(EmulatedSegment, "_prepare", failing)
     model = _settled("emulated_replay")
     assert model.dsp.phase is PlanPhase.REPLAYING and len(model.dsp.segments) == 3
+    return model
+
+
+@pytest.fixture
+def one_slot_gap(monkeypatch: pytest.MonkeyPatch) -> dsp.CompiledModel:
+    """Emulated replay, Relu fails to capture: it becomes a gap between islands."""
+    monkeypatch.setenv("DSP_CAPTURE_FAULT", "Relu")
+    model = _settled("emulated_replay")
+    assert model.dsp.phase is PlanPhase.REPLAYING and [s.kind for s in model.dsp.segments][:3] == [
+        "island",
+        "gap",
+        "island",
+    ]
     return model
 
 
@@ -157,6 +171,12 @@ def test_no_capture_failures(replaying, blocked, one_island_failed) -> None:
     assert_no_capture_failures(blocked)  # eager units of a backend that does not capture are fine
     message = _fails_with_dump(assert_no_capture_failures, one_island_failed)
     assert "1 island(s) could not capture" in message and "FAILED" in message
+
+
+def test_a_slot_that_failed_to_capture_is_a_capture_failure(one_slot_gap) -> None:
+    assert_fully_replaying(one_slot_gap)  # its islands replay around the gap
+    message = _fails_with_dump(assert_no_capture_failures, one_slot_gap)
+    assert "1 slot(s) failed to capture" in message and "DSP_CAPTURE_FAULT" in message
 
 
 # -- assert_no_address_drift ---------------------------------------------------------------------

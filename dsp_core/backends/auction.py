@@ -411,6 +411,7 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
         fusion = _fusion_of(plan, seg, result.backends.get(seg.backend))
         if fusion is not None:
             entry["fusion"] = fusion
+        entry["gaps"] = _gaps_of(plan, seg, result.backends.get(seg.backend))
         segs.append(entry)
     return {
         "mode": result.mode.name,
@@ -420,6 +421,21 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
         "notes": result.notes,
         "faults": [f.as_dict() for f in result.faults],
     }
+
+
+def _gaps_of(plan: Plan, seg: Segment, backend: Backend | None) -> list[dict[str, Any]]:
+    """The slots a capturing winner runs eagerly between its islands: by its profile, or learned."""
+    if backend is None or not backend.captures:
+        return []
+    from dsp_core.runtime.units import why_gap
+
+    gaps = []
+    for s in seg.slots:
+        reason = why_gap(plan, s, backend)
+        if reason is not None:
+            learned = s in plan.capture_gaps.get(backend.name, {})
+            gaps.append({"slot": s, "op": plan.slots[s].op, "learned": learned, "reason": reason})
+    return gaps
 
 
 def _fusion_of(plan: Plan, seg: Segment, backend: Backend | None) -> dict[str, Any] | None:

@@ -107,7 +107,18 @@ class ReplayStatus(enum.Enum):
 
 
 class CaptureFailed(BackendError):
-    """A capture could not be made; the segment runs eagerly for good (FAILED)."""
+    """A capture could not be made.
+
+    ``slot`` is the plan slot that made it fail, when the backend knows it (the kernel that
+    raised, the host transfer or sync it issued). The core then captures the rest of the
+    unit as islands around that slot (an eager gap); without it the core bisects the unit
+    to find the slots (dsp_core/runtime/islands.py). A one-slot unit that fails runs
+    eagerly for good (FAILED).
+    """
+
+    def __init__(self, message: str, slot: int | None = None) -> None:
+        super().__init__(message)
+        self.slot = slot
 
 
 class CaptureOutOfMemory(BackendError):

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from dsp_core.ir import dtypes
-from dsp_core.ops import lowbit
+from dsp_core.ops import lowbit, special
 from dsp_core.ops.registry import (
     KernelContext,
     TensorInfo,
@@ -59,34 +59,6 @@ def _float_op(xp: Any, fn: Callable[..., Array], x: Array, *rest: Array) -> Arra
 def _bool_like_first(attrs: dict[str, Any], *inputs: TensorInfo) -> list[TensorInfo]:
     """Shape rule of a unary predicate: shape of the input, bool output."""
     return [TensorInfo("bool", inputs[0].shape)]
-
-
-_SQRT_PI = math.sqrt(math.pi)
-_ERF_SWITCH = 3.0  # below: Maclaurin series; above: continued fraction of erfc
-
-
-def _erf_f64(xp: Any, x: Array) -> Array:
-    """erf(x) in float64, absolute error below 1e-14 (vectorized, no scipy)."""
-    x = x.astype(xp.float64)
-    ax = xp.abs(x)
-    # Maclaurin series erf(z) = 2/sqrt(pi) * sum (-1)^n z^(2n+1) / (n! (2n+1)),
-    # on z <= 3 where 60 terms reach double precision.
-    z = xp.minimum(ax, _ERF_SWITCH)
-    z2 = z * z
-    term = z
-    series = z
-    for n in range(1, 60):
-        term = term * (-z2 / n)
-        series = series + term / (2 * n + 1)
-    series = series * (2.0 / _SQRT_PI)
-    # Continued fraction erfc(z) = exp(-z^2)/sqrt(pi) / (z + 1/2/(z + 1/(z + 3/2/(z + ...)))),
-    # evaluated backwards; it converges fast for z >= 3.
-    w = xp.maximum(ax, _ERF_SWITCH)
-    frac = w
-    for k in range(40, 0, -1):
-        frac = w + (k / 2.0) / frac
-    tail = 1.0 - xp.exp(-w * w) / (_SQRT_PI * frac)
-    return xp.sign(x) * xp.where(ax < _ERF_SWITCH, series, tail)
 
 
 def _sigmoid(xp: Any, x: Array) -> Array:
@@ -180,8 +152,8 @@ def isinf(ctx: KernelContext, x: Array, *, detect_negative: int = 1, detect_posi
 
 @op("Erf", traits=_EW, shape=same_as_first, since=9)
 def erf(ctx: KernelContext, x: Array) -> Array:
-    """ONNX Erf: the Gauss error function, computed in float64."""
-    return _narrow(_erf_f64(ctx.xp, x), x)
+    """ONNX Erf: the Gauss error function (scipy.special / cupyx.scipy.special, one ufunc call)."""
+    return _float_op(ctx.xp, lambda v: special.erf(ctx.xp, v), x)
 
 
 # ---------------------------------------------------------------------------
@@ -247,7 +219,22 @@ def div(ctx: KernelContext, a: Array, b: Array) -> Array:
 def mod(ctx: KernelContext, a: Array, b: Array, *, fmod: int = 0) -> Array:
     """ONNX Mod: sign of the divisor (Python's %) by default, sign of the dividend if fmod=1."""
     xp = ctx.xp
-    return _float_op(xp, xp.fmod if fmod else xp.remainder, a, b)
+    if fmod:
+        return _float_op(xp, xp.fmod, a, b)
+    if a.dtype.kind == "f" or a.dtype in _HALF_FLOATS:
+        return _float_op(xp, lambda x, y: _float_remainder(xp, x, y), a, b)
+    return xp.remainder(a, b)
+
+
+def _float_remainder(xp: Any, a: Array, b: Array) -> Array:
+    """Python's float %, from C's fmod: numpy's own algorithm (bit-equal to np.remainder), on any xp.
+
+    CuPy's remainder is ``a - floor(a / b) * b``, which is wrong at the edges (3 % inf is
+    nan there, 3.0 in Python); fmod is exact everywhere.
+    """
+    r = xp.fmod(a, b)
+    r = xp.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    return xp.where(r == 0, xp.copysign(xp.zeros_like(r), b), r)
 
 
 @op("Pow", traits=_EW, shape=broadcast_rule, since=7, specialize=_plain_ufunc("power", floats_only=True))
@@ -431,7 +418,7 @@ def softsign(ctx: KernelContext, x: Array) -> Array:
 
 @op("Gelu", traits=_EW, shape=same_as_first, since=20)
 def gelu(ctx: KernelContext, x: Array, *, approximate: str = "none") -> Array:
-    """ONNX Gelu: x * Phi(x) exactly (erf), or its tanh approximation."""
+    """ONNX Gelu: x * Phi(x) exactly (erf), or its tanh approximation, computed in float64."""
     xp = ctx.xp
     v = x.astype(xp.float64)
     if approximate == "tanh":
@@ -439,7 +426,7 @@ def gelu(ctx: KernelContext, x: Array, *, approximate: str = "none") -> Array:
         return _narrow(0.5 * v * (1.0 + xp.tanh(inner)), x)
     if approximate != "none":
         raise ValueError(f"Gelu approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _narrow(0.5 * v * (1.0 + _erf_f64(xp, v / math.sqrt(2.0))), x)
+    return _narrow(0.5 * v * (1.0 + special.erf(xp, v / math.sqrt(2.0))), x)
 
 
 @op("Mish", traits=_EW, shape=same_as_first, since=18)

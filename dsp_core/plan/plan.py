@@ -97,6 +97,10 @@ class Plan:
     # external index -> constant_digest(constant): computed once, shared by the content
     # hash, DSP1's by-reference records and the disk cache's weight files.
     constant_digests: dict[int, bytes] = field(default_factory=dict)
+    # Learned at freeze time, not part of the content hash: backend name -> {slot: reason}
+    # for slots whose capture failed on that backend; they run as eager gaps between its
+    # islands (dsp_core/runtime/islands.py). Kept in DSP1 so a disk-cached plan knows them.
+    capture_gaps: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def digest_of(self, k: int) -> bytes:
         """The digest of constant ``k`` (computed on first use)."""

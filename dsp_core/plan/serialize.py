@@ -73,6 +73,7 @@ class Section(enum.IntEnum):
     RELEASE = 7
     CONSTANTS = 8
     REGIONS = 9
+    CAPTURE_GAPS = 10  # optional, last: written only when the plan learned gaps (Plan.capture_gaps)
 
 
 class AttrTag(enum.IntEnum):
@@ -413,6 +414,38 @@ def _release_section(plan: Plan) -> _Writer:
     return w
 
 
+def _capture_gaps_section(plan: Plan) -> _Writer:
+    w = _Writer()
+    w.u32(len(plan.capture_gaps), "backend count")
+    for backend in sorted(plan.capture_gaps):
+        gaps = plan.capture_gaps[backend]
+        w.text(backend, "backend name")
+        w.u32(len(gaps), "gap count")
+        for slot in sorted(gaps):
+            w.u32(slot, "gap slot")
+            w.text(gaps[slot], "gap reason")
+    return w
+
+
+def _read_capture_gaps(r: _Reader, n_slots: int) -> dict[str, dict[int, str]]:
+    gaps: dict[str, dict[int, str]] = {}
+    for _ in range(r.count("backend count", 8)):
+        at = r.pos
+        backend = r.text("backend name")
+        if backend in gaps:
+            r.fail("backend name", f"duplicate {backend!r}", at)
+        mine: dict[int, str] = {}
+        for _ in range(r.count(f"gap count of {backend}", 8)):
+            at = r.pos
+            slot = r.u32("gap slot")
+            if slot >= n_slots or slot in mine:
+                r.fail("gap slot", f"slot {slot} out of range [0, {n_slots}) or repeated", at)
+            mine[slot] = r.text("gap reason")
+        gaps[backend] = mine
+    r.done()
+    return gaps
+
+
 def _constants_section(plan: Plan, inline_limit: int) -> _Writer:
     w = _Writer()
     w.u32(len(plan.constants))
@@ -466,6 +499,8 @@ def _encode_plan(plan: Plan, inline_limit: int, depth: int) -> bytes:
     w.section(Section.RELEASE, _release_section(plan))
     w.section(Section.CONSTANTS, _constants_section(plan, inline_limit))
     w.section(Section.REGIONS, _regions_section(plan, inline_limit, depth))
+    if plan.capture_gaps:
+        w.section(Section.CAPTURE_GAPS, _capture_gaps_section(plan))
     return bytes(w.buf)
 
 
@@ -999,6 +1034,7 @@ class _Decoder:
         reader = _ConstantReader(r.section(Section.CONSTANTS), externals, self.resolve, self.by_digest)
         constants = reader.read()
         regions = self.regions(r.section(Section.REGIONS), slots, depth)
+        gaps = _read_capture_gaps(r.section(Section.CAPTURE_GAPS), len(slots)) if r.remaining else {}
         r.done()
         plan = Plan(
             tuple(slots),
@@ -1012,6 +1048,7 @@ class _Decoder:
             graph_name,
             regions,
             constant_digests=dict(reader.digests),  # verified once in _resolved: not hashed again
+            capture_gaps=gaps,
         )
         _verify(r, plan, meta, start)
         return plan

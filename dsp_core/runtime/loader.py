@@ -233,14 +233,20 @@ def compile_cached(
     if key is not None and not force_recompile:
         model = _warm(cache, key, source, mode, strict, stats, base_dir)
         if model is not None:
+            _store_when_learned(cache, key, model, stats)
             return model
     graph = import_model(source, base_dir=base_dir)
     with progress.step("compile plan"):
         model = CompiledModel(graph, mode, strict, stats=stats)
     del graph
-    if key is not None:
-        _store(cache, key, model, stats)
+    if key is not None and _store(cache, key, model, stats):
+        _store_when_learned(cache, key, model, stats)
     return model
+
+
+def _store_when_learned(cache: DiskCache, key: str, model: CompiledModel, stats: CacheStats) -> None:
+    """Store the plan again when its live plans learn capture gaps, so later processes start with them."""
+    model.when_plan_learns(lambda plan: _write(cache, key, plan, stats))
 
 
 def _warm(
@@ -301,14 +307,20 @@ def _reject(cache: DiskCache, key: str, source: Any, stats: CacheStats, exc: Bas
     log.warning("DSP disk cache: entry for %s rejected (%s); recompiling", _describe(source), exc)
 
 
-def _store(cache: DiskCache, key: str, model: CompiledModel, stats: CacheStats) -> None:
+def _store(cache: DiskCache, key: str, model: CompiledModel, stats: CacheStats) -> bool:
+    """Store the model's plan; False when it is not kept on disk (declined, non-tensor inputs)."""
     plan = model.plan()
     if plan is None or any(v.kind != "tensor" for v in model.graph.inputs):
-        return  # declined graphs and sequence/optional inputs are compiled each time
+        return False  # declined graphs and sequence/optional inputs are compiled each time
+    _write(cache, key, plan, stats)
+    return True
+
+
+def _write(cache: DiskCache, key: str, plan: Plan, stats: CacheStats) -> None:
     try:
         payload = serialize.dumps(plan, inline_limit=_INLINE_LIMIT)
     except DSPError as exc:
-        log.info("DSP disk cache: plan of %s not stored: %s", _describe(model), exc)
+        log.info("DSP disk cache: plan of %s not stored: %s", plan.graph_name, exc)
         return
     big = _big_constants(plan)
     with progress.step("store weights", sum(owner.constants[k].nbytes for owner, k in big), "B") as bar:

@@ -71,6 +71,8 @@ class Executor:
         self.template = template
         self.output_flat = tuple(plan.flat(r) for r in plan.outputs)
         self.checks: list[tuple[OutputSpec, ...]] = [self._specs(c) for c in self.segments]
+        # Called with the plan when a live plan learned capture gaps (Plan.capture_gaps).
+        self.on_learned: Callable[[Plan], None] | None = None
 
     def _specs(self, compiled: CompiledSegment) -> tuple[OutputSpec, ...]:
         """What a segment's published outputs must be; nothing for the reference (the oracle)."""
@@ -253,6 +255,12 @@ class CompiledModel:
         if isinstance(entry, Declined):
             return {"mode": self.mode.name, "declined": str(entry), "segments": []}
         return explain(entry.plan, entry.partition)
+
+    def when_plan_learns(self, callback: Callable[[Plan], None]) -> None:
+        """Call ``callback(plan)`` when a live plan of the default outputs learns capture gaps."""
+        entry = self._prepare(self._default_outputs)
+        if isinstance(entry, Executor):
+            entry.on_learned = callback
 
     def explain_miss(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> list[str]:
         """Why these feeds would miss the plan cache: differences from the nearest cached signature."""

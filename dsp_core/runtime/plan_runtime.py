@@ -9,6 +9,11 @@ replay, and drift is met by an in-place refresh where the backend's contract all
 else by a recapture, each counted. Two consecutive clean steps with every island
 replaying make the plan REPLAYING; with no island able to capture it is REPLAY_BLOCKED.
 
+Islands and gaps (dsp_core/runtime/islands.py): an island whose warm-up or capture
+raises CaptureFailed is cut, within that step, into islands around the slots that made
+it fail; those slots become eager gaps with the failure as their reason, are remembered
+in the plan (``Plan.capture_gaps``) and are cut out before capturing from then on.
+
 Faults: any lifecycle call of a unit's backend that raises (SystemExit included), and
 any output that does not match the plan's declaration (checked on a unit's first runs
 and after each capture), fail that unit: it moves to FAILED with the reason, the
@@ -19,6 +24,7 @@ Strict mode raises a BackendFault instead. A failing ``release`` is logged and i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -35,6 +41,7 @@ from dsp_core.diag import Category, Level
 from dsp_core.errors import DSPError
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
+from dsp_core.runtime.islands import Gap, after_failure, check_capture_fault, remember_gap
 from dsp_core.runtime.lifecycle import (
     PLAN_TRANSITIONS,
     SLOT_TRANSITIONS,
@@ -53,6 +60,7 @@ from dsp_core.runtime.units import (
     buffer_address,
     check_budget,
     check_published,
+    gap_reasons,
     output_specs,
     split_units,
     unit_io,
@@ -100,6 +108,9 @@ class PlanRuntime:
         self.lock = threading.Lock()
         self._timed_unit: Unit | None = None  # diag: the unit a timed step is running (for fault recovery)
         self._names = {k: e.name for k, e in enumerate(self.plan.externals)}
+        self.capture_failures = 0  # captures (or warm-ups) that raised CaptureFailed
+        self.splits = 0  # units cut into islands and gaps after such a failure
+        self._last_index = -1  # the highest unit index handed out by a split
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -130,6 +141,8 @@ class PlanRuntime:
                 total[key] = total.get(key, 0) + val
         total["executions"] = self.executions
         total["staging_copies"] = self.staging.copies
+        total["capture_failures"] = self.capture_failures
+        total["capture_splits"] = self.splits
         return total
 
     # -- execution -------------------------------------------------------------------------
@@ -167,10 +180,11 @@ class PlanRuntime:
         for flat, shape, dtype in self.feed_shapes:  # shape-only ops read these; no value is read
             values[flat] = np.broadcast_to(np.zeros((), dtype=dtype), shape) if dtype is not None else None
         owner = {s: seg for seg in self.executor.partition.segments for s in seg.slots}
+        view = _sealed_view(plan, sealed)
         for seg in self.executor.partition.segments:
             mine = tuple(s for s in seg.slots if s in sealed)
             if mine:
-                self._run_sealed(seg, mine, values)
+                self._run_sealed(seg, mine, values, view)
         template: list[Any] = list(self.executor.template)
         for s in sorted(sealed):
             for v in plan.slots[s].outputs:
@@ -191,13 +205,17 @@ class PlanRuntime:
         if not any(u.kind is UnitKind.ISLAND for u in self.units):
             self.machine.move(PlanPhase.REPLAY_BLOCKED, "no segment can capture", self.executions)
 
-    def _run_sealed(self, seg: Segment, mine: tuple[int, ...], values: list[Any]) -> None:
-        """Compute the sealed slots of ``seg`` once; a backend that fails here hands the segment to the reference."""
+    def _run_sealed(self, seg: Segment, mine: tuple[int, ...], values: list[Any], view: Plan) -> None:
+        """Compute the sealed slots of ``seg`` once; a backend that fails here hands the segment to the reference.
+
+        They run on ``view``: the plan whose liveness keeps every value a live slot reads.
+        """
         backend = self.executor.partition.backends[seg.backend]
         piece = Segment(seg.index, seg.backend, seg.mode, mine)
         try:
-            compiled = backend.compile(self.plan, piece)
+            compiled = backend.compile(view, piece)
             compiled.run(values)
+            release_quietly(compiled)
             if backend is not self.executor.partition.reference:
                 outputs = unit_io(self.plan, mine, frozenset())[1]
                 specs = output_specs(self.plan, mine, outputs)
@@ -210,7 +228,7 @@ class PlanRuntime:
             self.executor.fail_segment(self.executor.segment_of(seg.slots), "sealed run", exc)
             ref = self.executor.partition.reference
             assert ref is not None
-            ref.compile(self.plan, Segment(seg.index, ref.name, ref.mode.name, mine)).run(values)
+            ref.compile(view, Segment(seg.index, ref.name, ref.mode.name, mine)).run(values)
 
     def _feed_stand_ins(self, values: list[Any]) -> list[tuple[int, Any]]:
         return [(flat, values[flat]) for flat, _, _ in self.feed_shapes]
@@ -261,7 +279,7 @@ class PlanRuntime:
             self._diag_unit_built(unit)
         if kind is not UnitKind.ISLAND:
             reason = (
-                "gap: ops its profile cannot capture"
+                gap_reasons(self.plan, piece.slots, backend)
                 if kind is UnitKind.GAP
                 else f"backend {backend.name} does not capture: runs eagerly"
             )
@@ -382,16 +400,38 @@ class PlanRuntime:
         if unit.phase is S.OOM_DEFERRED:
             return self._retry_after_oom(unit, values)
         if unit.phase is S.NEEDS_WARMUP:
-            unit.compiled.warm(values)
-            unit.counters.warmups += 1
-            unit.machine.move(S.NEEDS_COMPILE, "warmed up", self.executions)
+            failure = self._warm(unit, values)
+            if failure is not None:
+                self._split(unit, values, failure)
             return False
         if unit.phase is S.REPLAYING:
             return self._replay(unit, values)
         return self._compile_and_capture(unit, values)
 
+    def _warm(self, unit: Unit, values: list[Any]) -> CaptureFailed | None:
+        """NEEDS_WARMUP -> NEEDS_COMPILE; the CaptureFailed a warm-up raised (the unit cannot be captured whole)."""
+        try:
+            unit.compiled.warm(values)
+        except CaptureFailed as exc:
+            self.capture_failures += 1
+            return exc
+        unit.counters.warmups += 1
+        unit.machine.move(S.NEEDS_COMPILE, "warmed up", self.executions)
+        return None
+
     def _compile_and_capture(self, unit: Unit, values: list[Any]) -> bool:
-        """NEEDS_COMPILE / CAPTURE_PENDING -> REPLAYING, then the first replay."""
+        """NEEDS_COMPILE / CAPTURE_PENDING -> REPLAYING, then the first replay; a failed capture splits the unit."""
+        failure = self._capture(unit, values)
+        if failure is not None:
+            self._split(unit, values, failure)
+        return False
+
+    def _capture(self, unit: Unit, values: list[Any]) -> CaptureFailed | None:
+        """Prepare and capture ``unit`` and replay it once (or defer it after an out-of-memory).
+
+        Returns the CaptureFailed that stopped it, with the unit left as it was (its
+        outputs not yet in ``values``): the caller splits it.
+        """
         try:
             if unit.phase is S.NEEDS_COMPILE:
                 start = time.perf_counter_ns()
@@ -400,6 +440,7 @@ class PlanRuntime:
                 self._diag(Category.COMPILE, "prepare", unit, unit.backend.name, time.perf_counter_ns() - start)
                 unit.machine.move(S.CAPTURE_PENDING, "buffers planned", self.executions)
             start = time.perf_counter_ns()
+            check_capture_fault(self.plan, unit.segment.slots)
             unit.compiled.capture(values)
             unit.counters.captures += 1
             self._diag(Category.GRAPH_REPLAY, "capture", unit, unit.backend.name, time.perf_counter_ns() - start)
@@ -407,12 +448,10 @@ class PlanRuntime:
             unit.machine.move(S.OOM_DEFERRED, str(exc), self.executions)
             unit.reason, unit.oom_deferred_at = str(exc), self.executions
             self._run_eagerly(unit, values)
-            return False
+            return None
         except CaptureFailed as exc:
-            unit.machine.move(S.FAILED, str(exc), self.executions)
-            unit.reason = str(exc)
-            self._run_eagerly(unit, values)
-            return False
+            self.capture_failures += 1
+            return exc
         unit.machine.move(S.REPLAYING, "captured", self.executions)
         unit.unchecked = check_budget(unit.backend) if unit.checks else 0  # a new recording: check what it writes
         generation = unit.keys.generation + 1 if unit.keys is not None else 0
@@ -420,7 +459,77 @@ class PlanRuntime:
         self._dispatch(unit, values, redispatched=False)
         unit.keys.output_shapes = tuple(tuple(getattr(values[o], "shape", ())) for o in unit.outputs)
         unit.keys.slot_address_hash = hash(tuple(buffer_address(values[o]) for o in unit.outputs))
-        return False
+        return None
+
+    # -- islands and gaps (dsp_core/runtime/islands.py) -------------------------------------
+    def _split(self, unit: Unit, values: list[Any], failure: CaptureFailed) -> None:
+        """Replace ``unit``, whose capture failed, by islands around the slots that made it fail (gaps).
+
+        Runs within the step: every piece is warmed (or, a gap, run) in plan order, so
+        ``values`` ends with the unit's outputs as an eager run would leave them.
+        """
+        backend, plan = unit.backend, self.plan
+        inside = set(unit.segment.slots)
+        # Gap outputs read by the rest of the unit go through stable buffers (bridges) as soon
+        # as the gap runs, so the islands captured after it bake those buffers in.
+        read_inside = {plan.flat(r) for s in unit.segment.slots for r in plan.slots[s].inputs if r is not None}
+        targets = self.bridge_targets | read_inside
+        pieces: list[Unit] = []
+        work = deque(after_failure(unit.segment.slots, failure))
+        learned = False
+        try:
+            while work:
+                step = work.popleft()
+                if isinstance(step, Gap):  # remembered first: the gap unit reports the reason
+                    learned |= remember_gap(plan, backend, step.slots[0], step.reason)
+                    pieces.append(self._piece(unit, UnitKind.GAP, step.slots))
+                    self._run_eagerly(pieces[-1], values, targets)
+                    continue
+                pieces.append(self._piece(unit, UnitKind.ISLAND, step.slots))
+                failed = self._warm(pieces[-1], values) or self._capture(pieces[-1], values)
+                if failed is not None:
+                    release_quietly(pieces.pop().compiled)
+                    work.extendleft(reversed(after_failure(step.slots, failed)))
+        except BaseException:
+            for piece in pieces:
+                release_quietly(piece.compiled)
+            raise  # the step's handler gives ``unit`` (still in place) to the reference
+        release_quietly(unit.compiled)
+        at = self.units.index(unit)
+        self.units = [*self.units[:at], *pieces, *self.units[at + 1 :]]  # a new list: the step's loop is unaffected
+        readers = {i for u in self.units if u.kind is UnitKind.ISLAND for i in u.inputs}
+        self.bridge_targets = frozenset(o for u in self.units for o in u.outputs if o in readers)
+        self.__dict__.pop("_owned_cache", None)
+        self.splits += 1
+        gaps = [p for p in pieces if p.kind is UnitKind.GAP]
+        islands = [p for p in pieces if p.kind is UnitKind.ISLAND]
+        message = (
+            f"capture of slots {min(inside)}..{max(inside)} failed ({failure}): "
+            f"{len(islands)} island(s) around {sum(len(g.segment.slots) for g in gaps)} gap slot(s)"
+        )
+        self._diag(Category.GRAPH_REPLAY, "split", pieces[0] if pieces else None, message, len(gaps))
+        log.info("DSP plan %s: %s", plan.content_hash[:12], message)
+        on_learned = getattr(self.executor, "on_learned", None)  # the disk cache stores the plan again
+        if learned and on_learned is not None:
+            try:
+                on_learned(plan)
+            except Exception as exc:  # noqa: BLE001  (remembering is an optimisation: never fails a step)
+                log.warning("DSP: could not store the learned capture gaps: %s", describe(exc))
+
+    def _piece(self, unit: Unit, kind: UnitKind, slots: tuple[int, ...]) -> Unit:
+        """A unit of ``slots`` cut from ``unit`` (same backend and origin), compiled.
+
+        Unit indexes are ids (diagnostics and terminal records are keyed by them): the
+        piece holding the unit's first slot keeps its index, the others take new ones.
+        """
+        index = unit.index if slots[0] == unit.segment.slots[0] else self._new_index()
+        piece = Segment(index, unit.segment.backend, unit.segment.mode, slots)
+        compiled = unit.backend.compile(self.plan, piece)
+        return self._unit(index, kind, piece, unit.backend, compiled, self.sealed, unit.origin)
+
+    def _new_index(self) -> int:
+        self._last_index = max(self._last_index, max((u.index for u in self.units), default=-1)) + 1
+        return self._last_index
 
     def _replay(self, unit: Unit, values: list[Any]) -> bool:
         """Check the identity keys, meet drift, replay."""
@@ -484,16 +593,16 @@ class PlanRuntime:
         self._run_eagerly(unit, values)
         return False
 
-    def _run_eagerly(self, unit: Unit, values: list[Any]) -> None:
+    def _run_eagerly(self, unit: Unit, values: list[Any], targets: frozenset[int] | set[int] | None = None) -> None:
         """Run a unit without its recording (gap, eager backend, or a capture that is not there)."""
         unit.compiled.run(values)
         unit.counters.eager_runs += 1
-        self._bridge(unit, values)
+        self._bridge(unit, values, self.bridge_targets if targets is None else targets)
 
-    def _bridge(self, unit: Unit, values: list[Any]) -> None:
-        """Copy an eager unit's outputs that islands read into stable buffers."""
+    def _bridge(self, unit: Unit, values: list[Any], targets: frozenset[int] | set[int]) -> None:
+        """Copy an eager unit's outputs that islands read (``targets``) into stable buffers."""
         for o in unit.outputs:
-            if o not in self.bridge_targets or not hasattr(values[o], "shape"):
+            if o not in targets or not hasattr(values[o], "shape"):
                 continue
             buf = self.bridges.get(o)
             if buf is None or buf.shape != values[o].shape or buf.dtype != values[o].dtype:
@@ -514,7 +623,12 @@ class PlanRuntime:
     def _after_step(self, clean: bool) -> None:
         islands = [u for u in self.units if u.kind is UnitKind.ISLAND]
         if self.phase is PlanPhase.SHAPES_FROZEN:
-            if islands and all(u.phase is S.FAILED for u in islands):
+            if not islands:  # every slot of every island turned out to be a gap
+                reasons = sorted({u.reason for u in self.units if u.kind is UnitKind.GAP})
+                shown = "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")
+                self.machine.move(PlanPhase.REPLAY_BLOCKED, f"no slot could be captured: {shown}", self.executions)
+                return
+            if all(u.phase is S.FAILED for u in islands):
                 self.machine.move(PlanPhase.REPLAY_BLOCKED, "every island failed to capture", self.executions)
                 return
             ready = any(u.phase is S.REPLAYING for u in islands) and all(
@@ -608,6 +722,19 @@ class PlanRuntime:
             + sum(int(getattr(b, "nbytes", 0)) for b in self.bridges.values())
             + sum(u.compiled.nbytes for u in self.units)
         )
+
+
+def _sealed_view(plan: Plan, sealed: set[int]) -> Plan:
+    """``plan`` with liveness for the freeze: no value a live slot (or the caller) reads is released.
+
+    Sealed slots run once, before any live slot: a value whose last reader in plan order
+    is sealed may still be read by an earlier live slot at every step (it lives in the
+    template), so the sealed run must not release it.
+    """
+    keep = {r for slot in plan.slots if slot.index not in sealed for r in slot.inputs if r is not None and r >= 0}
+    keep.update(r for r in plan.outputs if r >= 0)
+    release = tuple(tuple(v for v in rel if v not in keep) for rel in plan.release)
+    return dataclasses.replace(plan, release=release) if release != plan.release else plan
 
 
 def _owned(value: Any) -> Any:

@@ -136,10 +136,7 @@ def split_units(plan: Plan, segment: Segment, backend: Backend) -> list[tuple[Un
     pieces: list[tuple[UnitKind, list[int]]] = []
     limit = backend.profile.max_island_nodes
     for s in segment.slots:
-        slot = plan.slots[s]
-        kind = (
-            UnitKind.GAP if (slot.traits & UNCAPTURABLE or slot.op in backend.profile.excluded_ops) else UnitKind.ISLAND
-        )
+        kind = UnitKind.GAP if why_gap(plan, s, backend) is not None else UnitKind.ISLAND
         last = pieces[-1] if pieces else None
         full = last is not None and kind is UnitKind.ISLAND and limit is not None and len(last[1]) >= limit
         if last is None or last[0] is not kind or full:
@@ -147,6 +144,31 @@ def split_units(plan: Plan, segment: Segment, backend: Backend) -> list[tuple[Un
         else:
             last[1].append(s)
     return [(kind, tuple(slots)) for kind, slots in pieces]
+
+
+def why_gap(plan: Plan, s: int, backend: Backend) -> str | None:
+    """Why slot ``s`` runs in a gap of capturing ``backend`` (None: it can be captured)."""
+    slot = plan.slots[s]
+    if slot.op in backend.profile.excluded_ops:
+        return f"{slot.op} is excluded from capture by {backend.name}'s profile"
+    uncapturable = slot.traits & UNCAPTURABLE
+    if uncapturable:
+        names = "/".join(t.name.lower() for t in Trait if t & uncapturable and t.name)
+        return f"{slot.op} cannot be captured ({names})"
+    learned = plan.capture_gaps.get(backend.name, {}).get(s)
+    if learned is not None:
+        return f"{slot.op} failed to capture: {learned}"
+    return None
+
+
+def gap_reasons(plan: Plan, slots: Iterable[int], backend: Backend) -> str:
+    """The reasons of a gap's slots, each once, for reports."""
+    seen: list[str] = []
+    for s in slots:
+        why = why_gap(plan, s, backend)
+        if why is not None and why not in seen:
+            seen.append(why)
+    return "gap: " + "; ".join(seen) if seen else "gap"
 
 
 def unit_io(

@@ -156,12 +156,19 @@ def assert_pointers_stable(model: CompiledModel, feeds: Mapping[str, Any], runs:
 
 
 def assert_no_capture_failures(model: CompiledModel) -> None:
-    """Assert no island unit is FAILED or OOM_DEFERRED (eager units and gaps are fine)."""
+    """Assert no island unit is FAILED or OOM_DEFERRED and no slot became a gap by failing to capture.
+
+    Eager units and the gaps a backend's profile asks for are fine.
+    """
     _phase_of(model)
     bad = [s for s in _islands(model) if s.phase in (SegmentPhase.FAILED, SegmentPhase.OOM_DEFERRED)]
     if bad:
         detail = "; ".join(f"unit {s.index} ({s.backend}) {s.phase.name if s.phase else None}: {s.reason}" for s in bad)
         raise _fail(model, f"{len(bad)} island(s) could not capture: {detail}")
+    learned = model.dsp.runtime.plan.capture_gaps
+    if any(learned.values()):
+        detail = "; ".join(f"{b} slot {slot}: {why}" for b, gaps in learned.items() for slot, why in gaps.items())
+        raise _fail(model, f"{sum(len(g) for g in learned.values())} slot(s) failed to capture: {detail}")
 
 
 def assert_no_address_drift(model: CompiledModel) -> None:

@@ -50,15 +50,24 @@ class EmulatedSegment(SlotBySlotSegment):
         self._recorded_inputs: dict[int, Any] = {}
 
     def _warm(self, values: list[Any]) -> None:
-        """Run the slots eagerly, noting the shape and dtype of every value produced."""
+        """Run the slots eagerly, noting the shape and dtype of every value produced.
+
+        A slot that reads or writes something other than an array (a sequence) cannot be
+        recorded against fixed buffers: CaptureFailed names it, and the core runs it in a
+        gap between islands.
+        """
         local = list(values)
-        for kernel, ins, outs, _ in self._steps:
-            result = kernel(*[local[i] for i in ins])
+        for s, (kernel, ins, outs, _) in zip(self._order, self._steps):
+            args = [local[i] for i in ins]
+            if any(isinstance(a, list | tuple) for a in args):
+                raise CaptureFailed(f"{self._plan.slots[s].op} (slot {s}) reads a sequence, not an array", slot=s)
+            result = kernel(*args)
             for o, r in zip(_as_tuple(outs), _as_tuple(result) if not isinstance(outs, int) else (result,)):
                 local[o] = r
                 if o != self._plan.scratch:
                     if not isinstance(r, np.ndarray | np.generic):
-                        raise CaptureFailed(f"slot output at {o} is a {type(r).__name__}, not an array")
+                        op = self._plan.slots[s].op
+                        raise CaptureFailed(f"{op} (slot {s}) output is a {type(r).__name__}, not an array", slot=s)
                     arr = np.asarray(r)
                     self._specs[o] = (arr.shape, arr.dtype, arr.strides)
         for o in [*self._produced, *self._aliases]:  # publish the values as an eager run would

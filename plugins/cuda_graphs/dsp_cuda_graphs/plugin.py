@@ -31,6 +31,10 @@ HOST_READING_OPS = frozenset(
 )
 
 
+# Scatters whose reduction=mul combines duplicates with ufunc.at: CuPy has add/max/min.at only.
+MULTIPLY_AT_OPS = frozenset({"ScatterElements", "ScatterND", "Scatter"})
+
+
 def _contract() -> ModeContract:
     tf32 = bool(config.get("cublas_tf32"))  # read once, when the plugin loads
     return ModeContract(
@@ -63,6 +67,11 @@ class CudaGraphsBackend(Backend):
     def _supports(self, slot: SlotView) -> Decline | None:
         if slot.traits & Trait.CONTROL_FLOW:
             return Decline(DeclineReason.CONTROL_FLOW, f"{slot.op} runs subgraphs: left to the CPU reference")
+        if slot.op in MULTIPLY_AT_OPS and slot.attrs.get("reduction") == "mul":
+            return Decline(
+                DeclineReason.UNSUPPORTED_ATTRIBUTE,
+                f"{slot.op} reduction=mul needs multiply.at, which CuPy does not have: left to the CPU reference",
+            )
         return None
 
     def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
@@ -80,8 +89,10 @@ class CudaGraphsBackend(Backend):
         """Copy a fed array (host or device) into its device buffer, on the legacy stream (fenced later)."""
         import numpy as np
 
+        from dsp_cuda_graphs.segment import host_contiguous
+
         if isinstance(value, np.ndarray):
-            buffer.set(value if value.flags.c_contiguous else np.ascontiguousarray(value))  # type: ignore[attr-defined]
+            buffer.set(host_contiguous(value))  # type: ignore[attr-defined]
         else:
             buffer[...] = value  # type: ignore[index]
 

@@ -91,6 +91,11 @@ def tainted_flats(plan: Plan) -> set[int]:
     return {plan.flat(r) for r in tainted}
 
 
+def host_contiguous(x: np.ndarray) -> np.ndarray:
+    """``x`` in C order with its own shape (``np.ascontiguousarray`` makes a 0-d array 1-d)."""
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(x.shape)
+
+
 class _HostArgs:
     """A kernel whose shape-like arguments are handed over as host arrays."""
 
@@ -211,8 +216,8 @@ class CudaGraphSegment(CompiledSegment):
             return memo[1]
         if self._capturing:
             raise CaptureFailed(
-                f"a shape-like input (value {flat}) is computed on the device every step; "
-                "its value cannot be baked into a CUDA graph"
+                f"a shape-like input (value {flat}: axes, sizes, indices read on the host) is fed or computed "
+                "every step: its value (and the output shape it decides) cannot be baked into a CUDA graph"
             )
         host = self._cp.asnumpy(x)
         if flat not in self._tainted:
@@ -258,16 +263,32 @@ class CudaGraphSegment(CompiledSegment):
             raise self._error(exc) from exc
 
     def _error(self, exc: Exception) -> KernelError:
+        failing = self._failing_slot(exc)
+        slot = self._plan.slots[failing if failing is not None else self.segment.slots[0]]
+        return KernelError(
+            f'{slot.op} node "{slot.name}" (slot {slot.index}) failed on CUDA: {type(exc).__name__}: {exc}'
+        )
+
+    def _failing_slot(self, exc: BaseException) -> int | None:
+        """The plan slot whose line of the generated step function raised ``exc`` (None: not raised there)."""
         tb, line = exc.__traceback__, None
         while tb is not None:
             if tb.tb_frame.f_code is self._run_fn.__code__:
                 line = tb.tb_lineno
             tb = tb.tb_next
-        k = max(0, min((line - self._first_line) if line is not None else 0, len(self.segment.slots) - 1))
-        slot = self._plan.slots[run_order(self.segment)[k]]
-        return KernelError(
-            f'{slot.op} node "{slot.name}" (slot {slot.index}) failed on CUDA: {type(exc).__name__}: {exc}'
-        )
+        lines = self._line_slots()
+        if line is None or not lines:
+            return None
+        slots = lines[max(0, min(line - self._first_line, len(lines) - 1))]
+        return slots[0] if len(slots) == 1 else None  # a fused group: the core bisects it
+
+    def _line_slots(self) -> list[tuple[int, ...]]:
+        """The slots each line of the generated step function runs (the islands hook names slots with it).
+
+        One slot per line, in ``run_order``; a backend whose ``_fuse`` puts a fusion group on
+        one line overrides this to say so.
+        """
+        return [(s,) for s in run_order(self.segment)]
 
     # -- eager -------------------------------------------------------------------------
     def run(self, values: list[Any]) -> None:
@@ -351,7 +372,7 @@ class CudaGraphSegment(CompiledSegment):
                     if isinstance(x, np.ndarray):
                         if flat in self._tainted:
                             buf = self._input_buffer(flat, x)
-                            buf.set(np.ascontiguousarray(x), stream=stream)
+                            buf.set(host_contiguous(x), stream=stream)
                             host_inputs[flat] = buf
                             local[flat] = buf
                         else:
@@ -386,10 +407,18 @@ class CudaGraphSegment(CompiledSegment):
                 finally:
                     self._capturing = False
                 graph = stream.end_capture()
-        except (CaptureFailed, cp.cuda.memory.OutOfMemoryError):
+        except CaptureFailed as exc:
+            if exc.slot is None:  # the island hook: name the slot, the core captures around it
+                exc.slot = self._failing_slot(exc)
+            raise
+        except cp.cuda.memory.OutOfMemoryError:
             raise
         except Exception as exc:
-            raise CaptureFailed(f"segment {self.segment.index}: capture failed: {type(exc).__name__}: {exc}") from exc
+            slot = self._failing_slot(exc)  # None (the graph was invalidated, seen at end_capture): the core bisects
+            where = f" at {self._plan.slots[slot].op} (slot {slot})" if slot is not None else ""
+            raise CaptureFailed(
+                f"segment {self.segment.index}: capture failed{where}: {type(exc).__name__}: {exc}", slot=slot
+            ) from exc
         # The capture only recorded: run it once so the outputs hold this step's values.
         graph.launch(stream)
         return graph
@@ -405,7 +434,7 @@ class CudaGraphSegment(CompiledSegment):
             x = values[flat]
             if not isinstance(x, np.ndarray) or x.shape != buf.shape or x.dtype != buf.dtype:
                 return ReplayStatus.STALE_BUFFER
-            buf.set(x if x.flags.c_contiguous else np.ascontiguousarray(x), stream=stream)
+            buf.set(host_contiguous(x), stream=stream)
         self._graph.launch(stream)
         if self._host_outputs:
             with stream:
