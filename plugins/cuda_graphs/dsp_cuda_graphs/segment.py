@@ -269,8 +269,8 @@ class CudaGraphSegment(CompiledSegment):
             f'{slot.op} node "{slot.name}" (slot {slot.index}) failed on CUDA: {type(exc).__name__}: {exc}'
         )
 
-    def _failing_slot(self, exc: BaseException) -> int | None:
-        """The plan slot whose line of the generated step function raised ``exc`` (None: not raised there)."""
+    def _failing_line(self, exc: BaseException) -> tuple[int, ...] | None:
+        """The slots of the generated step function's line that raised ``exc`` (None: not raised there)."""
         tb, line = exc.__traceback__, None
         while tb is not None:
             if tb.tb_frame.f_code is self._run_fn.__code__:
@@ -279,8 +279,12 @@ class CudaGraphSegment(CompiledSegment):
         lines = self._line_slots()
         if line is None or not lines:
             return None
-        slots = lines[max(0, min(line - self._first_line, len(lines) - 1))]
-        return slots[0] if len(slots) == 1 else None  # a fused group: the core bisects it
+        return lines[max(0, min(line - self._first_line, len(lines) - 1))]
+
+    def _failing_slot(self, exc: BaseException) -> int | None:
+        """The plan slot whose line of the generated step function raised ``exc`` (None: not raised there)."""
+        slots = self._failing_line(exc)
+        return slots[0] if slots is not None and len(slots) == 1 else None  # a fused group: the core bisects it
 
     def _line_slots(self) -> list[tuple[int, ...]]:
         """The slots each line of the generated step function runs (the islands hook names slots with it).

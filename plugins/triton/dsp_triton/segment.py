@@ -137,14 +137,11 @@ class TritonSegment(CudaGraphSegment):
             return None
         return np.asarray(value) if isinstance(value, np.ndarray | np.generic) else self._cp.asnumpy(value)
 
+    def _line_slots(self) -> list[tuple[int, ...]]:
+        return self._step_slots or super()._line_slots()
+
     def _error(self, exc: Exception) -> KernelError:
-        tb, line = exc.__traceback__, None
-        while tb is not None:
-            if tb.tb_frame.f_code is self._run_fn.__code__:
-                line = tb.tb_lineno
-            tb = tb.tb_next
-        k = max(0, min((line - self._first_line) if line is not None else 0, len(self._step_slots) - 1))
-        slots = self._step_slots[k] if self._step_slots else self.segment.slots[:1]
+        slots = self._failing_line(exc) or self._line_slots()[0]
         slot = self._plan.slots[slots[0]]
         what = f'{slot.op} node "{slot.name}" (slot {slot.index})'
         if len(slots) > 1:
