@@ -115,6 +115,7 @@ class FusedGroup:
         self.capturing = capturing
         self.compiled: dict[tuple[Any, ...], _Compiled] = {}
         self.single = len(out_flats) == 1
+        self.progress: Any = None  # a dsp_core.progress step while the segment's first runs compile
 
     # -- the reference path ----------------------------------------------------------------
     def reference(self, inputs: Sequence[Any], keep: bool = False) -> tuple[tuple[Any, ...], dict[int, Any]]:
@@ -248,6 +249,8 @@ class FusedGroup:
             got = self._compile_untraced(inputs, key)
         if got is not None:
             self.compiled[key] = got
+        if self.progress is not None:
+            self.progress.advance()
         return got
 
     def _compile_untraced(self, inputs: Sequence[Any], key: tuple[Any, ...]) -> _Compiled | None:
@@ -481,6 +484,7 @@ class KVStore:
         self.cp = cupy
         self.capturing = capturing
         self.compiled: dict[tuple[Any, ...], _Compiled] = {}
+        self.progress: Any = None
 
     def __call__(self, buffer: Any, update: Any, position: Any) -> Any:
         host = any(isinstance(x, np.ndarray | np.generic) for x in (buffer, update, position))
@@ -493,6 +497,8 @@ class KVStore:
                 raise CaptureFailed("a KV store met a new buffer layout during capture")
             with self.cp.cuda.using_allocator(self.cp.get_default_memory_pool().malloc):
                 got = self._compile(buffer, update, position)
+            if self.progress is not None:
+                self.progress.advance()
             if got is None:
                 return self.reference(buffer, update, position)
             self.compiled[key] = compiled = got

@@ -11,6 +11,7 @@ capture and replay see one kernel per group.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from dsp_cpu_ref.slot_by_slot import run_order
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
+from dsp_core import progress
 from dsp_core.errors import KernelError
 from dsp_core.plan.fusion import propose_groups
 from dsp_core.plan.plan import Plan, Segment
@@ -148,6 +150,24 @@ class TritonSegment(CudaGraphSegment):
             what = f"fusion group of slots {list(slots)} starting at {what}"
         return KernelError(f"{what} failed on CUDA (TRITON): {type(exc).__name__}: {exc}")
 
+    # -- the first runs compile: say so on stderr (dsp_core.progress) ---------------------
+    def run(self, values: list[Any]) -> None:
+        with self._compiling():
+            super().run(values)
+
+    def _warm(self, values: list[Any]) -> None:
+        with self._compiling():
+            super()._warm(values)
+
+    def _compiling(self) -> Any:
+        """A progress step while groups still have to be compiled, tuned and checked (else nothing)."""
+        self._ensure()
+        stages: list[Any] = [*self.groups, *self.kv_stores]
+        pending = [g for g in stages if g.report.status == "pending"]
+        if not pending:
+            return contextlib.nullcontext()
+        return _Compiling(pending, f"triton: compile, tune and check {len(pending)} fused kernels")
+
     def fusion_report(self) -> list[dict[str, Any]]:
         """Per group: fused into a Triton kernel, or why it runs its reference kernels."""
         return [r.as_dict() for r in self.reports]
@@ -155,3 +175,23 @@ class TritonSegment(CudaGraphSegment):
     @property
     def stream(self) -> Any:
         return device.state(self._tf32)["stream"]
+
+
+class _Compiling:
+    """A progress step whose bar advances as each pending group settles."""
+
+    def __init__(self, pending: list[Any], label: str) -> None:
+        self.pending = pending
+        self.label = label
+        self._step: Any = None
+
+    def __enter__(self) -> None:
+        self._step = progress.step(self.label, total=len(self.pending), unit="kernels")
+        bar = self._step.__enter__()
+        for g in self.pending:
+            g.progress = bar
+
+    def __exit__(self, *exc: Any) -> None:
+        for g in self.pending:
+            g.progress = None
+        self._step.__exit__(*exc)
