@@ -306,7 +306,7 @@ def test_every_generated_kernel_matches_the_reference_under_the_interpreter(name
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent / "triton"), name, str(FIXTURES)],
+        [sys.executable, "-c", script, str(Path(__file__).parent / "triton_interp"), name, str(FIXTURES)],
         capture_output=True,
         text=True,
         env=env,
