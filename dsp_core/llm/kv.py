@@ -138,7 +138,8 @@ class KVLayout:
             _typed(data, "next_token", str),
             _str_map(data, "input_dtypes"),
         )
-        if set(layout.buffer_shapes) != {g.past for g in growth} or set(layout.buffer_dtypes) != set(layout.buffer_shapes):
+        pasts = {g.past for g in growth}
+        if set(layout.buffer_shapes) != pasts or set(layout.buffer_dtypes) != pasts:
             raise ValueError("KV layout: the buffers do not match the growth list")
         return layout
 
@@ -174,7 +175,17 @@ def _growth_from_json(data: Any) -> KVGrowth:
         )
         if not ok:
             raise ValueError(f"KV layout: growth field {key!r} has the wrong type: {value!r}")
-    return KVGrowth(**{k: tuple(v) if k in tuples else v for k, v in data.items()})
+    return KVGrowth(
+        data["layer"],
+        data["kind"],
+        data["past"],
+        data["new"],
+        data["present"],
+        data["axis"],
+        data["node"],
+        tuple(data["aliases"]),
+        tuple(data["passes"]),
+    )
 
 
 @dataclass

@@ -220,6 +220,8 @@ class Decoder:
         self.batch = batch
         self._fixed: FixedKVGraph | None = None
         params = {"batch": batch, "max_length": pipeline.max_length}
+        self.model: CompiledModel
+        self.layout: KVLayout
         with pipeline.phase("decode plan"):
             cached = pipeline.cached_model("decode", params, lambda: self.fixed.graph, self._layout_of)
             if cached is not None:
@@ -230,7 +232,7 @@ class Decoder:
                 pipeline.store.put("decode", params, {"layout": self.layout.to_json()}, self.model.plan())
         self.model.dsp.mark_variable(state_inputs(self.layout, self.model))
         self.model.dsp.freeze()  # the shapes never change: freeze at the first run
-        self.xp = decode_namespace(self.model)
+        self.xp: Any = decode_namespace(self.model)
         if self.xp is not np:
             self.model.outputs_on_device = True  # logits and next_token stay on the device
         self.warmed = False

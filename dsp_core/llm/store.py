@@ -119,8 +119,8 @@ class PlanStore:
         self.stats = WarmStats()
         self.cache = DiskCache.from_config()
         diag.watch_disk_cache(self.cache)
-        key = model_key(source, __version__, base_dir, self.cache) if source is not None and self.cache.enabled else None
-        self.model_key = key
+        keyed = source is not None and self.cache.enabled
+        self.model_key = model_key(source, __version__, base_dir, self.cache) if keyed else None
         self._weights: dict[str, np.ndarray] = {}  # digest hex -> a big constant already in memory
         self._digests: dict[int, tuple[np.ndarray, bytes]] = {}  # id(array) -> (array, digest): no re-hash
 
