@@ -237,3 +237,21 @@ def test_an_entry_of_another_kind_is_never_taken(cache_dir: Path) -> None:
     again.decoder(1)
     assert again.warm_stats["rejects"] == 1 and again.warm_stats["rewrites"] == 1
     assert isinstance(DiskCache.from_config().info()["quarantine_count"], int)
+
+
+def test_dsp_generate_reports_the_start_and_a_second_run_is_warm(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    args = ("generate", str(FIXTURES / "gpt2_eager.onnx"), "--prompt-ids", "3,14,15,92", "--max-new-tokens", "6")
+    env = {"DSP_CACHE_DIR": str(tmp_path)}
+    cold = run_cli(*args, "--json", env=env)
+    warm = run_cli(*args, "--json", env=env)
+    assert cold.returncode == warm.returncode == 0, cold.stderr + warm.stderr
+    c, w = json.loads(cold.stdout), json.loads(warm.stdout)
+    assert c["tokens"] == w["tokens"]
+    assert c["start"]["warm"]["writes"] == 2 and c["start"]["warm"]["graph_imports"] == 1
+    assert w["start"]["warm"]["hits"] == 2 and w["start"]["warm"]["graph_imports"] == 0
+    assert {"prefill plan", "decode plan", "decode warm-up"} <= set(w["start"]["seconds"])
+    text = run_cli(*args, env=env)
+    assert text.returncode == 0
+    assert "start " in text.stderr and "(2 cached, 0 stored)" in text.stderr
