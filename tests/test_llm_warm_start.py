@@ -45,8 +45,9 @@ counted(loader, "import_model")
 counted(model, "compile_plan")
 counted(pipeline, "fixed_kv_buffers")
 counted(pipeline, "unroll")
-path, max_length, block, batch, sample = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-pipe = GenerationPipeline(path, max_length=max_length, mode="emulated_replay", block_size=block, block_capture=True)
+path, max_length, block, batch, sample, mode = sys.argv[1:7]
+max_length, block, batch = int(max_length), int(block), int(batch)
+pipe = GenerationPipeline(path, max_length=max_length, mode=mode, block_size=block, block_capture=True)
 prompt = np.load(path.replace(".onnx", ".golden.npz"))["prompt"]
 prompt = np.repeat(prompt, batch, axis=0)
 greedy = pipe.generate(prompt, 32)
@@ -66,11 +67,17 @@ print(json.dumps(out))
 
 
 def run_child(
-    cache: Path, name: str, max_length: int = 48, block: int = 4, batch: int = 1, sample: bool = True
+    cache: Path,
+    name: str,
+    max_length: int = 48,
+    block: int = 4,
+    batch: int = 1,
+    sample: bool = True,
+    mode: str = "emulated_replay",
 ) -> dict[str, Any]:
     """One process building the pipeline on ``cache`` and generating; what it counted."""
     env = {**os.environ, "DSP_CACHE_DIR": str(cache)}
-    args = [str(FIXTURES / f"{name}.onnx"), str(max_length), str(block), str(batch), "1" if sample else "0"]
+    args = [str(FIXTURES / f"{name}.onnx"), str(max_length), str(block), str(batch), "1" if sample else "0", mode]
     done = subprocess.run(
         [sys.executable, "-c", CHILD, *args], capture_output=True, text=True, env=env, timeout=300, check=False
     )
