@@ -96,8 +96,9 @@ def run_once(args: argparse.Namespace, model: Path, cache: Path, profile: Path |
     if args.mode:
         cmd += ["--mode", args.mode]
     env = {**os.environ, "DSP_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    # Kernel binaries live in the run's cache directory too: cold compiles them, warm reuses them.
-    env.update(CUPY_CACHE_DIR=str(cache / "cupy"), TRITON_CACHE_DIR=str(cache / "triton"))
+    # Kernel binaries live in the run's cache directory too (dsp-triton keeps its own under DSP_CACHE_DIR):
+    # cold compiles them, warm reuses them.
+    env.update(CUPY_CACHE_DIR=str(cache / "cupy"), TRITON_CACHE_DIR=str(cache / "triton-default"))
     env[SPAWN_ENV] = repr(time.time())
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if done.returncode != 0:
