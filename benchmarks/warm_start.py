@@ -80,6 +80,7 @@ def child(args: argparse.Namespace) -> int:
         "blocks": pipe.captures_blocks(),
         "backends": pipe.decode_model.resolved_backends(),
         "tokens": result.token_list(),
+        "load_average": os.getloadavg()[0],  # other processes on a shared machine only add time
     }
     print(json.dumps(record))
     return 0
