@@ -90,7 +90,7 @@ def golden_tokens(name: str) -> list[int]:
     return [int(t) for t in np.load(FIXTURES / f"{name}.golden.npz")["greedy_tokens"]]
 
 
-@pytest.mark.parametrize("name", ["gpt2_eager", "llama_sdpa23"])
+@pytest.mark.parametrize("name", ["gpt2_eager", "gpt2_sdpa23", "gpt2_torchscript", "llama_eager", "llama_sdpa23"])
 def test_a_second_process_reuses_the_decode_and_block_plans(tmp_path: Path, name: str) -> None:
     cold = run_child(tmp_path, name)
     warm = run_child(tmp_path, name)
