@@ -166,10 +166,14 @@ def plan_code_digest(package: Path | None = None) -> str:
     code without changing the version. Read once per process (about 350 kB, a few ms).
     """
     root = package if package is not None else Path(__file__).resolve().parent.parent
+    return source_digest([p for sub in _PLAN_CODE for p in (root / sub).glob("*.py")], root)
+
+
+def source_digest(files: list[Path], root: Path) -> str:
+    """blake2b-8 of source files (each one's path under ``root``, length and bytes); "unknown" if one is unreadable."""
     h = hashlib.blake2b(digest_size=8)
     try:
-        files = sorted(p for sub in _PLAN_CODE for p in (root / sub).glob("*.py"))
-        for p in files:
+        for p in sorted(files):
             data = p.read_bytes()
             h.update(f"{p.relative_to(root).as_posix()}\0{len(data)}\0".encode())
             h.update(data)

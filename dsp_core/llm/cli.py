@@ -134,13 +134,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "mode": pipe.mode.name,
             "decode_phase": pipe.decode_model.dsp.phase.name,
             "block_capture": pipe.captures_blocks(),
+            "start": {"seconds": pipe.timings, "warm": pipe.warm_stats},
         }
         print(json.dumps(out, indent=2))
         return 0
     print()
     rate_text = f"{rate:.1f}" if rate is not None else "n/a"
     print(f"{len(result.token_list())} tokens, {rate_text} tokens/s ({name}), mode {pipe.mode.name}", file=sys.stderr)
+    print(start_line(pipe), file=sys.stderr)
     return 0
+
+
+def start_line(pipe: Any) -> str:
+    """Where the pipeline's set-up went, the phases adding up, and what came from the disk cache."""
+    phases = {k: v for k, v in pipe.timings.items() if v >= 0.005}
+    parts = " + ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
+    warm = pipe.warm_stats
+    cached = f"{warm['hits']} cached, {warm['writes']} stored" if pipe.store.enabled else "disk cache off"
+    return f"start {sum(pipe.timings.values()):.2f} s = {parts or '0'} ({cached})"
 
 
 def _stop_id(text: str, tok: Any) -> int:

@@ -36,8 +36,10 @@ the cache itself (``past_key``/``past_value`` inputs).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -70,10 +72,13 @@ class KVGrowth:
 
 
 @dataclass
-class FixedKVGraph:
-    """The decode graph and what the pipeline needs to feed it."""
+class KVLayout:
+    """What the pipeline needs to feed a decode plan: the fixed-KV graph's interface, without the graph.
 
-    graph: Graph
+    A warm start (dsp_core/llm/store.py) reads it from the disk cache beside the decode
+    plan, so the graph is neither imported nor rewritten.
+    """
+
     growth: tuple[KVGrowth, ...]
     batch: int
     max_length: int
@@ -82,6 +87,112 @@ class FixedKVGraph:
     position_input: str = POSITION_INPUT
     logits: str = "logits"
     next_token: str = NEXT_TOKEN
+    input_dtypes: dict[str, str] = field(default_factory=dict)  # the fed inputs' declared dtypes (input_ids, ...)
+
+    def layout(self) -> KVLayout:
+        """This interface alone (a FixedKVGraph's without its graph)."""
+        return KVLayout(
+            self.growth,
+            self.batch,
+            self.max_length,
+            dict(self.buffer_shapes),
+            dict(self.buffer_dtypes),
+            self.position_input,
+            self.logits,
+            self.next_token,
+            dict(self.input_dtypes),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict of the layout (``from_json`` reads it back)."""
+        return {
+            "growth": [dataclasses.asdict(g) for g in self.growth],
+            "batch": self.batch,
+            "max_length": self.max_length,
+            "buffer_shapes": {k: list(v) for k, v in self.buffer_shapes.items()},
+            "buffer_dtypes": dict(self.buffer_dtypes),
+            "position_input": self.position_input,
+            "logits": self.logits,
+            "next_token": self.next_token,
+            "input_dtypes": dict(self.input_dtypes),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> KVLayout:
+        """The layout ``to_json`` wrote; ValueError naming the field when anything is missing or mistyped."""
+        if not isinstance(data, dict):
+            raise ValueError(f"KV layout: expected a JSON object, got {type(data).__name__}")
+        growth = tuple(_growth_from_json(g) for g in _typed(data, "growth", list))
+        shapes = _typed(data, "buffer_shapes", dict)
+        for name, shape in shapes.items():
+            if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError(f"KV layout: buffer_shapes[{name!r}] is not a list of sizes: {shape!r}")
+        layout = cls(
+            growth,
+            _typed(data, "batch", int),
+            _typed(data, "max_length", int),
+            {str(k): tuple(v) for k, v in shapes.items()},
+            _str_map(data, "buffer_dtypes"),
+            _typed(data, "position_input", str),
+            _typed(data, "logits", str),
+            _typed(data, "next_token", str),
+            _str_map(data, "input_dtypes"),
+        )
+        pasts = {g.past for g in growth}
+        if set(layout.buffer_shapes) != pasts or set(layout.buffer_dtypes) != pasts:
+            raise ValueError("KV layout: the buffers do not match the growth list")
+        return layout
+
+
+def _typed(data: dict[str, Any], key: str, kind: type) -> Any:
+    value = data.get(key)
+    if type(value) is not kind:
+        raise ValueError(f"KV layout: {key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _str_map(data: dict[str, Any], key: str) -> dict[str, str]:
+    value = _typed(data, key, dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"KV layout: {key!r} must map names to dtype names")
+    return dict(value)
+
+
+def _growth_from_json(data: Any) -> KVGrowth:
+    if not isinstance(data, dict):
+        raise ValueError(f"KV layout: a growth entry must be a JSON object, got {data!r}")
+    fields = {f.name: f.type for f in dataclasses.fields(KVGrowth)}
+    if set(data) != set(fields):
+        raise ValueError(f"KV layout: a growth entry has fields {sorted(data)}, expected {sorted(fields)}")
+    ints, tuples = ("layer", "axis"), ("aliases", "passes")
+    for key, value in data.items():
+        ok = (
+            type(value) is int
+            if key in ints
+            else isinstance(value, list) and all(isinstance(v, str) for v in value)
+            if key in tuples
+            else isinstance(value, str)
+        )
+        if not ok:
+            raise ValueError(f"KV layout: growth field {key!r} has the wrong type: {value!r}")
+    return KVGrowth(
+        data["layer"],
+        data["kind"],
+        data["past"],
+        data["new"],
+        data["present"],
+        data["axis"],
+        data["node"],
+        tuple(data["aliases"]),
+        tuple(data["passes"]),
+    )
+
+
+@dataclass
+class FixedKVGraph(KVLayout):
+    """The decode graph and what the pipeline needs to feed it (its KVLayout)."""
+
+    graph: Graph = field(kw_only=True)
 
 
 def past_inputs(graph: Graph) -> list[str]:
@@ -290,7 +401,11 @@ def fixed_kv_buffers(
         variables=set(graph.variables) | set(shapes),
     )
     out.validate()
-    return FixedKVGraph(out, tuple(growth), batch, max_length, shapes, dtypes_, position_input, logits)
+    declared = {v.name: v.dtype for v in graph.inputs if v.name in ("input_ids", "position_ids", "attention_mask")}
+    fed = {name: dtype for name, dtype in declared.items() if dtype}
+    return FixedKVGraph(
+        tuple(growth), batch, max_length, shapes, dtypes_, position_input, logits, input_dtypes=fed, graph=out
+    )
 
 
 def _shape_constant(node: Node, shape: tuple[int, ...]) -> Node:

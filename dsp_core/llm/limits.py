@@ -13,6 +13,7 @@ limit is found for them, and none is checked.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,23 @@ class TableLimit:
     def describe(self) -> str:
         """'the 128-row table of Gather node "x"'."""
         return f"the {self.rows}-row table of {self.node}"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (``from_json`` reads it back)."""
+        return {"input": self.input, "rows": self.rows, "node": self.node}
+
+    @classmethod
+    def from_json(cls, data: Any) -> TableLimit | None:
+        """The limit ``to_json`` wrote (None stays None); ValueError when it is malformed."""
+        if data is None:
+            return None
+        if not isinstance(data, dict) or set(data) != {"input", "rows", "node"}:
+            raise ValueError(f"table limit: expected an object with input, rows, node; got {data!r}")
+        if not isinstance(data["input"], str) or type(data["rows"]) is not int or not isinstance(data["node"], str):
+            raise ValueError(f"table limit: a field has the wrong type: {data!r}")
+        if data["rows"] < 1:
+            raise ValueError(f"table limit: {data['rows']} rows")
+        return cls(data["input"], data["rows"], data["node"])
 
 
 def table_limit(graph: Graph, name: str) -> TableLimit | None:

@@ -35,23 +35,28 @@ outputs); its presents are copied into the device buffers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dsp_core import progress
+from dsp_core.cache.memory import CacheStats
 from dsp_core.errors import DSPError, InputError
 from dsp_core.ir import dtypes
-from dsp_core.llm.block import UNIFORMS, BlockHook, block_key, unroll
-from dsp_core.llm.kv import FixedKVGraph, fixed_kv_buffers, past_inputs
-from dsp_core.llm.limits import table_limit
+from dsp_core.ir.graph import Graph
+from dsp_core.llm.block import TOKENS, UNIFORMS, BlockHook, block_key, unroll
+from dsp_core.llm.kv import FixedKVGraph, KVLayout, fixed_kv_buffers, past_inputs
+from dsp_core.llm.limits import TableLimit, table_limit
 from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
+from dsp_core.llm.store import EntryError, PlanStore
 from dsp_core.plan.plan import ExternalClass
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.model import CompiledModel
@@ -76,7 +81,7 @@ class GenerationResult:
         return [int(t) for t in self.tokens[row, : int(self.lengths[row])]]
 
 
-def state_inputs(fixed: FixedKVGraph, model: CompiledModel) -> list[str]:
+def state_inputs(fixed: KVLayout, model: CompiledModel) -> list[str]:
     """The decode state's inputs a plan reads in place (marked variable: never staged)."""
     return [n for n in (*STATE_INPUTS, fixed.position_input) if n in model.input_names]
 
@@ -120,7 +125,7 @@ class DecodeState:
 
     def __init__(self, decoder: Decoder, xp: Any = None) -> None:
         xp = decoder.xp if xp is None else xp
-        fk = decoder.fixed
+        fk = decoder.layout
         batch, length = fk.batch, fk.max_length
         self.xp = xp
         self.max_length = length
@@ -175,7 +180,7 @@ class DecodeLoop:
 
     def __init__(self, decoder: Decoder, state: DecodeState, sampler: Sampler) -> None:
         self.model = decoder.model
-        self.fixed = decoder.fixed
+        self.fixed = decoder.layout
         self.state = state
         self.sampler = sampler
 
@@ -204,23 +209,59 @@ class DecodeLoop:
 
 
 class Decoder:
-    """The decode plan of one batch size: the rewritten graph, compiled, frozen on first run."""
+    """The decode plan of one batch size: the rewritten graph, compiled, frozen on first run.
+
+    From the disk cache when the pipeline's PlanStore holds it (its plan and ``layout``):
+    then the rewritten graph (``fixed``) is only built if something asks for it.
+    """
 
     def __init__(self, pipeline: GenerationPipeline, batch: int) -> None:
-        self.fixed: FixedKVGraph = fixed_kv_buffers(pipeline.graph, batch=batch, max_length=pipeline.max_length)
-        self.model = CompiledModel(self.fixed.graph, pipeline.mode, registry=pipeline.prefill_model.registry)
-        self.model.dsp.mark_variable(state_inputs(self.fixed, self.model))
+        self.pipeline = pipeline
+        self.batch = batch
+        self._fixed: FixedKVGraph | None = None
+        params = {"batch": batch, "max_length": pipeline.max_length}
+        self.model: CompiledModel
+        self.layout: KVLayout
+        with pipeline.phase("decode plan"):
+            cached = pipeline.cached_model("decode", params, lambda: self.fixed.graph, self._layout_of)
+            if cached is not None:
+                self.model, self.layout = cached
+            else:
+                self.layout = self.fixed.layout()
+                self.model = pipeline.new_model(self.fixed.graph)
+                pipeline.store.put("decode", params, {"layout": self.layout.to_json()}, self.model.plan())
+        self.model.dsp.mark_variable(state_inputs(self.layout, self.model))
         self.model.dsp.freeze()  # the shapes never change: freeze at the first run
-        self.xp = decode_namespace(self.model)
+        self.xp: Any = decode_namespace(self.model)
         if self.xp is not np:
             self.model.outputs_on_device = True  # logits and next_token stay on the device
-        self.batch = batch
         self.warmed = False
+
+    @property
+    def fixed(self) -> FixedKVGraph:
+        """The fixed-KV decode graph (rewritten from the model's graph on first use)."""
+        if self._fixed is None:
+            graph = self.pipeline.graph
+            with self.pipeline.phase("rewrite decode graph"):
+                self._fixed = fixed_kv_buffers(graph, batch=self.batch, max_length=self.pipeline.max_length)
+            self.pipeline.store.stats.rewrites += 1
+        return self._fixed
+
+    def _layout_of(self, info: dict[str, Any], model: CompiledModel) -> KVLayout:
+        """The cached entry's KV layout, checked against its plan's inputs and outputs."""
+        layout = KVLayout.from_json(info.get("layout"))
+        if (layout.batch, layout.max_length) != (self.batch, self.pipeline.max_length):
+            raise EntryError(f"layout of batch {layout.batch}, max_length {layout.max_length}")
+        missing = {*layout.buffer_shapes, layout.position_input} - set(model.input_names)
+        missing |= {layout.logits, layout.next_token} - set(model.output_names)
+        if missing:
+            raise EntryError(f"the cached decode plan lacks {sorted(missing)}")
+        return layout
 
     def dtype_of(self, name: str) -> Any:
         """The numpy dtype the graph declares for input ``name`` (int64 if absent)."""
-        info = self.fixed.graph.info(name)
-        return dtypes.to_numpy(info.dtype) if info is not None and info.dtype else np.int64
+        dtype = self.layout.input_dtypes.get(name)
+        return dtypes.to_numpy(dtype) if dtype else np.int64
 
 
 class GenerationSession:
@@ -313,7 +354,7 @@ class GenerationSession:
         self.state.set_position(self.position)
         self.state.input_ids[...] = self.state.xp.asarray(token)
         outs = self.decoder.model.run(self.state.feeds)
-        return to_host(outs[self.decoder.fixed.logits][:, -1])
+        return to_host(outs[self.decoder.layout.logits][:, -1])
 
     def _prefill(self, chunk: np.ndarray) -> np.ndarray:
         """A chunk through the prefill plan, the retained cache as past; presents go into the buffers."""
@@ -327,11 +368,12 @@ class GenerationSession:
             feeds["position_ids"] = np.repeat(pos[None, :], self.batch, axis=0)
         for name, buf in self.state.buffers.items():
             feeds[name] = to_host(buf[:, :, :p])  # the prefill plan takes host arrays
-        outs = pipe.prefill_model.run(feeds)
+        with pipe.phase("prefill"):
+            outs = pipe.prefill_model.run(feeds)
         xp = self.state.xp
-        for g in self.decoder.fixed.growth:
+        for g in self.decoder.layout.growth:
             self.state.buffers[g.past][:, :, p : p + n] = xp.asarray(outs[g.present][:, :, p : p + n])
-        return to_host(outs[self.decoder.fixed.logits][:, -1])
+        return to_host(outs[self.decoder.layout.logits][:, -1])
 
     # -- generating --------------------------------------------------------------------
     def generate(
@@ -422,6 +464,12 @@ class GenerationSession:
         )
 
 
+def _check_block(info: dict[str, Any], model: CompiledModel) -> None:
+    """A cached block plan must return the block's tokens."""
+    if TOKENS not in model.output_names:
+        raise EntryError(f"the cached block plan returns {model.output_names}, not {TOKENS!r}")
+
+
 def _hold_after_stops(out: np.ndarray, end: int, stops: np.ndarray) -> np.ndarray | None:
     """Per row, the index of its first stop token in ``out[:, :end]`` (-1: none yet); None without stops.
 
@@ -455,6 +503,13 @@ class GenerationPipeline:
     ``model``: a path, bytes, onnx.ModelProto, Graph or CompiledModel of a decoder with the
     usual KV naming (``input_ids``, ``attention_mask``, ``position_ids``,
     ``past_key_values.N.key/value`` -> ``logits``, ``present.N.key/value``).
+
+    Warm start: for a path, bytes or a proto, with the disk cache on, the prefill plan,
+    the decode plans, the block plans and the model's metadata come from the disk cache
+    (dsp_core/llm/store.py): a second process imports no graph and rewrites nothing, and
+    reads each weight once. ``warm_stats`` counts what came from the cache and what was
+    built; ``timings`` says where the start's time went (seconds per phase, each phase's
+    own time without the phases inside it, so they add up).
     """
 
     def __init__(
@@ -469,18 +524,29 @@ class GenerationPipeline:
     ) -> None:
         import dsp_core as dsp
 
-        if isinstance(model, CompiledModel):
-            self.prefill_model = model if mode is None else dsp.compile(model.graph, mode=mode, strict=strict)
-        else:
-            source = str(model) if isinstance(model, Path) else model
-            self.prefill_model = dsp.compile(source, mode=mode, strict=strict)  # None: DSP_MODE, DSP_STRICT
+        self.timings: dict[str, float] = {}
+        self._phases: list[list[float]] = []  # running phases: [start, seconds spent in phases inside it]
+        self._graph: Graph | None = None
+        source: Any = None
+        with self.phase("prefill plan"):
+            if isinstance(model, CompiledModel):
+                self.prefill_model = model if mode is None else dsp.compile(model.graph, mode=mode, strict=strict)
+            else:
+                source = str(model) if isinstance(model, Path) else model
+                self.prefill_model = dsp.compile(source, mode=mode, strict=strict)  # None: DSP_MODE, DSP_STRICT
         self.mode = self.prefill_model.mode
-        self.graph = self.prefill_model.graph
-        if not past_inputs(self.graph):
-            raise InputError(f"model {self.graph.name!r} has no past_key_values.N.* inputs: not a KV-cache decoder")
+        # Only a model given by its content has a disk-cache key (a Graph or CompiledModel has none).
+        self.store = PlanStore(None if isinstance(model, (CompiledModel, Graph)) else source)
+        self.store.share(self.prefill_model.plan())
+        with self.phase("metadata"):
+            meta = self._metadata()
+        self.name: str = meta["name"]
+        self.past_names: list[str] = meta["past"]
+        if not self.past_names:
+            raise InputError(f"model {self.name!r} has no past_key_values.N.* inputs: not a KV-cache decoder")
         # The embedding tables' ends (None where the model has none: rotary positions), checked before running.
-        self.vocab = table_limit(self.graph, "input_ids")
-        self.positions = table_limit(self.graph, "position_ids")
+        self.vocab: TableLimit | None = meta["vocab"]
+        self.positions: TableLimit | None = meta["positions"]
         self.max_length = int(max_length)
         self.block_size = int(block_size)
         # Blocks of block_size decode steps (greedy or sampled) as one plan
@@ -494,6 +560,109 @@ class GenerationPipeline:
         self._owners: dict[int, weakref.ref[GenerationSession]] = {}  # per batch: the session swapped in
         self.swaps = 0  # sessions swapped in (each: the KV prefixes copied out and back)
         self.lock = threading.RLock()
+
+    # -- the warm start ----------------------------------------------------------------
+    @property
+    def graph(self) -> Graph:
+        """The model's graph, imported on first use (a warm start never needs it)."""
+        if self._graph is None:
+            with self.phase("import graph"):
+                self._graph = self.prefill_model.graph
+            self.store.stats.graph_imports += 1
+        return self._graph
+
+    @property
+    def warm_stats(self) -> dict[str, int]:
+        """What this pipeline took from the disk cache and what it built (see store.WarmStats)."""
+        return self.store.stats.as_dict()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase of the start into ``timings`` (its own seconds: nested phases are not counted twice)."""
+        entry = [time.perf_counter(), 0.0]
+        self._phases.append(entry)
+        try:
+            with progress.step(name):
+                yield
+        finally:
+            self._phases.pop()
+            spent = time.perf_counter() - entry[0]
+            self.timings[name] = self.timings.get(name, 0.0) + spent - entry[1]
+            if self._phases:
+                self._phases[-1][1] += spent
+
+    def _metadata(self) -> dict[str, Any]:
+        """What the pipeline needs from the graph (name, KV inputs, table limits): from the cache, or the graph."""
+        got = self.store.get("meta", {})
+        if got is not None:
+            info = got[0]
+            try:
+                meta = {
+                    "name": info["name"],
+                    "past": info["past"],
+                    "vocab": TableLimit.from_json(info["vocab"]),
+                    "positions": TableLimit.from_json(info["positions"]),
+                }
+                if not isinstance(meta["name"], str) or not isinstance(meta["past"], list):
+                    raise EntryError("name or past has the wrong type")
+                if not all(isinstance(n, str) for n in meta["past"]):
+                    raise EntryError("past names must be strings")
+            except (KeyError, ValueError) as exc:
+                self.store.reject("meta", {}, exc)
+            else:
+                self.store.hit()
+                return meta
+        graph = self.graph
+        vocab, positions = table_limit(graph, "input_ids"), table_limit(graph, "position_ids")
+        meta = {"name": graph.name, "past": past_inputs(graph), "vocab": vocab, "positions": positions}
+        if meta["past"]:
+            info = {**meta, "vocab": vocab and vocab.to_json(), "positions": positions and positions.to_json()}
+            self.store.put("meta", {}, info)
+        return meta
+
+    def new_model(self, graph: Graph) -> CompiledModel:
+        """A plan of a rewritten graph (decode, block), compiled here (a cold start, or a miss)."""
+        with self.phase("compile plan"):
+            model = CompiledModel(graph, self.mode, registry=self.prefill_model.registry)
+        return model
+
+    def cached_model(
+        self,
+        kind: str,
+        params: dict[str, Any],
+        load_graph: Callable[[], Graph],
+        check: Callable[[dict[str, Any], CompiledModel], Any] | None = None,
+    ) -> tuple[CompiledModel, Any] | None:
+        """(model, what ``check`` returned) from the disk cache's ``kind`` entry, or None to build it.
+
+        ``check(info, model)`` reads what the pipeline needs from the entry's JSON and
+        checks the plan against it; an EntryError or ValueError there, or a plan that
+        fails to start for a reason that is not DSP's kind of "no" (a mode nobody
+        installed, a strict failure: those are raised), rejects the entry.
+        """
+        with self.phase(f"load {kind} plan"):
+            got = self.store.get(kind, params)
+        if got is None:
+            return None
+        info, plan = got
+        try:
+            with self.phase(f"start {kind} plan"):
+                model = CompiledModel(
+                    None,
+                    self.mode,
+                    registry=self.prefill_model.registry,
+                    plan=plan,
+                    load_graph=load_graph,
+                    stats=CacheStats(disk_hits=1),
+                )
+            found = check(info, model) if check is not None else None
+        except DSPError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (whatever an entry holds, it only costs a rebuild)
+            self.store.reject(kind, params, exc)
+            return None
+        self.store.hit()
+        return model, found
 
     def activate(self, session: GenerationSession) -> DecodeState:
         """Swap ``session`` into its batch size's resident decode arrays; returns them.
@@ -575,7 +744,8 @@ class GenerationPipeline:
         if decoder.warmed:
             return
         decoder.warmed = True
-        self._drive(decoder.model, batch)
+        with self.phase("decode warm-up"):
+            self._drive(decoder.model, batch)
         # Block plans are built when a generation first runs a full block (block_model),
         # for the sampling it uses, warmed on that session's arrays.
 
@@ -615,13 +785,28 @@ class GenerationPipeline:
         key = block_key(batch, k, sampling)
         if key not in self._blocks:
             decoder = self.decoder(batch)
-            model = CompiledModel(unroll(decoder.fixed, k, sampling), self.mode, registry=self.prefill_model.registry)
-            model.dsp.mark_variable(state_inputs(decoder.fixed, model))
+            params = {"batch": batch, "max_length": self.max_length, "block": list(key)}
+
+            def graph() -> Graph:
+                with self.phase("unroll block"):
+                    block = unroll(decoder.fixed, k, sampling)
+                self.store.stats.rewrites += 1
+                return block
+
+            with self.phase("block plan"):
+                cached = self.cached_model("block", params, graph, _check_block)
+                if cached is not None:
+                    model = cached[0]
+                else:
+                    model = self.new_model(graph())
+                    self.store.put("block", params, {}, model.plan())
+            model.dsp.mark_variable(state_inputs(decoder.layout, model))
             model.dsp.freeze()
             if decoder.xp is not np:
                 model.outputs_on_device = True
             uniforms = {} if sampling.greedy else {UNIFORMS: np.full((k, batch), 0.5)}
-            self._drive(model, batch, session, **uniforms)
+            with self.phase("block warm-up"):
+                self._drive(model, batch, session, **uniforms)
             self._blocks[key] = model
         return self._blocks[key]
 

@@ -35,7 +35,7 @@ from dsp_core.plan.plan import ExternalClass, Plan
 from dsp_core.runtime.model import CompiledModel
 
 log = logging.getLogger("dsp.cache")
-_INLINE_LIMIT = 1 << 16  # constants larger than this live in weight files
+INLINE_LIMIT = 1 << 16  # constants larger than this live in weight files
 
 
 def model_key(
@@ -295,7 +295,7 @@ def _warm(
     stats.disk_hits += 1
     stats.quarantines = cache.stats.quarantines  # weights found damaged while loading
     if initializers.used:  # heal: put back the weights that had to come from the model
-        for owner, k in _big_constants(plan):
+        for owner, k in big_constants(plan):
             cache.put_weight(owner.digest_of(k).hex(), owner.constants[k])
     return model
 
@@ -318,30 +318,35 @@ def _store(cache: DiskCache, key: str, model: CompiledModel, stats: CacheStats) 
 
 def _write(cache: DiskCache, key: str, plan: Plan, stats: CacheStats) -> None:
     try:
-        payload = serialize.dumps(plan, inline_limit=_INLINE_LIMIT)
+        payload = serialize.dumps(plan, inline_limit=INLINE_LIMIT)
     except DSPError as exc:
         log.info("DSP disk cache: plan of %s not stored: %s", plan.graph_name, exc)
         return
-    big = _big_constants(plan)
+    if put_weights(cache, plan) and cache.put(key, payload) is not None:
+        stats.disk_writes += 1
+
+
+def put_weights(cache: DiskCache, plan: Plan) -> bool:
+    """Store every constant ``plan`` keeps by reference as a weight file (once each); False if one failed."""
+    big = big_constants(plan)
     with progress.step("store weights", sum(owner.constants[k].nbytes for owner, k in big), "B") as bar:
         for owner, k in big:
             if cache.put_weight(owner.digest_of(k).hex(), owner.constants[k]) is None:
-                return
+                return False
             bar.advance(owner.constants[k].nbytes)
-        if cache.put(key, payload) is not None:
-            stats.disk_writes += 1
+    return True
 
 
-def _big_constants(plan: Plan) -> list[tuple[Plan, int]]:
+def big_constants(plan: Plan) -> list[tuple[Plan, int]]:
     """(plan, constant index) of every constant stored by reference, sub-plans included."""
     out = [
         (plan, k)
         for k, a in plan.constants.items()
-        if a.nbytes > _INLINE_LIMIT and plan.externals[k].cls is ExternalClass.CONSTANT
+        if a.nbytes > INLINE_LIMIT and plan.externals[k].cls is ExternalClass.CONSTANT
     ]
     for region in plan.regions.values():
         for sub in region.subplans.values():
-            out += _big_constants(sub)
+            out += big_constants(sub)
     return out
 
 

@@ -198,7 +198,7 @@ class PlanRuntime:
         # after an out-of-memory): what it writes for an island goes through a stable buffer.
         readers = {i for u in self.units if u.kind is UnitKind.ISLAND for i in u.inputs}
         self.bridge_targets = frozenset(o for u in self.units for o in u.outputs if o in readers)
-        self.snapshot = ConstantSnapshot(plan.constants)
+        self.snapshot = ConstantSnapshot(plan.constants, plan.constant_digests)
         self.staging.placement = placement(self.units, self._staged_flats)  # device backends stage their feeds
         self.__dict__.pop("_owned_cache", None)
         self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)

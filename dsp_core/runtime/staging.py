@@ -10,13 +10,13 @@ on purpose, for tests: each raises a StagingError before any replay runs.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Any
 
 import numpy as np
 
 from dsp_core.errors import DSPError
+from dsp_core.plan.plan import constant_digest
 
 FAULTS = ("allocation", "copy", "stream_sync", "stale_buffer")
 
@@ -121,11 +121,17 @@ def _namespace(value: Any) -> Any:
 
 
 class ConstantSnapshot:
-    """The identity and content digest of every constant at freeze time."""
+    """The identity and content digest of every constant at freeze time.
 
-    def __init__(self, constants: dict[int, Any]) -> None:
+    ``known``: digests the plan already holds (``Plan.constant_digests``: verified when the
+    plan was loaded from the disk cache, or computed when it was stored), taken as they
+    are rather than hashing hundreds of megabytes of weights again at every freeze.
+    """
+
+    def __init__(self, constants: dict[int, Any], known: dict[int, bytes] | None = None) -> None:
+        known = known or {}
         self.ids = {k: id(a) for k, a in constants.items()}
-        self.digests = {k: _digest(a) for k, a in constants.items()}
+        self.digests = {k: known.get(k) or _digest(a) for k, a in constants.items()}
 
     def check_identity(self, constants: dict[int, Any], names: dict[int, str]) -> None:
         """StagingError naming the constant if an array was replaced since the snapshot."""
@@ -148,5 +154,5 @@ class ConstantSnapshot:
 
 
 def _digest(array: Any) -> bytes:
-    data = np.ascontiguousarray(np.asarray(array))
-    return hashlib.blake2b(data.view(np.uint8).reshape(-1).data if data.size else b"", digest_size=16).digest()
+    """The plan's constant digest (``plan.constant_digest``), so a known one compares equal."""
+    return constant_digest(np.asarray(array))
