@@ -41,8 +41,15 @@ import onnx.reference
 import onnxruntime as ort
 import torch
 import transformers
+from decoder_export import (  # scripts/decoder_export.py: the recipe decode_gpu.py uses too
+    DecoderWrapper,
+    export_decoder_program,
+    input_names,
+    kv_dims,
+    output_names,
+    trace_inputs,
+)
 from transformers import (
-    DynamicCache,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -127,90 +134,14 @@ def build_llama(attn: str) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).eval()
 
 
-class DecoderWrapper(torch.nn.Module):
-    """Flat-tensor interface: (ids, mask, pos, [k0, v0, k1, v1, ...]) ->
-    (logits, present k0, present v0, ...)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-        self.config = model.config
-
-    def forward(self, input_ids, attention_mask, position_ids, past: list[torch.Tensor]):
-        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        cache = DynamicCache(pairs, config=self.config)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-        )
-        flat = []
-        for layer in out.cache.layers if hasattr(out, "cache") else out.past_key_values.layers:
-            flat += [layer.keys, layer.values]
-        return (out.logits, *flat)
-
-
-def kv_dims(model: torch.nn.Module) -> tuple[int, int, int]:
-    cfg = model.config
-    n_layers = cfg.num_hidden_layers
-    n_heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or n_heads
-    head_dim = cfg.hidden_size // n_heads
-    return n_layers, kv_heads, head_dim
-
-
-def input_names(n_layers: int) -> list[str]:
-    names = ["input_ids", "attention_mask", "position_ids"]
-    for i in range(n_layers):
-        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-    return names
-
-
-def output_names(n_layers: int) -> list[str]:
-    names = ["logits"]
-    for i in range(n_layers):
-        names += [f"present.{i}.key", f"present.{i}.value"]
-    return names
-
-
 def empty_past(model, batch: int) -> list[torch.Tensor]:
     n_layers, kv_heads, head_dim = kv_dims(model)
     return [torch.zeros(batch, kv_heads, 0, head_dim) for _ in range(2 * n_layers)]
 
 
 def export_decoder(wrapper: DecoderWrapper, opset: int, path: Path) -> onnx.ModelProto:
-    n_layers, kv_heads, head_dim = kv_dims(wrapper.model)
-    # Trace with batch 2, seq 3, past 4 (no size 0/1 dims, or the exporter
-    # specialises them), all dims dynamic.
-    batch, seq, past_len = 2, 3, 4
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    mask = torch.ones(batch, past_len + seq, dtype=torch.int64)
-    pos = torch.arange(past_len, past_len + seq).unsqueeze(0).repeat(batch, 1)
-    past = [torch.randn(batch, kv_heads, past_len, head_dim, generator=g) for _ in range(2 * n_layers)]
-    B, S, P, T = "batch", "seq", "past", "total"
-    dyn = {
-        "input_ids": {0: B, 1: S},
-        "attention_mask": {0: B, 1: T},
-        "position_ids": {0: B, 1: S},
-        "past": [{0: B, 2: P} for _ in range(2 * n_layers)],
-    }
-    with torch.no_grad():
-        prog = torch.onnx.export(
-            wrapper,
-            (ids, mask, pos, past),
-            None,
-            input_names=input_names(n_layers),
-            output_names=output_names(n_layers),
-            dynamic_shapes=dyn,
-            opset_version=opset,
-            dynamo=True,
-            external_data=False,
-            optimize=True,
-            verbose=False,
-        )
+    """The dynamo export (scripts/decoder_export.py's recipe), saved with its weights inline."""
+    prog = export_decoder_program(wrapper, opset, external_data=False)
     model = prog.model_proto
     save_inline(model, path)
     return onnx.load(str(path))
@@ -224,13 +155,8 @@ def export_decoder_torchscript(wrapper: DecoderWrapper, opset: int, path: Path) 
     names, a transposed copy of the tied ``lm_head`` weight, and layer 0's past key
     read through a one-input ``Concat`` before its growth Concat (issue 17 item 7).
     """
-    n_layers, kv_heads, head_dim = kv_dims(wrapper.model)
-    batch, seq, past_len = 2, 3, 4  # the same trace inputs as export_decoder
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    mask = torch.ones(batch, past_len + seq, dtype=torch.int64)
-    pos = torch.arange(past_len, past_len + seq).unsqueeze(0).repeat(batch, 1)
-    past = [torch.randn(batch, kv_heads, past_len, head_dim, generator=g) for _ in range(2 * n_layers)]
+    n_layers = kv_dims(wrapper.model)[0]
+    ids, mask, pos, past = trace_inputs(wrapper.model)  # the same trace inputs as export_decoder
     ins, outs = input_names(n_layers), output_names(n_layers)
     dyn: dict[str, dict[int, str]] = {
         "input_ids": {0: "batch", 1: "seq"},
