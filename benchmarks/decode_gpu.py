@@ -54,7 +54,12 @@ per invocation keeps each under 9 minutes (the exports are kept in ``--onnx-dir`
     python3 benchmarks/decode_gpu.py --models llama-1b --modes auto,cuda_graphs \\
         --onnx-dir /tmp/dsp_onnx --out $OUT/decode_gpu/llama-1b
 
-(``--models gpt2-124m,gpt2-774m,llama-135m,llama-1b`` runs all four in one go, if time allows.)
+Estimated on an H200 (not yet measured; the JSON records ``wall_seconds`` per phase): gpt2-124m
+about 3 minutes, llama-1b about 6 (ONNX export ~1-1.5 min, a DSP worker per mode 1-2 min with the
+Triton compile cold, torch.compile ~0.5-1 min); both in one invocation would come close to 9
+minutes, hence the split. ``--repeats 3`` trims a minute where needed. All four models:
+``--models gpt2-124m,gpt2-774m,llama-135m,llama-1b`` (in one invocation only without a time limit;
+split as above otherwise).
 
 Here, without a GPU, ``--tiny`` runs every code path on the CPU with the 2-layer GPT-2 and
 Llama (fp32, 8-token prompt, 24 new tokens, 2 repeats; CUDA-graph capture is replaced by eager
@@ -155,6 +160,7 @@ THRESHOLDS = {"overall": 0, "decode": 1, "steady": 3, "lateSteady": 20}
 DSP_PEERS = {"dsp_block": True, "dsp_step": False}  # peer -> GenerationPipeline(block_capture=...)
 TORCH_PEERS = ("hf_eager", "static_cudagraph", "compile_reduce_overhead")
 REFERENCE, BASELINE = "hf_eager", "compile_reduce_overhead"  # tokens compared with; speed ratio to
+WORKER_MARK = "decode_gpu worker result: "
 PROFILE_START = 16  # kernel windows start after this many tokens (and after two DSP blocks)
 _T0 = time.perf_counter()
 
@@ -740,7 +746,10 @@ def run_dsp(
     log_path.write_text(done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"DSP worker failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [x for x in done.stdout.splitlines() if x.startswith(WORKER_MARK)]
+    if not lines:
+        raise RuntimeError(f"DSP worker ({mode}) printed no result: {done.stdout.strip()[-500:]}")
+    return json.loads(lines[-1][len(WORKER_MARK) :])
 
 
 def dsp_worker(args: argparse.Namespace) -> int:
@@ -810,7 +819,7 @@ def dsp_worker(args: argparse.Namespace) -> int:
             out["rows"][row] = entry
         except Exception as exc:  # noqa: BLE001  (one failing row must not hide the other)
             out["rows"][row] = {"mode": mode, "peer": peer, "error": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(out))
+    print(WORKER_MARK + json.dumps(out))  # a marked line: other output of the libraries cannot be taken for it
     return 0
 
 
