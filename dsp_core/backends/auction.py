@@ -122,6 +122,7 @@ def slot_view(plan: Plan, index: int) -> SlotView:
         attrs=dict(slot.attrs),
         input_dtypes=tuple(plan.ref_info(r)[0] for r in slot.inputs),
         output_dtypes=tuple(plan.ref_info(v)[0] for v in slot.outputs if v is not None),
+        opset=slot.opset,
     )
 
 

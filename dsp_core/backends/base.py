@@ -97,6 +97,7 @@ class SlotView:
     attrs: dict[str, Any]
     input_dtypes: tuple[str | None, ...]
     output_dtypes: tuple[str | None, ...]
+    opset: int = 0  # the opset of the slot's domain in its model (0: unknown)
 
 
 class ReplayStatus(enum.Enum):

@@ -28,6 +28,7 @@ class GraphExecutionMode(enum.Enum):
     MLIR_CPU_JIT = "mlir_cpu_jit"
     ONEDNN = "onednn"
     OPENVINO = "openvino"
+    ONNXRUNTIME = "onnxruntime"
     ACL = "acl"
 
     @classmethod
@@ -55,16 +56,22 @@ PROVIDERS: dict[GraphExecutionMode, str] = {
     M.SHAPE_INFERENCE_ONLY: "dsp-cpu-ref",
     M.CUDA_GRAPHS: "dsp-cuda-graphs",
     M.TRITON: "dsp-triton",
+    M.OPENVINO: "dsp-openvino",
+    M.ONNXRUNTIME: "dsp-onnxruntime",
 }
 
 # AUTO's preference order per platform: the first available backend that supports a
-# slot takes it; SLOT_BY_SLOT (the reference) takes whatever is left.
+# slot takes it; SLOT_BY_SLOT (the reference) takes whatever is left. Where several
+# available backends take a segment, a timed trial at freeze picks the fastest
+# (dsp_core/backends/auction.py, DSP_AUCTION_TRIALS); this order breaks ties. On the CPU,
+# ONNXRUNTIME comes right after OPENVINO: both run a whole segment as one model of a
+# mature runtime, ahead of the JIT modes that have no distribution here yet.
 FALLBACK_CHAINS: dict[str, tuple[GraphExecutionMode, ...]] = {
     "cuda": (M.TRITON, M.NVRTC_JIT, M.PTX_JIT, M.CUDA_GRAPHS, M.SLOT_BY_SLOT),
     "rocm": (M.HIP_GRAPHS, M.SLOT_BY_SLOT),
     "xpu": (M.LEVEL_ZERO, M.SLOT_BY_SLOT),
     "metal": (M.MLX, M.METAL, M.SLOT_BY_SLOT),
-    "cpu": (M.OPENVINO, M.ONEDNN, M.MLIR_CPU_JIT, M.ACL, M.ARM_HYBRID, M.SLOT_BY_SLOT),
+    "cpu": (M.OPENVINO, M.ONNXRUNTIME, M.ONEDNN, M.MLIR_CPU_JIT, M.ACL, M.ARM_HYBRID, M.SLOT_BY_SLOT),
 }
 
 # Platforms AUTO tries, most capable first; "cpu" is always last and always there.

@@ -1,0 +1,217 @@
+"""WholeSegment: a segment run as one model of another inference runtime.
+
+The pattern shared by the OpenVINO and ONNX Runtime backends (plugins/openvino,
+plugins/onnxruntime): the segment's slots are written out as one ONNX model
+(``dsp_core.plan.subgraph``) for the concrete shapes of its inputs, the runtime compiles
+it, and
+
+- ``run`` (before freezing, and for an eager unit) feeds the inputs and writes the
+  runtime's outputs into the flat value list; one compiled model per input-shape key;
+- ``prepare`` (after freezing) allocates one output buffer per output, with the shapes
+  the warm-up run produced;
+- ``capture`` binds the runtime's inputs to the arrays in ``values`` (DSP's staged or
+  bridged buffers, or a variable read in place) and its outputs to those buffers, once:
+  no copy on either side;
+- ``replay`` is one call of the runtime on the pre-bound tensors;
+- ``refresh`` re-binds the inputs whose arrays moved (same shapes), so drift costs a
+  bind, not a recompile.
+
+A subclass writes ``_build`` (compile the model bytes), ``_infer`` (one eager call) and
+``_bind`` (a zero-argument callable that runs on bound buffers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsp_core import config
+from dsp_core.backends.base import Backend, CaptureFailed, CompiledSegment, Decline, DeclineReason, ReplayStatus, SlotView
+from dsp_core.cache.disk import default_cache_dir
+from dsp_core.ir import dtypes
+from dsp_core.ops.registry import Trait
+from dsp_core.plan.fusion import sealed_slots
+from dsp_core.plan.plan import Plan, Segment
+from dsp_core.plan.subgraph import SubgraphIO, segment_model, serialized
+
+# (shape, dtype) of each input: which compiled model a call uses.
+ShapeKey = tuple[tuple[tuple[int, ...], str], ...]
+
+
+def segment_io(plan: Plan, slots: tuple[int, ...]) -> tuple[SubgraphIO, tuple[int, ...]]:
+    """(the model's fed inputs and outputs, the flat indexes it embeds as initializers).
+
+    Embedded: the plan's constants and the values of sealed slots (computed once at
+    freeze from constants alone), so the runtime can fold and pre-pack them. Everything
+    else the slots read from outside is a graph input; outputs are the values read by
+    slots outside the segment, or requested by the caller.
+    """
+    inside = set(slots)
+    produced = {v for s in slots for v in plan.slots[s].outputs if v is not None}
+    const_flat = {plan.flat(plan.external_ref(k)) for k in plan.constants}
+    sealed = sealed_slots(plan)
+    frozen_values = {v for s in sealed for v in plan.slots[s].outputs if v is not None}
+    inputs: list[int] = []
+    embedded: list[int] = []
+    for s in slots:
+        for r in plan.slots[s].inputs:
+            if r is None or (r >= 0 and r in produced):
+                continue
+            flat = plan.flat(r)
+            bucket = embedded if (flat in const_flat or (r >= 0 and r in frozen_values)) else inputs
+            if flat not in bucket:
+                bucket.append(flat)
+    readers = {r for i, slot in enumerate(plan.slots) if i not in inside for r in slot.inputs if r is not None}
+    outputs = [plan.flat(v) for v in sorted(produced) if v in readers or v in plan.outputs]
+    return SubgraphIO(tuple(inputs), tuple(outputs)), tuple(embedded)
+
+
+class WholeSegment(CompiledSegment):
+    """A segment compiled into one model of another runtime; see the module docstring."""
+
+    def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
+        super().__init__(backend, segment)
+        self.plan = plan
+        self.io, self.embedded = segment_io(plan, segment.slots)
+        self._models: dict[ShapeKey, Any] = {}
+        self._buffers: list[np.ndarray] = []
+        self._bound: Callable[[], Any] | None = None
+        self._bound_inputs: tuple[Any, ...] = ()
+        self._warm_outputs: list[Any] | None = None
+        self._inputs = self.io.inputs
+        self._outputs = self.io.outputs
+
+    # -- what a subclass writes ---------------------------------------------------------
+    def _build(self, model: bytes, key: ShapeKey) -> Any:
+        """Compile ``model`` (ONNX bytes) for the input shapes of ``key``."""
+        raise NotImplementedError
+
+    def _infer(self, compiled: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        """One eager call: the outputs, in ``io.outputs`` order."""
+        raise NotImplementedError
+
+    def _bind(self, compiled: Any, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> Callable[[], Any]:
+        """A callable that runs ``compiled`` reading ``inputs`` and writing ``outputs`` in place."""
+        raise NotImplementedError
+
+    # -- the model for this call's shapes -----------------------------------------------
+    def compiled_for(self, values: list[Any]) -> Any:
+        """The compiled model for the shapes of the inputs in ``values`` (built on first use)."""
+        arrays = [values[i] for i in self._inputs]
+        key: ShapeKey = tuple((tuple(a.shape), a.dtype.str) for a in arrays)
+        compiled = self._models.get(key)
+        if compiled is None:
+            feeds = {f: (dtypes.normalize(a.dtype), tuple(a.shape)) for f, a in zip(self._inputs, arrays)}
+            constants = {f: np.asarray(values[f]) for f in self.embedded}
+            model = segment_model(self.plan, self.segment.slots, self.io, feeds, constants)
+            compiled = self._build(serialized(model), key)
+            self._models[key] = compiled
+        return compiled
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def run(self, values: list[Any]) -> None:
+        """One eager call on the arrays in ``values``."""
+        compiled = self.compiled_for(values)
+        outs = self._infer(compiled, [np.ascontiguousarray(values[i]) for i in self._inputs])
+        for flat, out in zip(self._outputs, outs):
+            values[flat] = out
+
+    def _warm(self, values: list[Any]) -> None:
+        self.run(values)
+        # The outputs' final shapes and dtypes: prepare (on the next step) allocates them.
+        self._warm_outputs = [values[o] for o in self._outputs]
+
+    def _prepare(self, values: list[Any]) -> None:
+        current = self._warm_outputs
+        if current is None or any(not isinstance(a, np.ndarray) for a in current):
+            raise CaptureFailed(f"{self.backend.name}: an output of segment {self.segment.index} is not an array")
+        if len(self._buffers) != len(current) or any(
+            b.shape != a.shape or b.dtype != a.dtype for b, a in zip(self._buffers, current)
+        ):
+            self._buffers = [np.empty(a.shape, a.dtype) for a in current]
+        self._warm_outputs = None
+
+    def _capture(self, values: list[Any]) -> None:
+        inputs = [values[i] for i in self._inputs]
+        for flat, a in zip(self._inputs, inputs):
+            if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+                raise CaptureFailed(
+                    f"{self.backend.name}: input v{flat} of segment {self.segment.index} is not a C-contiguous "
+                    "array, so it cannot be bound in place"
+                )
+        self._bound = self._bind(self.compiled_for(values), inputs, self._buffers)
+        self._bound_inputs = tuple(inputs)
+
+    def _replay(self, values: list[Any]) -> ReplayStatus:
+        # Hot path: one identity test per input, one runtime call, one store per output.
+        for i, a in zip(self._inputs, self._bound_inputs):
+            if values[i] is not a:
+                return ReplayStatus.STALE_BUFFER
+        self._bound()  # type: ignore[misc]
+        for o, b in zip(self._outputs, self._buffers):
+            values[o] = b
+        return ReplayStatus.OK
+
+    def _refresh(self, values: list[Any], changed: list[int]) -> bool:
+        inputs = [values[i] for i in self._inputs]
+        if any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(inputs, self._bound_inputs)):
+            return False  # another compiled model: recapture
+        try:
+            self._capture(values)
+        except CaptureFailed:
+            return False
+        return True
+
+    def _release(self) -> None:
+        self._models.clear()
+        self._buffers = []
+        self._bound = None
+        self._bound_inputs = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the output buffers this segment holds."""
+        return sum(b.nbytes for b in self._buffers)
+
+
+# -- what every whole-segment backend declines, and where its runtime caches -----------
+# Slots with these traits end a segment or cannot be replayed from bound buffers (their
+# output size is known only after they run, they run subgraphs, or draw random numbers):
+# the reference runs them.
+NOT_WHOLE = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW | Trait.RANDOM
+
+
+def common_decline(backend: Backend, slot: SlotView, domains: frozenset[str] = frozenset({""})) -> Decline | None:
+    """The declines every whole-segment backend shares: traits, op domains, non-tensor values."""
+    if slot.traits & NOT_WHOLE:
+        return Decline(
+            DeclineReason.DYNAMIC_SHAPE if slot.traits & Trait.DYNAMIC_OUTPUT_SIZE else DeclineReason.CONTROL_FLOW,
+            f"{slot.op} ends a segment (dynamic output size, control flow or random): the reference runs it",
+        )
+    if slot.domain not in domains:
+        return Decline(DeclineReason.UNSUPPORTED_OP, f"domain {slot.domain!r} is not one {backend.name} reads")
+    if any(d is None for d in slot.output_dtypes):
+        return Decline(DeclineReason.UNSUPPORTED_DTYPE, f"{slot.op}: an output's dtype is not known statically")
+    return None
+
+
+def runtime_cache_dir(name: str) -> Path | None:
+    """``<DSP cache dir>/runtimes/<name>`` (created), or None when the disk cache is off."""
+    if not config.get("disk_cache"):
+        return None
+    root = config.get("cache_dir") or str(default_cache_dir(os.environ))
+    path = Path(root) / "runtimes" / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # an unwritable cache: the runtime compiles without one
+    return path
+
+
+def cpu_threads() -> int:
+    """DSP_CPU_THREADS: threads per runtime call (0: the runtime's default)."""
+    return int(config.get("cpu_threads"))

@@ -1,0 +1,109 @@
+"""A segment of a plan written back out as a self-contained ONNX model.
+
+Backends that hand a whole segment to another runtime (OpenVINO, ONNX Runtime) compile
+it from this model: the segment's slots become its nodes, the values it reads from
+outside become its graph inputs (with the concrete shapes of this live plan), the
+constants and sealed values it reads become initializers, and the values other units
+read become its outputs. Every tensor is named ``v<flat index>``, so the runtime's
+input and output names map straight back onto the executor's flat value list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from dsp_core.ir import dtypes
+from dsp_core.ir.typecheck import attribute_types
+from dsp_core.plan.plan import Plan
+
+# The IR version written: 10 is read by every ONNX Runtime >= 1.17 and OpenVINO >= 2024.
+IR_VERSION = 10
+
+
+@dataclass(frozen=True)
+class SubgraphIO:
+    """The flat indexes a segment model reads (feeds, in input order) and writes (outputs)."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+def name_of(flat: int) -> str:
+    """The tensor name of flat index ``flat`` in a segment model."""
+    return f"v{flat}"
+
+
+def segment_model(
+    plan: Plan,
+    slots: Sequence[int],
+    io: SubgraphIO,
+    feeds: Mapping[int, tuple[str, tuple[int, ...] | None]],
+    constants: Mapping[int, np.ndarray],
+) -> onnx.ModelProto:
+    """The ONNX model of ``slots``: inputs ``io.inputs`` typed by ``feeds`` (flat -> (dtype, shape))."""
+    nodes = [_node(plan, s) for s in slots]
+    graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
+    graph_outputs = [_value_info(name_of(f), *_out_info(plan, f)) for f in io.outputs]
+    inits = [numpy_helper.from_array(np.ascontiguousarray(a), name_of(f)) for f, a in constants.items()]
+    graph = helper.make_graph(nodes, f"dsp_segment_{len(slots)}", graph_inputs, graph_outputs, inits)
+    opsets: dict[str, int] = {}
+    for s in slots:
+        slot = plan.slots[s]
+        opsets[slot.domain] = max(opsets.get(slot.domain, 1), slot.opset)
+    opsets.setdefault("", max(opsets.values(), default=17))
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()], producer_name="dsp"
+    )
+    model.ir_version = IR_VERSION
+    return model
+
+
+def _node(plan: Plan, s: int) -> onnx.NodeProto:
+    slot = plan.slots[s]
+    ins = ["" if r is None else name_of(plan.flat(r)) for r in slot.inputs]
+    outs = ["" if v is None else name_of(plan.flat(v)) for v in slot.outputs]
+    while ins and ins[-1] == "":  # trailing missing optionals: leave them out
+        ins.pop()
+    node = helper.make_node(slot.op, ins, outs, name=f"s{s}", domain=slot.domain or None)
+    declared = attribute_types(slot.domain, slot.op, slot.opset) or {}
+    node.attribute.extend(_attr(k, v, declared.get(k)) for k, v in slot.attrs.items())
+    return node
+
+
+def _attr(key: str, val: Any, declared: int | None) -> onnx.AttributeProto:
+    if isinstance(val, np.ndarray):
+        return helper.make_attribute(key, numpy_helper.from_array(val))
+    if isinstance(val, (list, tuple)) and val and isinstance(val[0], np.ndarray):
+        return helper.make_attribute(key, [numpy_helper.from_array(v) for v in val])
+    if isinstance(val, tuple):
+        val = list(val)
+    # An empty list has no element to infer the type from: the schema says it.
+    attr_type = declared if declared is not None and isinstance(val, list) and not val else None
+    return helper.make_attribute(key, val, attr_type=attr_type)  # type: ignore[arg-type]
+
+
+def _value_info(name: str, dtype: str | None, shape: tuple[Any, ...] | None) -> onnx.ValueInfoProto:
+    elem = dtypes.to_onnx(dtype) if dtype else onnx.TensorProto.UNDEFINED
+    dims = None if shape is None else [d if isinstance(d, (int, str)) and d != -1 else None for d in shape]
+    return helper.make_tensor_value_info(name, elem, dims)
+
+
+def _out_info(plan: Plan, flat: int) -> tuple[str | None, tuple[Any, ...] | None]:
+    """What the plan knows of the value at ``flat`` (outputs are left to the runtime's inference)."""
+    ref = flat - 1 - len(plan.externals)
+    dtype, shape = plan.ref_info(ref)
+    return dtype, (None if shape is None else tuple(d if isinstance(d, int) else None for d in shape))
+
+
+def serialized(model: onnx.ModelProto) -> bytes:
+    """The model's bytes (what ``Core.read_model`` and ``InferenceSession`` read)."""
+    return model.SerializeToString()
+
+
+__all__ = ["SubgraphIO", "name_of", "segment_model", "serialized"]

@@ -1,0 +1,1 @@
+"""dsp-onnxruntime: DSP's ONNXRUNTIME backend (a segment = one InferenceSession with IOBinding)."""

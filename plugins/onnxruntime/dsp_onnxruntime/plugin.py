@@ -1,0 +1,123 @@
+"""The plugin module named by the entry point: the ONNXRUNTIME backend's record, capability and hook.
+
+onnxruntime is imported by the availability probe, not at import time: without it the
+backend still registers and lists as unavailable, with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from dsp_core import hookimpl
+from dsp_core.backends.base import (
+    Availability,
+    Backend,
+    CaptureProfile,
+    CompiledSegment,
+    Decline,
+    DeclineReason,
+    ModeContract,
+    SlotView,
+)
+from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core.backends.whole import common_decline
+from dsp_core.plan.plan import Plan, Segment
+
+# DSP's dtype table for this backend: what its CPU kernels compute and IOBinding binds.
+DTYPES = frozenset({"float32", "float64", "float16", "int8", "uint8", "int16", "int32", "int64", "bool"})
+_ONNX_TYPE = {
+    "float32": "tensor(float)",
+    "float64": "tensor(double)",
+    "float16": "tensor(float16)",
+    "int8": "tensor(int8)",
+    "uint8": "tensor(uint8)",
+    "int16": "tensor(int16)",
+    "int32": "tensor(int32)",
+    "int64": "tensor(int64)",
+    "bool": "tensor(bool)",
+}
+PROVIDER = "CPUExecutionProvider"
+# Domains of ops it takes: ONNX's, and ONNX Runtime's own contrib ops.
+DOMAINS = frozenset({"", "com.microsoft"})
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_table() -> dict[tuple[str, str], list[tuple[int, int, frozenset[str]]]]:
+    """(op, domain) -> [(first opset, last opset, tensor types)] of the CPU provider's kernels."""
+    from onnxruntime.capi import _pybind_state as C
+
+    table: dict[tuple[str, str], list[tuple[int, int, frozenset[str]]]] = {}
+    for k in C.get_all_opkernel_def():
+        if k.provider != PROVIDER:
+            continue
+        domain = "" if k.domain == "ai.onnx" else k.domain
+        types = frozenset(t for ts in k.type_constraints.values() for t in ts)
+        lo, hi = k.version_range
+        table.setdefault((k.op_name, domain), []).append((int(lo), int(hi), types))
+    return table
+
+
+class OnnxRuntimeBackend(Backend):
+    """A segment = one InferenceSession over the segment's ONNX model, replayed through IOBinding."""
+
+    name = "onnxruntime"
+    mode = GraphExecutionMode.ONNXRUNTIME
+    platform = "cpu"
+    captures = True
+    contract = ModeContract(
+        deterministic=True,  # the CPU provider with fixed threads: same inputs, same outputs
+        needs_stable_addresses=True,  # IOBinding binds buffer addresses once
+        can_update_in_place=True,  # a moved input is re-bound, not recompiled
+        tf32=False,
+        dtypes=DTYPES,
+        tolerance=1e-4,  # fused kernels (Gelu, LayerNorm, attention) reassociate float32 sums
+    )
+    # One island per segment: the whole segment is one session (no node limit).
+    profile = CaptureProfile(max_island_nodes=None, excluded_ops=frozenset())
+
+    def _availability_probe(self) -> Availability:
+        try:
+            import onnxruntime
+        except ImportError as exc:
+            return Availability.no(f"onnxruntime is not installed ({exc}): pip install 'onnxruntime>=1.20,<1.33'")
+        if PROVIDER not in onnxruntime.get_available_providers():
+            return Availability.no(f"onnxruntime {onnxruntime.__version__} has no {PROVIDER}")
+        return Availability.yes()
+
+    def _supports(self, slot: SlotView) -> Decline | None:
+        common = common_decline(self, slot, DOMAINS)
+        if common is not None:
+            return common
+        return _kernel_decline(slot, slot.opset)
+
+    def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
+        from dsp_onnxruntime.segment import OnnxRuntimeSegment
+
+        return OnnxRuntimeSegment(self, plan, segment)
+
+
+def _kernel_decline(slot: SlotView, opset: int) -> Decline | None:
+    """A decline unless the CPU provider registers a kernel for the op with every dtype of the slot."""
+    kernels = kernel_table().get((slot.op, slot.domain))
+    if not kernels:
+        return Decline(DeclineReason.UNSUPPORTED_OP, f"ONNX Runtime's CPU provider has no {slot.op} kernel")
+    if opset:
+        kernels = [k for k in kernels if k[0] <= opset <= k[1]]
+        if not kernels:
+            return Decline(
+                DeclineReason.UNSUPPORTED_OP, f"ONNX Runtime's CPU provider has no {slot.op} kernel for opset {opset}"
+            )
+    types: set[str] = set()
+    for _, _, ts in kernels:
+        types |= ts
+    bad = [d for d in slot.input_dtypes + slot.output_dtypes if d is not None and _ONNX_TYPE.get(d, d) not in types]
+    if bad and types:
+        return Decline(DeclineReason.UNSUPPORTED_DTYPE, f"ONNX Runtime's {slot.op} kernels do not take {bad[0]}")
+    return None
+
+
+@hookimpl
+def dsp_register_backends() -> list[Any]:
+    """dsp-onnxruntime's backend."""
+    return [OnnxRuntimeBackend()]

@@ -1,0 +1,89 @@
+"""A segment as one ONNX Runtime InferenceSession; after freezing, I/O bound once with IOBinding."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from dsp_core.backends.base import Backend
+from dsp_core.backends.whole import ShapeKey, WholeSegment, cpu_threads, runtime_cache_dir
+from dsp_core.plan.plan import Plan, Segment
+from dsp_core.plan.subgraph import name_of
+
+
+def session_options(threads: int) -> ort.SessionOptions:
+    """DSP's session options: threads from DSP_CPU_THREADS, every graph optimisation, sequential."""
+    opts = ort.SessionOptions()
+    if threads > 0:
+        opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3  # errors only: DSP reports what matters
+    return opts
+
+
+def cached_session(model: bytes) -> ort.InferenceSession:
+    """A session over ``model``; its optimized form is kept under DSP's cache and loaded next time.
+
+    The optimized file depends on the model, ONNX Runtime's version, the thread count
+    and the machine (level-ALL optimisations choose CPU-specific layouts), so all four
+    name it. A later process loads it with optimisations off: they are already applied.
+    """
+    threads = cpu_threads()
+    folder = runtime_cache_dir("onnxruntime")
+    providers = ["CPUExecutionProvider"]
+    if folder is None:
+        return ort.InferenceSession(model, session_options(threads), providers=providers)
+    tag = f"{ort.__version__}|{threads}|{platform.machine()}".encode()
+    path = folder / f"{hashlib.blake2b(model + tag, digest_size=16).hexdigest()}.onnx"
+    if path.is_file():
+        opts = session_options(threads)
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            return ort.InferenceSession(str(path), opts, providers=providers)
+        except Exception:  # noqa: BLE001  (a damaged cache file: rebuilt below)
+            path.unlink(missing_ok=True)
+    opts = session_options(threads)
+    temp = path.with_suffix(".tmp")
+    opts.optimized_model_filepath = str(temp)
+    session = ort.InferenceSession(model, opts, providers=providers)
+    try:
+        temp.replace(path)  # atomic: a reader never sees half a file
+    except OSError:
+        pass
+    return session
+
+
+class OnnxRuntimeSegment(WholeSegment):
+    """``WholeSegment`` on ONNX Runtime: ``run`` is ``session.run``, a replay ``run_with_iobinding``."""
+
+    def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
+        super().__init__(backend, plan, segment)
+        self._in_names = [name_of(f) for f in self.io.inputs]
+        self._out_names = [name_of(f) for f in self.io.outputs]
+
+    def _build(self, model: bytes, key: ShapeKey) -> Any:
+        return cached_session(model)
+
+    def _infer(self, compiled: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        return list(compiled.run(self._out_names, dict(zip(self._in_names, inputs))))
+
+    def _bind(self, compiled: Any, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> Callable[[], Any]:
+        binding = compiled.io_binding()
+        for name, a in zip(self._in_names, inputs):
+            binding.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        for name, b in zip(self._out_names, outputs):
+            binding.bind_output(name, "cpu", 0, b.dtype, list(b.shape), b.ctypes.data)
+        run = compiled._sess.run_with_iobinding  # the C++ call itself: no Python wrapper per replay
+        options = None
+
+        def replay() -> None:
+            run(binding._iobinding, options)
+
+        return replay

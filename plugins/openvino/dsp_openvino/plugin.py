@@ -1,0 +1,165 @@
+"""The plugin module named by the entry point: the OPENVINO backend's record, capability and hook.
+
+openvino is imported by the availability probe, not at import time: without it the
+backend still registers and lists as unavailable, with the reason.
+
+Capability has two parts: DSP's own table (dtypes OpenVINO's CPU plugin computes
+exactly; traits a bound-buffer replay cannot hold) and OpenVINO's answer for the op
+itself: a one-node ONNX model of the slot is read by OpenVINO's ONNX frontend and
+"no conversion rule" is a decline with that reason (remembered per op, domain, opset and
+dtypes). A segment's model, with static shapes, is then checked with ``Core.query_model``
+before it is compiled: a node the CPU plugin does not take fails that compile, and the
+reference runs the segment (the reason is kept in the plan's faults).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from dsp_core import config, hookimpl
+from dsp_core.backends.base import (
+    Availability,
+    Backend,
+    CaptureProfile,
+    CompiledSegment,
+    Decline,
+    DeclineReason,
+    ModeContract,
+    SlotView,
+)
+from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core.backends.whole import common_decline
+from dsp_core.plan.plan import Plan, Segment
+
+# DSP's dtype table for this backend. Not float64: the CPU plugin computes it in float32.
+DTYPES = frozenset({"float32", "float16", "int8", "uint8", "int32", "int64", "bool"})
+# Ops worth a call of their own: a segment without one and shorter than MIN_SLOTS costs
+# more in OpenVINO's per-call overhead (~13 us) than it saves; the auction is told so.
+HEAVY_OPS = frozenset(
+    {"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum", "MatMulInteger"}
+)
+MIN_SLOTS = 8
+
+_core: Any = None
+
+
+def core() -> Any:
+    """The process's one ``openvino.Core`` (made on first use)."""
+    global _core
+    if _core is None:
+        import openvino
+
+        _core = openvino.Core()
+    return _core
+
+
+def compile_config() -> dict[str, Any]:
+    """The CPU plugin's settings: DSP's precision and threads, latency-first, one stream, DSP's cache."""
+    from dsp_core.backends.whole import cpu_threads, runtime_cache_dir
+
+    precision = "bf16" if config.get("cpu_precision") == "bf16" and OpenVinoBackend.allows_bf16 else "f32"
+    settings: dict[str, Any] = {
+        "INFERENCE_PRECISION_HINT": precision,
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+    }
+    threads = cpu_threads()
+    if threads > 0:
+        settings["INFERENCE_NUM_THREADS"] = threads
+    folder = runtime_cache_dir("openvino")
+    if folder is not None:
+        settings["CACHE_DIR"] = str(folder)
+    return settings
+
+
+class OpenVinoBackend(Backend):
+    """A segment = one compiled OpenVINO model; its tensors are DSP's buffers; replay = infer()."""
+
+    name = "openvino"
+    mode = GraphExecutionMode.OPENVINO
+    platform = "cpu"
+    captures = True
+    contract = ModeContract(
+        deterministic=True,  # one stream, fixed threads: same inputs, same outputs
+        needs_stable_addresses=True,  # tensors are made once over DSP's buffers
+        can_update_in_place=True,  # a moved input gets a new tensor, not a recompile
+        tf32=False,
+        dtypes=DTYPES,
+        tolerance=1e-4,  # f32 inference; fused kernels reassociate sums
+    )
+    profile = CaptureProfile(max_island_nodes=None, excluded_ops=frozenset())
+    # bf16 execution (DSP_CPU_PRECISION=bf16) changes results by ~1e-2: more than the
+    # contract's tolerance, so this backend keeps f32 whatever the option says.
+    allows_bf16 = contract.tolerance >= 1e-2
+
+    def _availability_probe(self) -> Availability:
+        try:
+            import openvino
+        except ImportError as exc:
+            return Availability.no(f"openvino is not installed ({exc}): pip install 'openvino>=2025.0,<2027'")
+        if "CPU" not in core().available_devices:
+            return Availability.no(f"openvino {openvino.__version__} sees no CPU device")
+        return Availability.yes()
+
+    def _supports(self, slot: SlotView) -> Decline | None:
+        common = common_decline(self, slot)
+        if common is not None:
+            return common
+        detail = _frontend_decline(slot.op, slot.domain, slot.opset, slot.input_dtypes, slot.output_dtypes)
+        return Decline(DeclineReason.UNSUPPORTED_OP, detail) if detail else None
+
+    def segment_decline(self, segment: Segment, plan: Plan) -> Decline | None:
+        """Declines a short segment without a heavy op: the call overhead exceeds what it saves."""
+        if len(segment.slots) >= MIN_SLOTS or any(plan.slots[s].op in HEAVY_OPS for s in segment.slots):
+            return None
+        return Decline(
+            DeclineReason.OTHER,
+            f"a segment of {len(segment.slots)} light slots costs more in OpenVINO's call overhead "
+            f"(~13 us) than it saves (it takes segments of >= {MIN_SLOTS} slots or with a "
+            f"{'/'.join(sorted(HEAVY_OPS)[:3])}/... op)",
+        )
+
+    def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
+        from dsp_openvino.segment import OpenVinoSegment
+
+        return OpenVinoSegment(self, plan, segment)
+
+
+@functools.lru_cache(maxsize=4096)
+def _frontend_decline(
+    op: str, domain: str, opset: int, ins: tuple[str | None, ...], outs: tuple[str | None, ...]
+) -> str:
+    """Why OpenVINO's ONNX frontend cannot take a one-node model of the op ('' when it can)."""
+    import onnx
+    from onnx import helper
+
+    from dsp_core.ir import dtypes
+
+    def info(name: str, d: str | None) -> Any:
+        return helper.make_tensor_value_info(name, dtypes.to_onnx(d) if d else onnx.TensorProto.FLOAT, None)
+
+    names = [f"i{k}" if d is not None else "" for k, d in enumerate(ins)]
+    node = helper.make_node(op, names, [f"o{k}" for k in range(len(outs))], domain=domain or None)
+    graph = helper.make_graph(
+        [node],
+        "probe",
+        [info(n, d) for n, d in zip(names, ins) if n],
+        [info(f"o{k}", d) for k, d in enumerate(outs)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(domain, opset or 17)])
+    model.ir_version = 10
+    try:
+        core().read_model(model.SerializeToString(), b"")
+    except Exception as exc:  # noqa: BLE001  (the frontend's verdict, as text)
+        if "No conversion rule found" in str(exc):
+            return f"OpenVINO's ONNX frontend has no conversion rule for {op}-{opset}"
+        # It knows the op but not this probe's unknown ranks: the segment's compile, with
+        # static shapes and Core.query_model, decides.
+    return ""
+
+
+@hookimpl
+def dsp_register_backends() -> list[Any]:
+    """dsp-openvino's backend."""
+    return [OpenVinoBackend()]
