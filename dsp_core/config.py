@@ -123,6 +123,13 @@ OPTIONS: tuple[Option, ...] = (
         choices=("f32", "bf16"),
     ),
     Option(
+        "auto_exclude",
+        "DSP_AUTO_EXCLUDE",
+        "str",
+        "",
+        "Backends AUTO leaves out, a comma list of names (openvino,onnxruntime); a mode named explicitly still runs.",
+    ),
+    Option(
         "auction_trials",
         "DSP_AUCTION_TRIALS",
         "int",

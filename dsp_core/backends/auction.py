@@ -12,13 +12,16 @@ of the chain. Each such event is kept in ``Partition.faults``. Strict mode raise
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsp_core import diag
+from dsp_core import config, diag
 from dsp_core.backends.base import Backend, CompiledSegment, Decline, DeclineReason, Registry, SlotView
 from dsp_core.backends.guard import BackendFault, describe
 from dsp_core.backends.modes import (
@@ -77,6 +80,8 @@ class Partition:
     strict: bool = False
     reference: Backend | None = None  # the SLOT_BY_SLOT oracle a failing segment falls back to
     faults: list[Fault] = field(default_factory=list)
+    # segment -> feed-shape key -> the timed trial that picked its backend (measure())
+    trials: dict[int, dict[str, Trial]] = field(default_factory=dict)
 
     def record_fault(self, fault: Fault) -> None:
         """Keep ``fault`` (explain, diagnostics) and say it once in the log."""
@@ -134,12 +139,13 @@ def candidates(registry: Registry, mode: GraphExecutionMode, strict: bool = Fals
     """
     notes: list[str] = []
     if mode is M.AUTO:
+        left_out = auto_excluded()
         for platform in PLATFORM_ORDER:
             chain = [
                 b
                 for m in FALLBACK_CHAINS[platform]
                 for b in registry.for_mode(m)
-                if b.platform in (platform, "cpu") and available(b)
+                if b.platform in (platform, "cpu") and available(b) and b.name not in left_out
             ]
             if any(b.platform == platform for b in chain):
                 return _with_reference(chain, registry), notes
@@ -169,6 +175,12 @@ def candidates(registry: Registry, mode: GraphExecutionMode, strict: bool = Fals
         chain, more = candidates(registry, target)
         return chain, notes + more
     raise BackendUnavailableError(f"mode {mode.name} is installed but unavailable: {reasons}")
+
+
+def auto_excluded() -> frozenset[str]:
+    """DSP_AUTO_EXCLUDE: names of backends AUTO leaves out (the reference is never left out)."""
+    raw = str(config.get("auto_exclude") or "")
+    return frozenset(n.strip() for n in raw.split(",") if n.strip()) - {"slot_by_slot"}
 
 
 def gpu_present(registry: Registry) -> bool:
@@ -227,7 +239,46 @@ def partition(
     result = Partition(
         mode, tuple(chain), [], {b.name: b for b in chain}, notes=notes, strict=strict, reference=reference_of(registry)
     )
-    forced = excluded or {}
+    forced: Excluded = {k: list(v) for k, v in (excluded or {}).items()}
+    while True:
+        owners = _owners(plan, chain, result, forced, mode, strict)
+        segments = _segments(plan, owners)
+        declined = _segment_declines(plan, segments, result, forced)
+        if not declined:
+            break
+        result.declines.clear()
+    result.segments = segments
+    for seg in result.segments:
+        result.bids[seg.index] = {seg.backend: _ask_cost(result.backends[seg.backend], seg, plan, strict)}
+    if diag.ON:
+        diag.auction(plan, result)
+    return result
+
+
+def _segment_declines(plan: Plan, segments: list[Segment], result: Partition, forced: Excluded) -> bool:
+    """Ask each segment's winner whether it takes the segment whole; a decline is forced on its slots."""
+    declined = False
+    for seg in segments:
+        backend = result.backends[seg.backend]
+        if backend is result.reference:
+            continue
+        try:
+            answer = backend.segment_decline(seg, plan)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (a raising hook declines, like supports)
+            answer = Decline(DeclineReason.BACKEND_FAULT, f"{backend.name}.segment_decline raised {describe(exc)}")
+        if isinstance(answer, Decline):
+            for s in seg.slots:
+                forced.setdefault(s, []).append((backend.name, answer))
+            declined = True
+    return declined
+
+
+def _owners(
+    plan: Plan, chain: list[Backend], result: Partition, forced: Excluded, mode: GraphExecutionMode, strict: bool
+) -> list[Backend]:
+    """Each slot's winner: the first backend of ``chain`` that takes it (declines recorded in ``result``)."""
     owners: list[Backend] = []
     for i in range(len(plan.slots)):
         view = slot_view(plan, i)
@@ -253,12 +304,7 @@ def partition(
                 f"{winner.name}; declines: {'; '.join(f'{n}: {d}' for n, d in result.declines[i])}"
             )
         owners.append(winner)
-    result.segments = _segments(plan, owners)
-    for seg in result.segments:
-        result.bids[seg.index] = {seg.backend: _ask_cost(result.backends[seg.backend], seg, plan, strict)}
-    if diag.ON:
-        diag.auction(plan, result)
-    return result
+    return owners
 
 
 def _ask_supports(backend: Backend, view: SlotView, plan: Plan, strict: bool) -> Decline | None:
@@ -390,6 +436,197 @@ def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
     return segments
 
 
+# -- the measured auction ---------------------------------------------------------------
+# Where more than one available backend takes every slot of a segment, the chain's order
+# alone does not say which is faster on this machine, for these shapes. At freeze, each
+# candidate runs the segment on the step's real inputs: a capturing one warm -> prepare ->
+# capture, then TRIALS replays; an eager one TRIALS runs. The fastest wins (the best of
+# its runs: a shared machine's noise only ever adds time); candidates within TIE of the
+# fastest count as tied, and the chain's order breaks ties. The result is kept in the
+# partition (per segment and feed shapes) and in the disk cache, so a later freeze of the
+# same shapes, here or in another process, does not time again.
+TIE = 0.05
+TRIAL_FORMAT = "dsp-auction-trial/1"
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One segment's timed trial: best seconds per backend, the winner, where it came from."""
+
+    times: dict[str, float]
+    winner: str
+    source: str  # "measured", or "disk" when a record of an earlier process was used
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form for `dsp plan explain` (microseconds)."""
+        return {
+            "times_us": {k: round(v * 1e6, 2) for k, v in self.times.items()},
+            "winner": self.winner,
+            "source": self.source,
+        }
+
+
+def contenders(plan: Plan, result: Partition, k: int) -> list[Backend]:
+    """The available backends of the chain that take every slot of segment ``k`` whole, in chain order."""
+    seg = result.segments[k]
+    faulty = {f.backend for f in result.faults if set(f.slots) & set(seg.slots)}
+    found: list[Backend] = []
+    for backend in result.chain:
+        if backend.name in faulty or not backend.contract.computes_values or not available(backend):
+            continue
+        if backend.name != seg.backend:
+            if any(_ask_supports(backend, slot_view(plan, s), plan, False) is not None for s in seg.slots):
+                continue
+            if backend is not result.reference and backend.segment_decline(seg, plan) is not None:
+                continue
+        found.append(backend)
+    return found
+
+
+def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
+    """Time the contenders of every contested segment on ``feeds`` and give each segment to the fastest.
+
+    ``executor`` is the runtime's Executor (plan, partition, compiled segments). Does
+    nothing in strict mode or with DSP_AUCTION_TRIALS=0: the fixed chain decides.
+    """
+    part: Partition = executor.partition
+    runs = int(config.get("auction_trials"))
+    if part.strict or runs <= 0:
+        return
+    plan: Plan = executor.plan
+    contested = {k: c for k in range(len(part.segments)) if len(c := contenders(plan, part, k)) > 1}
+    if not contested:
+        return
+    key = _shape_key(feeds)
+    values = list(executor.template)
+    for flat, array in feeds:
+        values[flat] = array
+    for k, compiled in enumerate(executor.segments):
+        if k in contested:
+            trial = part.trials.get(k, {}).get(key) or _recall(plan, part, k, contested[k], key)
+            if trial is None:
+                trial = _time_segment(plan, part.segments[k], contested[k], compiled, values, runs)
+                _remember(plan, part, k, contested[k], key, trial)
+            part.trials.setdefault(k, {})[key] = trial
+            if trial.winner != part.segments[k].backend:
+                _hand_over(executor, k, next(b for b in contested[k] if b.name == trial.winner))
+                compiled = executor.segments[k]
+        compiled.run(values)  # the values the next segment's trial reads
+
+
+def _time_segment(
+    plan: Plan, seg: Segment, candidates: list[Backend], current: CompiledSegment, values: list[Any], runs: int
+) -> Trial:
+    times: dict[str, float] = {}
+    for backend in candidates:
+        trial_seg = dataclasses.replace(seg, backend=backend.name, mode=backend.mode.name)
+        try:
+            compiled = current if backend.name == seg.backend else backend.compile(plan, trial_seg)
+        except Exception as exc:  # noqa: BLE001  (a candidate that cannot compile is out of the trial)
+            log.info("DSP auction trial: %s cannot compile segment %d: %s", backend.name, seg.index, describe(exc))
+            continue
+        try:
+            times[backend.name] = _best_time(backend, compiled, values, runs)
+        except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
+            log.info("DSP auction trial: %s failed on segment %d: %s", backend.name, seg.index, describe(exc))
+        finally:
+            if compiled is not current:
+                release_quietly(compiled)
+    if not times:
+        return Trial({}, seg.backend, "measured")
+    best = min(times.values())
+    winner = next(b.name for b in candidates if b.name in times and times[b.name] <= best * (1 + TIE))
+    return Trial(times, winner, "measured")
+
+
+def _best_time(backend: Backend, compiled: CompiledSegment, values: list[Any], runs: int) -> float:
+    """The best of ``runs`` timed steady-state runs: replays for a capturing backend, eager runs otherwise."""
+    best = math.inf
+    if backend.captures:
+        compiled.warm(list(values))
+        mine = list(values)
+        compiled.prepare(mine)
+        compiled.capture(mine)
+        step = lambda: compiled.replay(mine)  # noqa: E731
+    else:
+        compiled.run(list(values))
+        step = lambda: compiled.run(list(values))  # noqa: E731
+    for _ in range(runs):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _hand_over(executor: Any, k: int, winner: Backend) -> None:
+    """Segment ``k`` of the executor to ``winner`` (compiled afresh; the loser's segment released)."""
+    part: Partition = executor.partition
+    seg = part.segments[k]
+    moved = dataclasses.replace(seg, backend=winner.name, mode=winner.mode.name)
+    compiled = winner.compile(executor.plan, moved)
+    release_quietly(executor.segments[k])
+    part.segments[k] = moved
+    part.backends.setdefault(winner.name, winner)
+    part.bids.setdefault(seg.index, {})[winner.name] = _ask_cost(winner, moved, executor.plan, False)
+    executor.segments[k] = compiled
+    executor.checks[k] = executor._specs(compiled)
+
+
+def _shape_key(feeds: list[tuple[int, Any]]) -> str:
+    """The feeds' shapes and dtypes as text (a trial holds for these shapes only)."""
+    return ";".join(f"{flat}:{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for flat, a in feeds)
+
+
+def _record_key(plan: Plan, seg: Segment, candidates: list[Backend], key: str) -> str:
+    """The disk cache key of a trial: plan, segment span, candidates and their versions, shapes, machine."""
+    import os
+    import platform
+
+    from dsp_core.cache.disk import DiskCache
+
+    who = ",".join(f"{b.name}={b.version}" for b in candidates)
+    machine = f"{platform.machine()}|{os.cpu_count()}|threads={config.get('cpu_threads')}"
+    span = f"{seg.slots[0]}-{seg.slots[-1]}" if seg.slots else "-"
+    return DiskCache.key(TRIAL_FORMAT, plan.content_hash, span, who, key, machine)
+
+
+def _disk() -> Any:
+    from dsp_core.cache.disk import DiskCache
+
+    try:
+        cache = DiskCache.from_config()
+    except Exception:  # noqa: BLE001  (a misconfigured cache: trials are kept in memory only)
+        return None
+    return cache if cache.enabled else None
+
+
+def _recall(plan: Plan, part: Partition, k: int, candidates: list[Backend], key: str) -> Trial | None:
+    """A trial an earlier process stored for this segment, these candidates and shapes, if any."""
+    cache = _disk()
+    if cache is None or cache.force_recompile:
+        return None
+    raw = cache.get(_record_key(plan, part.segments[k], candidates, key))
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+        times = {str(n): float(t) for n, t in record["times"].items()}
+        winner = str(record["winner"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if winner not in {b.name for b in candidates}:
+        return None
+    return Trial(times, winner, "disk")
+
+
+def _remember(plan: Plan, part: Partition, k: int, candidates: list[Backend], key: str, trial: Trial) -> None:
+    cache = _disk()
+    if cache is None or not trial.times:
+        return
+    record = {"format": TRIAL_FORMAT, "segment": k, "times": trial.times, "winner": trial.winner}
+    cache.put(_record_key(plan, part.segments[k], candidates, key), json.dumps(record, sort_keys=True).encode())
+
+
 def explain(plan: Plan, result: Partition) -> dict[str, Any]:
     """A JSON-able account of the auction: per segment, the winner, bids and declines."""
     segs = []
@@ -409,6 +646,9 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
             "declines": declines,
             "faults": [f.as_dict() for f in result.faults if f.segment == seg.index or set(f.slots) & set(seg.slots)],
         }
+        trials = result.trials.get(seg.index)
+        if trials:
+            entry["trials"] = [{"feeds": shapes, **t.as_dict()} for shapes, t in trials.items()]
         fusion = _fusion_of(plan, seg, result.backends.get(seg.backend))
         if fusion is not None:
             entry["fusion"] = fusion

@@ -264,6 +264,14 @@ class Backend:
     def _supports(self, slot: SlotView) -> Decline | None:
         return None
 
+    def segment_decline(self, segment: Segment, plan: Plan) -> Decline | None:
+        """None to take ``segment`` as the auction cut it, else a Decline for all its slots.
+
+        For what only the whole segment shows (a runtime whose per-call overhead exceeds
+        what a short segment saves); the auction then gives those slots to the next backend.
+        """
+        return None
+
     def cost(self, segment: Segment, plan: Plan) -> float:
         """The bid for running ``segment``: lower wins among backends of equal rank."""
         return float(len(segment.slots))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dsp_core import config, diag
-from dsp_core.backends.auction import Fault, release_quietly
+from dsp_core.backends.auction import Fault, measure, release_quietly
 from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStatus
 from dsp_core.backends.guard import describe
 from dsp_core.diag import Category, Level
@@ -155,7 +155,7 @@ class PlanRuntime:
             if self.phase is PlanPhase.SLOT_BY_SLOT:
                 if not self._should_freeze():
                     return self.executor.run(feeds)
-                self._freeze()
+                self._freeze(feeds)
             return self._frozen_step(feeds)
 
     def _should_freeze(self) -> bool:
@@ -173,7 +173,10 @@ class PlanRuntime:
                 self._freeze()
 
     # -- freezing --------------------------------------------------------------------------
-    def _freeze(self) -> None:
+    def _freeze(self, feeds: list[tuple[int, Any]] | None = None) -> None:
+        # The measured auction: where several backends take a segment, the one that ran it
+        # fastest on this step's feeds (zeros of their shapes when freeze() came first) keeps it.
+        measure(self.executor, feeds if feeds is not None else self._zero_feeds())
         plan = self.plan
         sealed = self._detect_sealed()
         values: list[Any] = list(self.executor.template)
@@ -204,6 +207,9 @@ class PlanRuntime:
         self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)
         if not any(u.kind is UnitKind.ISLAND for u in self.units):
             self.machine.move(PlanPhase.REPLAY_BLOCKED, "no segment can capture", self.executions)
+
+    def _zero_feeds(self) -> list[tuple[int, Any]]:
+        return [(flat, np.zeros(shape, dtype)) for flat, shape, dtype in self.feed_shapes if dtype is not None]
 
     def _run_sealed(self, seg: Segment, mine: tuple[int, ...], values: list[Any], view: Plan) -> None:
         """Compute the sealed slots of ``seg`` once; a backend that fails here hands the segment to the reference.
