@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # installed for `make test` only. `make demo` removes them, so what a user sees after it
 # (`dsp backends list`) is what a user of the real distributions sees.
 TEST_STAMP := $(VENV)/.installed-test-dists
-PLUGINS := plugins/cpu_ref plugins/cuda_graphs plugins/triton
+PLUGINS := plugins/cpu_ref plugins/cuda_graphs plugins/triton plugins/openvino plugins/onnxruntime
 TEST_DISTS := tests/dists/dsp_test_backends
 TEST_DIST_NAMES := dsp-test-backends
 # `make dist` writes a wheel of every distribution this repository builds here.

@@ -20,6 +20,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # Tests never touch the user's disk cache: one fresh directory per test session (inherited
 # by the CLI subprocesses the tests start).
 os.environ["DSP_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsp-test-cache-")
+# The suite tests the core against the reference: the CPU segment runtimes (dsp-openvino,
+# dsp-onnxruntime, installed by `make test`) stay out of AUTO unless a test asks for them
+# (tests/test_openvino*.py, tests/test_onnxruntime*.py, tests/test_measured_auction.py and the
+# conformance kit run them by name).
+os.environ.setdefault("DSP_AUTO_EXCLUDE", "openvino,onnxruntime")
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

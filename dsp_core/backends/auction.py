@@ -243,7 +243,8 @@ def partition(
     while True:
         owners = _owners(plan, chain, result, forced, mode, strict)
         segments = _segments(plan, owners)
-        declined = _segment_declines(plan, segments, result, forced)
+        # A backend the user named takes its segments whole: only AUTO asks whether it would rather not.
+        declined = mode is M.AUTO and _segment_declines(plan, segments, result, forced)
         if not declined:
             break
         result.declines.clear()

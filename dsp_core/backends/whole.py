@@ -186,7 +186,7 @@ NOT_WHOLE = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW | Trait.RANDOM
 
 
 def common_decline(backend: Backend, slot: SlotView, domains: frozenset[str] = frozenset({""})) -> Decline | None:
-    """The declines every whole-segment backend shares: traits, op domains, non-tensor values."""
+    """The declines every whole-segment backend shares: traits and op domains."""
     if slot.traits & NOT_WHOLE:
         return Decline(
             DeclineReason.DYNAMIC_SHAPE if slot.traits & Trait.DYNAMIC_OUTPUT_SIZE else DeclineReason.CONTROL_FLOW,
@@ -194,8 +194,6 @@ def common_decline(backend: Backend, slot: SlotView, domains: frozenset[str] = f
         )
     if slot.domain not in domains:
         return Decline(DeclineReason.UNSUPPORTED_OP, f"domain {slot.domain!r} is not one {backend.name} reads")
-    if any(d is None for d in slot.output_dtypes):
-        return Decline(DeclineReason.UNSUPPORTED_DTYPE, f"{slot.op}: an output's dtype is not known statically")
     return None
 
 

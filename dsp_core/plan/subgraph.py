@@ -89,7 +89,9 @@ def _attr(key: str, val: Any, declared: int | None) -> onnx.AttributeProto:
 
 
 def _value_info(name: str, dtype: str | None, shape: tuple[Any, ...] | None) -> onnx.ValueInfoProto:
-    elem = dtypes.to_onnx(dtype) if dtype else onnx.TensorProto.UNDEFINED
+    if not dtype:
+        return onnx.ValueInfoProto(name=name)  # untyped: the runtime's own inference types it
+    elem = dtypes.to_onnx(dtype)
     dims = None if shape is None else [d if isinstance(d, (int, str)) and d != -1 else None for d in shape]
     return helper.make_tensor_value_info(name, elem, dims)
 

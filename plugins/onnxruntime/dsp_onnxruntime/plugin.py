@@ -25,11 +25,11 @@ from dsp_core.backends.whole import common_decline
 from dsp_core.plan.plan import Plan, Segment
 
 # DSP's dtype table for this backend: what its CPU kernels compute and IOBinding binds.
-DTYPES = frozenset({"float32", "float64", "float16", "int8", "uint8", "int16", "int32", "int64", "bool"})
+# Not float16: the CPU provider has few float16 kernels (no Add, Mul, ...).
+DTYPES = frozenset({"float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"})
 _ONNX_TYPE = {
     "float32": "tensor(float)",
     "float64": "tensor(double)",
-    "float16": "tensor(float16)",
     "int8": "tensor(int8)",
     "uint8": "tensor(uint8)",
     "int16": "tensor(int16)",
