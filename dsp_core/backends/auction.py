@@ -488,12 +488,12 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
     """Time the contenders of every contested segment on ``feeds`` and give each segment to the fastest.
 
     ``executor`` is the runtime's Executor (plan, partition, compiled segments). Does
-    nothing in strict mode or with DSP_AUCTION_TRIALS=0: the fixed chain decides.
+    nothing outside AUTO, in strict mode or with DSP_AUCTION_TRIALS=0: the fixed chain decides.
     """
     part: Partition = executor.partition
     runs = int(config.get("auction_trials"))
-    if part.strict or runs <= 0:
-        return
+    if part.strict or runs <= 0 or part.mode is not M.AUTO:
+        return  # strict, trials off, or a mode the user named: the chain decides
     plan: Plan = executor.plan
     contested = {k: c for k in range(len(part.segments)) if len(c := contenders(plan, part, k)) > 1}
     if not contested:

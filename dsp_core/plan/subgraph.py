@@ -96,11 +96,11 @@ def _value_info(name: str, dtype: str | None, shape: tuple[Any, ...] | None) -> 
     return helper.make_tensor_value_info(name, elem, dims)
 
 
-def _out_info(plan: Plan, flat: int) -> tuple[str | None, tuple[Any, ...] | None]:
-    """What the plan knows of the value at ``flat`` (outputs are left to the runtime's inference)."""
+def _out_info(plan: Plan, flat: int) -> tuple[str | None, None]:
+    """An output's dtype as the plan knows it; its shape is left to the runtime's inference
+    (a model's declared shapes can be stale, and the runtime checks them against its own)."""
     ref = flat - 1 - len(plan.externals)
-    dtype, shape = plan.ref_info(ref)
-    return dtype, (None if shape is None else tuple(d if isinstance(d, int) else None for d in shape))
+    return plan.ref_info(ref)[0], None
 
 
 def serialized(model: onnx.ModelProto) -> bytes:

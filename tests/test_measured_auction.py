@@ -1,0 +1,125 @@
+"""The measured auction: a timed trial at freeze gives a contested segment to the fastest backend.
+
+Also: a plan split across openvino, onnxruntime and slot_by_slot gives the reference's outputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto
+
+import dsp_core as dsp
+from dsp_core.backends.auction import TIE
+
+
+@pytest.fixture
+def cpu_runtimes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """AUTO with both CPU runtimes in it, and a disk cache of this test's own."""
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "")
+    monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _trials(model: dsp.CompiledModel) -> list[dict]:
+    return [t for seg in model.explain()["segments"] for t in seg.get("trials", [])]
+
+
+def _freeze(model: dsp.CompiledModel, x: np.ndarray, runs: int = 4) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for _ in range(runs):
+        out = model.run({"x": x})
+    return out
+
+
+def test_the_trial_picks_the_fastest_and_explain_shows_the_timings(cpu_runtimes: None, mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph)
+    x = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    out = _freeze(model, x)
+    reference = dsp.compile(mlp_graph, mode="slot_by_slot").run({"x": x})
+    np.testing.assert_allclose(out["y"], reference["y"], rtol=1e-5, atol=1e-5)
+    (trial,) = _trials(model)
+    times = trial["times_us"]
+    assert {"openvino", "onnxruntime", "slot_by_slot"} <= set(times), times
+    assert trial["source"] == "measured" and all(t > 0 for t in times.values())
+    assert times[trial["winner"]] <= min(times.values()) * (1 + TIE) + 1e-9
+    # the chain's order breaks ties: no backend earlier in the chain is within the tie band
+    chain = model.explain()["chain"]
+    earlier = [b for b in chain[: chain.index(trial["winner"])] if b in times]
+    assert all(times[b] > min(times.values()) * (1 + TIE) for b in earlier)
+    # the winner is what runs
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    assert {u.backend.name for u in runtime.units} == {trial["winner"]}
+    assert model.explain()["segments"][0]["backend"] == trial["winner"]
+
+
+def test_the_choice_is_cached_in_memory_and_on_disk(cpu_runtimes: None, mlp_graph: dsp.Graph) -> None:
+    x = np.ones((2, 8), np.float32)
+    first = dsp.compile(mlp_graph)
+    _freeze(first, x)
+    (trial,) = _trials(first)
+    part = first.partition()
+    assert part is not None
+    kept = dict(part.trials)
+    first.last_live.runtime.demote("test: freeze again")  # type: ignore[union-attr]
+    _freeze(first, x)
+    assert part.trials == kept  # the same trial object: not timed again
+    second = dsp.compile(mlp_graph)  # a new model, as in another process: the disk record
+    _freeze(second, x)
+    (again,) = _trials(second)
+    assert again["source"] == "disk" and again["winner"] == trial["winner"]
+    assert again["times_us"] == trial["times_us"]
+
+
+def test_other_shapes_get_their_own_trial(cpu_runtimes: None, mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph)
+    _freeze(model, np.ones((1, 8), np.float32))
+    _freeze(model, np.ones((8, 8), np.float32))
+    feeds = {t["feeds"] for t in _trials(model)}
+    assert feeds == {"1:float32[1, 8]", "1:float32[8, 8]"}
+
+
+@pytest.mark.parametrize("env", [{"DSP_AUCTION_TRIALS": "0"}, {"DSP_STRICT": "1"}])
+def test_without_trials_the_fixed_chain_decides(
+    cpu_runtimes: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    model = dsp.compile(mlp_graph, strict=bool(env.get("DSP_STRICT")))
+    _freeze(model, np.ones((2, 8), np.float32))
+    assert _trials(model) == []
+    assert model.resolved_backends() == ["openvino"]  # first in the CPU chain
+
+
+def _three_way_graph() -> dsp.Graph:
+    """MatMul + light float32 ops (openvino), float64 work (onnxruntime: openvino declines float64),
+    an ai.onnx.ml Binarizer (only the reference), then float32 again."""
+    rng = np.random.default_rng(3)
+    g = dsp.GraphBuilder("three_way")
+    x = g.placeholder("x", "float32", ["batch", 16])
+    h = g.Relu(g.MatMul(x, g.constant(rng.standard_normal((16, 16)).astype(np.float32), name="w1")))
+    d = g.Cast(h, to=TensorProto.DOUBLE)
+    d = g.Sqrt(g.Add(g.Mul(d, g.constant(np.full(16, 0.5), name="half")), g.constant(np.ones(16), name="one")))
+    f = g.Cast(d, to=TensorProto.FLOAT)
+    b = g.op("Binarizer", f, domain="ai.onnx.ml", threshold=1.2)
+    y = g.MatMul(b, g.constant(rng.standard_normal((16, 4)).astype(np.float32), name="w2"))
+    g.output(y, "y")
+    return g.build()
+
+
+def test_a_plan_split_across_openvino_onnxruntime_and_the_reference_gives_its_outputs(
+    cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSP_AUCTION_TRIALS", "0")  # the chain alone: each backend keeps what it takes
+    graph = _three_way_graph()
+    model = dsp.compile(graph)
+    assert set(model.resolved_backends()) == {"openvino", "onnxruntime", "slot_by_slot"}, model.explain()
+    reference = dsp.compile(graph, mode="slot_by_slot")
+    rng = np.random.default_rng(4)
+    for _ in range(6):
+        x = rng.standard_normal((3, 16)).astype(np.float32)
+        np.testing.assert_allclose(model.run({"x": x})["y"], reference.run({"x": x})["y"], rtol=1e-5, atol=1e-5)
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    assert runtime.phase.name == "REPLAYING"
+    assert {u.backend.name for u in runtime.units} == {"openvino", "onnxruntime", "slot_by_slot"}
