@@ -41,7 +41,7 @@ def test_the_trial_picks_the_fastest_and_explain_shows_the_timings(cpu_runtimes:
     np.testing.assert_allclose(out["y"], reference["y"], rtol=1e-5, atol=1e-5)
     (trial,) = _trials(model)
     times = trial["times_us"]
-    assert {"openvino", "onnxruntime", "slot_by_slot"} <= set(times), times
+    assert set(times) == {"openvino", "onnxruntime"}, times  # the reference is the fallback, not a bidder
     assert trial["source"] == "measured" and all(t > 0 for t in times.values())
     assert times[trial["winner"]] <= min(times.values()) * (1 + TIE) + 1e-9
     # the chain's order breaks ties: no backend earlier in the chain is within the tie band

@@ -438,7 +438,8 @@ def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
 
 
 # -- the measured auction ---------------------------------------------------------------
-# Where more than one available backend takes every slot of a segment, the chain's order
+# Where more than one available backend (the reference aside: it is the fallback that
+# takes whatever nobody else does) takes every slot of a segment, the chain's order
 # alone does not say which is faster on this machine, for these shapes. At freeze, each
 # candidate runs the segment on the step's real inputs: a capturing one warm -> prepare ->
 # capture, then TRIALS replays; an eager one TRIALS runs. The fastest wins (the best of
@@ -468,17 +469,19 @@ class Trial:
 
 
 def contenders(plan: Plan, result: Partition, k: int) -> list[Backend]:
-    """The available backends of the chain that take every slot of segment ``k`` whole, in chain order."""
+    """The available backends of the chain, the reference aside, that take all of segment ``k`` (chain order)."""
     seg = result.segments[k]
     faulty = {f.backend for f in result.faults if set(f.slots) & set(seg.slots)}
     found: list[Backend] = []
     for backend in result.chain:
-        if backend.name in faulty or not backend.contract.computes_values or not available(backend):
+        if backend is result.reference or backend.name in faulty or not available(backend):
+            continue  # the reference is the fallback, not a bidder
+        if not backend.contract.computes_values:
             continue
         if backend.name != seg.backend:
             if any(_ask_supports(backend, slot_view(plan, s), plan, False) is not None for s in seg.slots):
                 continue
-            if backend is not result.reference and backend.segment_decline(seg, plan) is not None:
+            if backend.segment_decline(seg, plan) is not None:
                 continue
         found.append(backend)
     return found

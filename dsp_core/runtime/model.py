@@ -189,6 +189,7 @@ class CompiledModel:
         # False: outputs are numpy (device arrays are copied to the host); True: a GPU
         # backend's outputs are returned as its device arrays (CuPy), with no copy to the host.
         self.outputs_on_device = False
+        self._repeat: _Repeat | None = None  # the previous call's checked feeds (the repeat path)
         self.dsp = DspHandle(self)
         self._feed_names = frozenset(s.name for s in self._feeds)
         self._feed_name_tuple = tuple(s.name for s in self._feeds)
@@ -277,6 +278,10 @@ class CompiledModel:
     # -- running ----------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run on ``feeds`` (name -> array); returns every requested output by name."""
+        if outputs is None and self._repeat is not None:
+            done = self._run_repeat(feeds, self._repeat)
+            if done is not None:
+                return done
         names = self._default_outputs if outputs is None else self._names(outputs)
         staged = self._stage(feeds)
         try:
@@ -297,7 +302,42 @@ class CompiledModel:
             results = live.runtime.execute([(s.flat, a) for s, a in zip(self._feeds, staged)])
         finally:
             self.cache.release(live)
+        if names == self._default_outputs and all(a.__class__ is np.ndarray for a in staged):
+            self._repeat = _Repeat(live.signature, [(s.name, s.flat, a.shape, a.dtype) for s, a in zip(self._feeds, staged)])
         return {name: _as_output(r, self.outputs_on_device) for name, r in zip(names, results)}
+
+    # -- the repeat path: DSP's own per-call overhead --------------------------------------
+    # A call with the default outputs whose feeds are a dict of exactly the previous such
+    # call's names, as plain numpy arrays of the same shapes and dtypes, passed every check
+    # of ``_stage`` last time and passes them again: it skips them and reuses that call's
+    # shape signature (looked up in the plan cache as usual, so pins, LRU order and hit
+    # counts are unchanged). Anything else takes the full path.
+    def _run_repeat(self, feeds: Mapping[str, Any], repeat: _Repeat) -> dict[str, np.ndarray] | None:
+        if feeds.__class__ is not dict or len(feeds) != len(repeat.feeds):
+            return None
+        staged: list[tuple[int, Any]] = []
+        for name, flat, shape, dtype in repeat.feeds:
+            array = feeds.get(name)
+            if array.__class__ is not np.ndarray or array.shape != shape or array.dtype is not dtype:
+                return None
+            staged.append((flat, array))
+        live = self.cache.acquire(repeat.signature)
+        if live is None:  # evicted since: the full path rebuilds it
+            self._repeat = None
+            return None
+        self.last_live = live
+        try:
+            results = live.runtime.execute(staged)
+        except Exception as exc:  # diag: as in run()
+            flight.record_failure(exc, live.runtime.diag_id)
+            raise
+        finally:
+            self.cache.release(live)
+        on_device = self.outputs_on_device
+        return {
+            name: r if r.__class__ is np.ndarray else _as_output(r, on_device)
+            for name, r in zip(self._default_outputs, results)
+        }
 
     def live_plan(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> LivePlan:
         """The live plan of this call's shape signature (pinned: release it after the run)."""
@@ -387,6 +427,14 @@ class CompiledModel:
         for spec in self._feeds:
             if spec.name not in feeds:
                 raise InputError(f"missing input {spec.name!r}; the model needs {', '.join(self.input_names)}")
+
+
+@dataclass(frozen=True)
+class _Repeat:
+    """A call's shape signature and its feeds as checked: (name, flat index, shape, dtype)."""
+
+    signature: ShapeSignature
+    feeds: list[tuple[str, int, tuple[int, ...], np.dtype[Any]]]
 
 
 def _other_feed_key(value: Any) -> tuple[tuple[int, ...], Any]:

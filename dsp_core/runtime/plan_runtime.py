@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -111,6 +112,7 @@ class PlanRuntime:
         self.capture_failures = 0  # captures (or warm-ups) that raised CaptureFailed
         self.splits = 0  # units cut into islands and gaps after such a failure
         self._last_index = -1  # the highest unit index handed out by a split
+        self._steady: _Steady | None = None  # the steady-state replay program (see _steady_step)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -152,6 +154,8 @@ class PlanRuntime:
             self.executions += 1
             if diag.ON:
                 diag.emit(Category.EXECUTE, Level.DETAILED, "step", self.phase.name, self.executions, self.diag_id)
+            if self._steady is not None and not diag.ON:
+                return self._steady_step(feeds)
             if self.phase is PlanPhase.SLOT_BY_SLOT:
                 if not self._should_freeze():
                     return self.executor.run(feeds)
@@ -326,6 +330,47 @@ class PlanRuntime:
         owned = self._owned_flats
         return [_owned(values[i]) if i in owned else values[i] for i in self.executor.output_flat]
 
+    # -- the steady state: a short path for the common replay ------------------------------
+    # Once the plan is REPLAYING and a step was clean, with every unit an island replaying
+    # its recording, every feed a staged placeholder (no variable: nothing whose address can
+    # drift) and diagnostics off, a step needs only: copy the feeds into their staging
+    # buffers, check the constants' identity, replay each unit, copy the outputs out. The
+    # identity keys cannot drift there (every input a unit reads is a staging buffer or a
+    # buffer another unit owns), so they are not recomputed; anything unusual (a replay
+    # that is not OK, a raise, an injected staging fault) leaves this path for good and
+    # runs the step again on the full one, which handles it. Measured per call on the
+    # 3-node MLP: benchmarks/cpu_race.py, docs/cpu-backends.md.
+    def _steady_step(self, feeds: list[tuple[int, Any]]) -> list[Any]:
+        steady = self._steady
+        assert steady is not None and self.template is not None
+        if os.environ.get("DSP_STAGING_FAULT"):
+            self._steady = None
+            return self._frozen_step(feeds)
+        values = self.template.copy()
+        for (flat, array), buf in zip(feeds, steady.buffers):
+            buf[...] = array
+            values[flat] = buf
+        self.staging.copies += len(steady.buffers)
+        constants = self.plan.constants
+        for k, ident in steady.constant_ids:
+            if id(constants.get(k)) != ident:
+                self._steady = None
+                return self._frozen_step(feeds)  # raises, naming the constant
+        unit: Unit | None = None
+        try:
+            for unit in self.units:
+                if unit.compiled.replay(values) is not ReplayStatus.OK:
+                    self._steady = None
+                    return self._frozen_step(feeds)
+                unit.counters.replays += 1
+        except (KeyboardInterrupt, LifecycleError):
+            raise
+        except BaseException as exc:  # noqa: BLE001  (as in _frozen_step: the reference takes the unit)
+            self._fail_unit(unit, exc)
+            return self._frozen_step(feeds)
+        # replay buffers: the caller gets copies
+        return [v.copy() if (v := values[i]).__class__ is np.ndarray else _owned(v) for i in self.executor.output_flat]
+
     @property
     def _has_islands(self) -> bool:
         return any(u.kind is UnitKind.ISLAND for u in self.units)
@@ -380,6 +425,7 @@ class PlanRuntime:
             stage = unit.phase.name.lower() if unit is not None else "step"
             raise_fault(name, f"a step ({stage})", seg, exc, self.executor.partition.strict)
         assert unit is not None
+        self._steady = None
         stage, failed = unit.phase.name.lower(), unit.backend.name
         reason = f"{failed} failed while {stage}: {describe(exc)}"
         ref = self.executor.partition.reference
@@ -474,6 +520,7 @@ class PlanRuntime:
         Runs within the step: every piece is warmed (or, a gap, run) in plan order, so
         ``values`` ends with the unit's outputs as an eager run would leave them.
         """
+        self._steady = None  # the units change
         backend, plan = unit.backend, self.plan
         inside = set(unit.segment.slots)
         # Gap outputs read by the rest of the unit go through stable buffers (bridges) as soon
@@ -556,6 +603,7 @@ class PlanRuntime:
         return clean
 
     def _recapture(self, unit: Unit, values: list[Any], reason: str) -> bool:
+        self._steady = None
         unit.machine.demote(S.NEEDS_WARMUP, reason, self.executions)
         unit.counters.recaptures += 1
         self._diag(Category.GRAPH_REPLAY, "recapture", unit, reason, unit.counters.recaptures)
@@ -645,6 +693,8 @@ class PlanRuntime:
                 self.machine.move(
                     PlanPhase.REPLAYING, "every island replayed twice with stable addresses", self.executions
                 )
+        elif self.phase is PlanPhase.REPLAYING and clean and self._steady is None:
+            self._steady = _Steady.of(self)
         recent = [e for e in self.recent_recaptures if e > self.executions - RECAPTURE_WINDOW]
         if len(recent) >= RECAPTURE_FLAG and "recapturing every step" not in self.flags:
             self.flags.append("recapturing every step")
@@ -699,6 +749,7 @@ class PlanRuntime:
         with self.lock:
             if self.phase is PlanPhase.SLOT_BY_SLOT:
                 return
+            self._steady = None
             for unit in self.units:
                 release_quietly(unit.compiled)
             self.units = []
@@ -715,6 +766,7 @@ class PlanRuntime:
 
     def release(self) -> None:
         """Free every unit's buffers and recordings, the staging buffers and bridges (the plan left the cache)."""
+        self._steady = None
         for unit in self.units:
             release_quietly(unit.compiled)
         self.staging.invalidate()
@@ -749,3 +801,27 @@ def _owned(value: Any) -> Any:
         return [_owned(v) for v in value]
     copy = getattr(value, "copy", None)
     return copy() if callable(copy) else value
+
+
+class _Steady:
+    """What ``PlanRuntime._steady_step`` needs, computed once when the plan settles into replaying."""
+
+    def __init__(self, buffers: list[Any], constant_ids: list[tuple[int, int]]) -> None:
+        self.buffers = buffers  # the staging buffer of each feed, in feed order
+        self.constant_ids = constant_ids  # (external index, id of its array at freeze)
+
+    @classmethod
+    def of(cls, runtime: PlanRuntime) -> _Steady | None:
+        """The steady program of ``runtime``, or None when its steps need the full path."""
+        units = runtime.units
+        if not units or any(u.kind is not UnitKind.ISLAND or u.phase is not S.REPLAYING or u.unchecked for u in units):
+            return None
+        staged = runtime._staged_flats
+        flats = [flat for flat, _, _ in runtime.feed_shapes]
+        if any(f not in staged or f in runtime.staging.placement for f in flats):
+            return None  # a variable (read in place), or a feed a device backend stages
+        buffers = [runtime.staging.buffers.get(f) for f in flats]
+        if any(not isinstance(b, np.ndarray) for b in buffers):
+            return None
+        assert runtime.snapshot is not None
+        return cls(buffers, list(runtime.snapshot.ids.items()))

@@ -81,9 +81,9 @@ class OnnxRuntimeSegment(WholeSegment):
         for name, b in zip(self._out_names, outputs):
             binding.bind_output(name, "cpu", 0, b.dtype, list(b.shape), b.ctypes.data)
         run = compiled._sess.run_with_iobinding  # the C++ call itself: no Python wrapper per replay
-        options = None
+        bound = binding._iobinding
 
         def replay() -> None:
-            run(binding._iobinding, options)
+            run(bound, None)
 
         return replay

