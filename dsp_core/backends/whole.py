@@ -36,7 +36,7 @@ from dsp_core.ir import dtypes
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.plan import Plan, Segment
-from dsp_core.plan.subgraph import SubgraphIO, segment_model, serialized
+from dsp_core.plan.subgraph import SubgraphIO, c_order, segment_model, serialized
 
 # (shape, dtype) of each input: which compiled model a call uses.
 ShapeKey = tuple[tuple[tuple[int, ...], str], ...]
@@ -116,7 +116,7 @@ class WholeSegment(CompiledSegment):
     def run(self, values: list[Any]) -> None:
         """One eager call on the arrays in ``values``."""
         compiled = self.compiled_for(values)
-        outs = self._infer(compiled, [np.ascontiguousarray(values[i]) for i in self._inputs])
+        outs = self._infer(compiled, [c_order(values[i]) for i in self._inputs])
         for flat, out in zip(self._outputs, outs):
             values[flat] = out
 

@@ -50,7 +50,7 @@ def segment_model(
     nodes = [_node(plan, s) for s in slots]
     graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
     graph_outputs = [_value_info(name_of(f), *_out_info(plan, f)) for f in io.outputs]
-    inits = [numpy_helper.from_array(np.ascontiguousarray(a), name_of(f)) for f, a in constants.items()]
+    inits = [numpy_helper.from_array(c_order(a), name_of(f)) for f, a in constants.items()]
     graph = helper.make_graph(nodes, f"dsp_segment_{len(slots)}", graph_inputs, graph_outputs, inits)
     opsets: dict[str, int] = {}
     for s in slots:
@@ -103,9 +103,15 @@ def _out_info(plan: Plan, flat: int) -> tuple[str | None, None]:
     return plan.ref_info(ref)[0], None
 
 
+def c_order(array: Any) -> np.ndarray:
+    """``array`` as a C-contiguous ndarray of the same shape (np.ascontiguousarray makes a 0-d array 1-d)."""
+    array = np.asarray(array)
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
 def serialized(model: onnx.ModelProto) -> bytes:
     """The model's bytes (what ``Core.read_model`` and ``InferenceSession`` read)."""
     return model.SerializeToString()
 
 
-__all__ = ["SubgraphIO", "name_of", "segment_model", "serialized"]
+__all__ = ["SubgraphIO", "c_order", "name_of", "segment_model", "serialized"]
