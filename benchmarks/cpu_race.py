@@ -11,8 +11,9 @@ their thread settings once).
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
 
 Writes benchmarks/results/cpu_race.json (versions, machine, date) and prints the table.
-GPT-2 124M decode needs torch and transformers to export it (scripts/make_fixtures.py's
-recipe); without them that row says so.
+GPT-2 124M decode (GenerationPipeline vs an ONNX Runtime loop feeding the past each
+step) runs with ``--gpt2-124m PATH``, a model exported by benchmarks/export_gpt2_124m.py
+(torch and transformers, in the fixture venv).
 """
 
 from __future__ import annotations
@@ -204,6 +205,67 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
     return rows
 
 
+# -- GPT-2 124M greedy decode: GenerationPipeline vs an ONNX Runtime loop ----------------------
+DECODE_TOKENS = 128
+DECODE_PROMPT = 16
+
+
+def _ort_decode_tokens_per_s(path: Path, prompt: np.ndarray, threads: int, tokens: int) -> tuple[float, list[int]]:
+    """lateSteady tokens/s of a greedy loop feeding each step's presents back as the past."""
+    sess = _ort_session(path, threads)
+    names = [o.name for o in sess.get_outputs()]
+    past_names = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    heads, head_dim = shapes[past_names[0]][1], shapes[past_names[0]][3]
+    past = {n: np.zeros((1, heads, 0, head_dim), np.float32) for n in past_names}
+    ids, out, steps = prompt[None, :], [], []
+    total = ids.shape[1]
+    for _ in range(tokens):
+        seq = ids.shape[1]
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones((1, total), np.int64),
+            "position_ids": np.arange(total - seq, total, dtype=np.int64)[None, :],
+            **past,
+        }
+        start = time.perf_counter()
+        results = dict(zip(names, sess.run(names, feeds)))
+        token = int(np.argmax(results["logits"][0, -1]))
+        steps.append(time.perf_counter() - start)
+        out.append(token)
+        past = {n: results[n.replace("past_key_values", "present")] for n in past_names}
+        ids = np.array([[token]], np.int64)
+        total += 1
+    late = steps[20:]
+    return len(late) / sum(late), out
+
+
+def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS) -> dict[str, Any]:
+    """GenerationPipeline (AUTO) vs the ONNX Runtime loop on ``path``: lateSteady tokens/s and token agreement."""
+    from dsp_core.llm import GenerationPipeline
+
+    prompt = np.random.default_rng(0).integers(0, 50000, DECODE_PROMPT).astype(np.int64)
+    ort_rate, ort_tokens = _ort_decode_tokens_per_s(path, prompt, threads, tokens)
+    pipe = GenerationPipeline(path, max_length=DECODE_PROMPT + tokens + 8)
+    pipe.generate(prompt, 24)  # warm-up: plans, freeze, trials, capture
+    pipe.reset_position()
+    result = pipe.generate(prompt, tokens)
+    dsp_tokens = result.token_list()[0][-tokens:] if result.token_list() else []
+    rates = result.metrics.rates
+    dsp_rate = rates.get("lateSteady") or result.metrics.effective[1] or 0.0
+    agree = sum(a == b for a, b in zip(dsp_tokens, ort_tokens)) / max(len(ort_tokens), 1)
+    return {
+        "model": "gpt2_124m_decode",
+        "title": f"GPT-2 124M greedy decode, {tokens} tokens (lateSteady tok/s)",
+        "threads": threads,
+        "dsp_tokens_per_s": round(dsp_rate, 2),
+        "ort_loop_tokens_per_s": round(ort_rate, 2),
+        "ratio": round(dsp_rate / ort_rate, 3) if ort_rate else None,
+        "token_agreement": round(agree, 3),
+        "dsp_backends": pipe.decode_model.resolved_backends(),
+    }
+
+
 def versions() -> dict[str, str]:
     """Versions of what races."""
     found = {}
@@ -217,16 +279,27 @@ def versions() -> dict[str, str]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the README."""
-    head = "| model | batch | threads | DSP AUTO | ratio | AUTO ran on | ORT run | ORT iobinding | OpenVINO | DSP slot_by_slot |"
+    head = (
+        "| model | batch | threads | DSP AUTO | ratio | AUTO ran on | ORT run | ORT iobinding | OpenVINO "
+        "| DSP slot_by_slot |"
+    )
     lines = [head, "|" + "---|" * 10]
     for r in rows:
+        if r["model"] == "gpt2_124m_decode":
+            lines.append(
+                f"| {r['title']} | 1 | {r['threads']} | {r['dsp_tokens_per_s']} tok/s | {r['ratio']}x (of tok/s) | "
+                f"{'+'.join(r['dsp_backends'])} | {r['ort_loop_tokens_per_s']} tok/s (loop) | | | |"
+            )
+            continue
         if "error" in r:
             lines.append(f"| {r['title']} | {r['batch']} | {r['threads']} | {r['error']} |||||||")
             continue
         auto = r["dsp_auto"]
 
         def us(entry: dict[str, Any]) -> str:
-            return "error" if "us" not in entry else (f"{entry['us'] / 1000:.2f} ms" if entry["us"] >= 1000 else f"{entry['us']:.1f} µs")
+            if "us" not in entry:
+                return "error"
+            return f"{entry['us'] / 1000:.2f} ms" if entry["us"] >= 1000 else f"{entry['us']:.1f} µs"
 
         lines.append(
             f"| {r['title']} | {r['batch']} | {r['threads']} | {us(auto)} | {auto.get('ratio', '-')}x | "
@@ -240,14 +313,24 @@ def main(argv: list[str] | None = None) -> int:
     """Run the race (each thread count in a child process) and write the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--only", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--only", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--runs", type=int, default=30, help="timed runs per figure (fewer for slow ones)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_race.json"))
+    parser.add_argument(
+        "--gpt2-124m",
+        type=Path,
+        default=None,
+        help="the exported GPT-2 124M (.fixture-venv/bin/python benchmarks/export_gpt2_124m.py) for the decode race",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("ROWS=" + json.dumps(run_one(args.threads[0], args.only, args.batches, args.runs)))
+        rows = run_one(args.threads[0], args.only, args.batches, args.runs) if args.only else []
+        if args.gpt2_124m is not None:
+            rows.append(decode_race(args.gpt2_124m, args.threads[0]))
+            print(json.dumps(rows[-1]), flush=True)
+        print("ROWS=" + json.dumps(rows))
         return 0
     rows: list[dict[str, Any]] = []
     for threads in args.threads:
@@ -262,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("DSP_AUTO_EXCLUDE", None)
         cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--runs", str(args.runs)]
         cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
+        if args.gpt2_124m is not None:
+            cmd += ["--gpt2-124m", str(args.gpt2_124m)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stderr.write(done.stderr[-3000:])
         line = next((x for x in done.stdout.splitlines() if x.startswith("ROWS=")), None)
@@ -269,10 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             print(done.stdout[-3000:])
             return 1
         rows += json.loads(line[5:])
-    notes = [
-        "GPT-2 124M decode: not run here: exporting it needs torch and transformers (scripts/make_fixtures.py's "
-        "recipe), which this machine's venv does not have.",
-    ]
+    notes = []
+    if args.gpt2_124m is None:
+        notes.append("GPT-2 124M decode not run: export it with benchmarks/export_gpt2_124m.py, pass --gpt2-124m")
     write_results(args.out, machine_meta(versions=versions(), notes=notes), rows)
     print(table(rows))
     return 0

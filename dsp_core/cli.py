@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     expl.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
-    _add_runs(expl, 0, "then show the frozen plan's islands and gaps (with each gap's reason)")
+    _add_runs(expl, 0, "then show the frozen plan's islands and gaps (each gap's reason) and the auction's timed trials")
     expl.set_defaults(func=cmd_plan_explain)
     fuse = plan.add_parser("fuse", help="fusion groups: each group's template and slots, kernels vs slots per step")
     fuse.add_argument("model")
@@ -751,6 +751,9 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
         )
         for d in seg["declines"]:
             print(f"    slot {d['slot']} {d['op']}: {d['backend']} declined ({d['reason']}: {d['detail']})")
+        for t in seg.get("trials", []):  # the measured auction (at freeze): best time of each contender
+            times = ", ".join(f"{name} {us:.1f} us" for name, us in t["times_us"].items())
+            print(f"    trial ({t['source']}) for feeds {t['feeds']}: {times} -> {t['winner']}")
         fusion = seg.get("fusion")
         if fusion:  # the winner's fusion policy grouped the segment
             print(f"    fusion ({fusion['policy']}): {fusion['slots']} slots -> {fusion['kernels']} kernels")

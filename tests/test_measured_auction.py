@@ -123,3 +123,16 @@ def test_a_plan_split_across_openvino_onnxruntime_and_the_reference_gives_its_ou
     runtime = model.last_live.runtime  # type: ignore[union-attr]
     assert runtime.phase.name == "REPLAYING"
     assert {u.backend.name for u in runtime.units} == {"openvino", "onnxruntime", "slot_by_slot"}
+
+
+def test_dsp_plan_explain_shows_the_timings(tmp_path: Path) -> None:
+    from conftest import run_cli, write_tiny_mlp
+
+    path = write_tiny_mlp(tmp_path / "tiny.onnx")
+    env = {"DSP_AUTO_EXCLUDE": "", "DSP_CACHE_DIR": str(tmp_path / "cache")}
+    done = run_cli("plan", "explain", str(path), "--runs", "4", "--dim", "n=2", env=env)
+    assert done.returncode == 0, done.stderr
+    trial = next(line for line in done.stdout.splitlines() if "trial (measured)" in line)
+    assert "openvino" in trial and "onnxruntime" in trial and " us" in trial and "->" in trial
+    without_runs = run_cli("plan", "explain", str(path), env=env)  # compiled only: no freeze, no trial
+    assert "trial" not in without_runs.stdout

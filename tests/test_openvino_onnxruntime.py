@@ -113,13 +113,15 @@ def test_onnxruntime_keeps_its_optimized_model_under_dsps_cache(cpu_runtimes: No
     files = sorted(folder.glob("*.onnx"))
     assert files, "no optimized model file"
     again = dsp.compile(mlp_graph, mode="onnxruntime")  # a new session loads the optimized file
-    np.testing.assert_array_equal(again.run({"x": np.ones((2, 8), np.float32)})["y"], model.run({"x": np.ones((2, 8), np.float32)})["y"])
+    x = np.ones((2, 8), np.float32)
+    np.testing.assert_array_equal(again.run({"x": x})["y"], model.run({"x": x})["y"])
 
 
 def _fixture_feeds(name: str, step: int) -> dict[str, np.ndarray]:
     golden = np.load(FIXTURES / f"{name}.golden.npz")
     prefix = f"step{step}."
-    return {k[len(prefix) :]: golden[k] for k in golden.files if k.startswith(prefix) and not k[len(prefix) :].startswith(("logits", "present"))}
+    feeds = {k[len(prefix) :]: golden[k] for k in golden.files if k.startswith(prefix)}
+    return {k: v for k, v in feeds.items() if not k.startswith(("logits", "present"))}
 
 
 def _through_auto(path: Path, feeds_per_run: list[dict[str, np.ndarray]]) -> None:
@@ -163,3 +165,35 @@ def test_auto_lists_both_when_nothing_leaves_them_out(tmp_path: Path) -> None:
     )
     table = json.loads(done.stdout)
     assert {"openvino", "onnxruntime"} <= set(table["auto"]), table["auto"]
+
+
+def _light_graph() -> dsp.Graph:
+    g = dsp.GraphBuilder("light")
+    x = g.placeholder("x", "float32", [2, 3])
+    g.output(g.Relu(g.Neg(x)), "y")
+    return g.build()
+
+
+def test_openvino_declines_a_short_light_segment_under_auto_but_not_when_named(
+    cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "onnxruntime")
+    auto = dsp.compile(_light_graph())
+    declines = [d for s in auto.explain()["segments"] for d in s["declines"] if d["backend"] == "openvino"]
+    assert auto.resolved_backends() == ["slot_by_slot"]
+    assert declines and all("call overhead" in d["detail"] for d in declines), declines
+    named = dsp.compile(_light_graph(), mode="openvino")
+    assert named.resolved_backends() == ["openvino"]
+    x = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
+    np.testing.assert_array_equal(named.run({"x": x})["y"], np.maximum(-x, 0))
+
+
+def test_an_op_a_runtime_lacks_is_declined_with_the_reason(cpu_runtimes: None) -> None:
+    g = dsp.GraphBuilder("det")
+    x = g.placeholder("x", "float32", [3, 3])
+    g.output(g.Det(x), "d")
+    model = dsp.compile(g.build(), mode="openvino")  # the reference takes what it declines
+    (decline,) = [d for s in model.explain()["segments"] for d in s["declines"] if d["op"] == "Det"]
+    assert decline["reason"] == "unsupported_op" and "no conversion rule for Det" in decline["detail"]
+    a = np.eye(3, dtype=np.float32) * 2
+    np.testing.assert_allclose(model.run({"x": a})["d"], 8.0, rtol=1e-6)

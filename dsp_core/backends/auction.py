@@ -18,6 +18,7 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -546,6 +547,7 @@ def _time_segment(
 def _best_time(backend: Backend, compiled: CompiledSegment, values: list[Any], runs: int) -> float:
     """The best of ``runs`` timed steady-state runs: replays for a capturing backend, eager runs otherwise."""
     best = math.inf
+    step: Callable[[], Any]
     if backend.captures:
         compiled.warm(list(values))
         mine = list(values)

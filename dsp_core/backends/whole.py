@@ -30,7 +30,15 @@ from typing import Any
 import numpy as np
 
 from dsp_core import config
-from dsp_core.backends.base import Backend, CaptureFailed, CompiledSegment, Decline, DeclineReason, ReplayStatus, SlotView
+from dsp_core.backends.base import (
+    Backend,
+    CaptureFailed,
+    CompiledSegment,
+    Decline,
+    DeclineReason,
+    ReplayStatus,
+    SlotView,
+)
 from dsp_core.cache.disk import default_cache_dir
 from dsp_core.ir import dtypes
 from dsp_core.ops.registry import Trait
@@ -180,9 +188,10 @@ class WholeSegment(CompiledSegment):
 
 # -- what every whole-segment backend declines, and where its runtime caches -----------
 # Slots with these traits end a segment or cannot be replayed from bound buffers (their
-# output size is known only after they run, they run subgraphs, or draw random numbers):
-# the reference runs them.
-NOT_WHOLE = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW | Trait.RANDOM
+# output size is known only after they run, they run subgraphs, draw random numbers, or
+# write an input in place, which a runtime computing new tensors cannot): the reference
+# runs them.
+NOT_WHOLE = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW | Trait.RANDOM | Trait.MUTATES_INPUT
 
 
 def common_decline(backend: Backend, slot: SlotView, domains: frozenset[str] = frozenset({""})) -> Decline | None:

@@ -303,7 +303,8 @@ class CompiledModel:
         finally:
             self.cache.release(live)
         if names == self._default_outputs and all(a.__class__ is np.ndarray for a in staged):
-            self._repeat = _Repeat(live.signature, [(s.name, s.flat, a.shape, a.dtype) for s, a in zip(self._feeds, staged)])
+            checked = [(s.name, s.flat, a.shape, a.dtype) for s, a in zip(self._feeds, staged)]
+            self._repeat = _Repeat(live.signature, checked)
         return {name: _as_output(r, self.outputs_on_device) for name, r in zip(names, results)}
 
     # -- the repeat path: DSP's own per-call overhead --------------------------------------

@@ -3,18 +3,17 @@
 openvino is imported by the availability probe, not at import time: without it the
 backend still registers and lists as unavailable, with the reason.
 
-Capability has two parts: DSP's own table (dtypes OpenVINO's CPU plugin computes
-exactly; traits a bound-buffer replay cannot hold) and OpenVINO's answer for the op
-itself: a one-node ONNX model of the slot is read by OpenVINO's ONNX frontend and
-"no conversion rule" is a decline with that reason (remembered per op, domain, opset and
-dtypes). A segment's model, with static shapes, is then checked with ``Core.query_model``
-before it is compiled: a node the CPU plugin does not take fails that compile, and the
-reference runs the segment (the reason is kept in the plan's faults).
+Capability has two parts. DSP's own table: the dtypes OpenVINO's CPU plugin computes
+exactly, the traits a bound-buffer replay cannot hold, and the ONNX ops its frontend
+converts (``dsp_openvino.ops.CONVERTS``, written by scripts/openvino_op_table.py, which
+probes each op in a child process: a probe can crash the frontend, so none runs here).
+Then OpenVINO's own answer: a segment's model, with static shapes, is checked with
+``Core.query_model`` before it is compiled; a node the CPU plugin does not take fails
+that compile, and the reference runs the segment (the reason is kept in the plan's faults).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from dsp_core import config, hookimpl
@@ -31,6 +30,7 @@ from dsp_core.backends.base import (
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.backends.whole import common_decline
 from dsp_core.plan.plan import Plan, Segment
+from dsp_openvino.ops import CONVERTS
 
 # DSP's dtype table for this backend. Not float64: the CPU plugin computes it in float32;
 # not float16: it computes float16 graphs in float32 and rounds once, which differs from
@@ -108,8 +108,10 @@ class OpenVinoBackend(Backend):
         common = common_decline(self, slot)
         if common is not None:
             return common
-        detail = _frontend_decline(slot.op, slot.domain, slot.opset, slot.input_dtypes, slot.output_dtypes)
-        return Decline(DeclineReason.UNSUPPORTED_OP, detail) if detail else None
+        if slot.op not in CONVERTS:
+            detail = f"OpenVINO's ONNX frontend has no conversion rule for {slot.op}"
+            return Decline(DeclineReason.UNSUPPORTED_OP, detail)
+        return None
 
     def segment_decline(self, segment: Segment, plan: Plan) -> Decline | None:
         """Declines a short segment without a heavy op: the call overhead exceeds what it saves."""
@@ -126,39 +128,6 @@ class OpenVinoBackend(Backend):
         from dsp_openvino.segment import OpenVinoSegment
 
         return OpenVinoSegment(self, plan, segment)
-
-
-@functools.lru_cache(maxsize=4096)
-def _frontend_decline(
-    op: str, domain: str, opset: int, ins: tuple[str | None, ...], outs: tuple[str | None, ...]
-) -> str:
-    """Why OpenVINO's ONNX frontend cannot take a one-node model of the op ('' when it can)."""
-    import onnx
-    from onnx import helper
-
-    from dsp_core.ir import dtypes
-
-    def info(name: str, d: str | None) -> Any:
-        return helper.make_tensor_value_info(name, dtypes.to_onnx(d) if d else onnx.TensorProto.FLOAT, None)
-
-    names = [f"i{k}" if d is not None else "" for k, d in enumerate(ins)]
-    node = helper.make_node(op, names, [f"o{k}" for k in range(len(outs))], domain=domain or None)
-    graph = helper.make_graph(
-        [node],
-        "probe",
-        [info(n, d) for n, d in zip(names, ins) if n],
-        [info(f"o{k}", d) for k, d in enumerate(outs)],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(domain, opset or 17)])
-    model.ir_version = 10
-    try:
-        core().read_model(model.SerializeToString(), b"")
-    except Exception as exc:  # noqa: BLE001  (the frontend's verdict, as text)
-        if "No conversion rule found" in str(exc):
-            return f"OpenVINO's ONNX frontend has no conversion rule for {op}-{opset}"
-        # It knows the op but not this probe's unknown ranks: the segment's compile, with
-        # static shapes and Core.query_model, decides.
-    return ""
 
 
 @hookimpl
