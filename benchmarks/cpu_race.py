@@ -250,7 +250,7 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS) -> dict[s
     pipe.generate(prompt, 24)  # warm-up: plans, freeze, trials, capture
     pipe.reset_position()
     result = pipe.generate(prompt, tokens)
-    dsp_tokens = result.token_list()[0][-tokens:] if result.token_list() else []
+    dsp_tokens = result.token_list()[-tokens:]  # the generated tokens (the prompt is not in them)
     rates = result.metrics.rates
     dsp_rate = rates.get("lateSteady") or result.metrics.effective[1] or 0.0
     agree = sum(a == b for a, b in zip(dsp_tokens, ort_tokens)) / max(len(ort_tokens), 1)

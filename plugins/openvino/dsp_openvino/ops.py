@@ -1,7 +1,7 @@
-"""ONNX ops OpenVINO 2026.4.1's frontend converts (scripts/openvino_op_table.py writes this)."""
+"""ONNX ops the ONNX frontend of OpenVINO 2026.4.1 converts (scripts/openvino_op_table.py wrote this)."""
 
 # Ops whose one-node probe crashed the frontend are left out (the reference runs them):
-# Pad
+# none
 CONVERTS = frozenset(
     {
         "Abs",
@@ -111,6 +111,7 @@ CONVERTS = frozenset(
         "OneHot",
         "Or",
         "PRelu",
+        "Pad",
         "Pow",
         "QLinearConv",
         "QLinearMatMul",
