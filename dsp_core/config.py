@@ -123,6 +123,13 @@ OPTIONS: tuple[Option, ...] = (
         choices=("f32", "bf16"),
     ),
     Option(
+        "disable_plugins",
+        "DSP_DISABLE_PLUGINS",
+        "str",
+        "",
+        "Backend plugins discovery skips, as if not installed: a comma list of entry-point names (dsp backends list).",
+    ),
+    Option(
         "auto_exclude",
         "DSP_AUTO_EXCLUDE",
         "str",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,12 @@ def test_dynamic_output_size_and_control_flow_end_segments() -> None:
     assert segments == [[0, 1], [2, 4]]  # Relu NonZero | Cast Neg Identity
     x_val = np.array([1, -1, 2, 0, 3, -2], np.float32)
     np.testing.assert_array_equal(model.run({"x": x_val})["y"], -np.array([[0, 2, 4]], np.float32))
+
+
+def test_disabled_plugins_are_skipped_as_if_not_installed() -> None:
+    from conftest import run_cli
+
+    table = json.loads(run_cli("backends", "list", "--json", env={"DSP_DISABLE_PLUGINS": "openvino"}).stdout)
+    names = {r["name"] for r in table["backends"]}
+    assert "openvino" not in names and "onnxruntime" in names and "slot_by_slot" in names
+    assert table["failures"] == [] or all(f["entry_point"] != "openvino" for f in table["failures"])

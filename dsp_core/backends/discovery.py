@@ -72,6 +72,14 @@ class _GuardedManager(ExtensionManager):  # type: ignore[type-arg]
         return call_with_timeout(lambda: load(ep, *args, **kwargs), f"import of plugin {ep.name} ({ep.value})")
 
 
+def disabled_plugins() -> frozenset[str]:
+    """DSP_DISABLE_PLUGINS: entry-point names discovery skips (cpu_ref, the reference, never)."""
+    from dsp_core import config
+
+    raw = str(config.get("disable_plugins") or "")
+    return frozenset(n.strip() for n in raw.split(",") if n.strip()) - {"cpu_ref"}
+
+
 def _load() -> Registry:
     registry = Registry()
     known = {(ep.name, ep.value): ep.dist for ep in importlib.metadata.entry_points(group=NAMESPACE)}
@@ -88,7 +96,10 @@ def _load() -> Registry:
     )
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    disabled = disabled_plugins()
     for ext in sorted(manager.extensions, key=lambda e: e.name):
+        if ext.name in disabled:
+            continue  # DSP_DISABLE_PLUGINS: as if it were not installed
         dist, version = _dist_of(ext.entry_point, known)
         try:
             pm.register(ext.plugin, name=ext.name)
