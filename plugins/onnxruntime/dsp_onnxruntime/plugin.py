@@ -98,7 +98,7 @@ class OnnxRuntimeBackend(Backend):
 
 
 def _kernel_decline(slot: SlotView, opset: int) -> Decline | None:
-    """A decline unless the CPU provider registers a kernel for the op with every dtype of the slot."""
+    """A decline unless the CPU provider registers a kernel for the op, its opset and the slot's dtypes."""
     kernels = kernel_table().get((slot.op, slot.domain))
     if not kernels:
         return Decline(DeclineReason.UNSUPPORTED_OP, f"ONNX Runtime's CPU provider has no {slot.op} kernel")
@@ -111,9 +111,13 @@ def _kernel_decline(slot: SlotView, opset: int) -> Decline | None:
     types: set[str] = set()
     for _, _, ts in kernels:
         types |= ts
-    bad = [d for d in slot.input_dtypes + slot.output_dtypes if d is not None and _ONNX_TYPE.get(d, d) not in types]
-    if bad and types:
-        return Decline(DeclineReason.UNSUPPORTED_DTYPE, f"ONNX Runtime's {slot.op} kernels do not take {bad[0]}")
+    # A kernel's type constraints list its type parameters only (Where's bool condition is
+    # fixed, not listed): the slot is declined when none of its dtypes is among them.
+    used = {_ONNX_TYPE.get(d, d) for d in slot.input_dtypes + slot.output_dtypes if d is not None}
+    if types and used and not used & types:
+        return Decline(
+            DeclineReason.UNSUPPORTED_DTYPE, f"ONNX Runtime's {slot.op} kernels do not take {', '.join(sorted(used))}"
+        )
     return None
 
 
