@@ -9,6 +9,7 @@ their thread settings once).
 
     python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
+    python benchmarks/cpu_race.py --overhead            # DSP's per-call overhead, plan cache hit
 
 Writes benchmarks/results/cpu_race.json (versions, machine, date) and prints the table.
 GPT-2 124M decode (GenerationPipeline vs an ONNX Runtime loop feeding the past each
@@ -19,6 +20,7 @@ step) runs with ``--gpt2-124m PATH``, a model exported by benchmarks/export_gpt2
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -266,6 +268,50 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS) -> dict[s
     }
 
 
+# -- DSP's own per-call overhead (the 3-node MLP, each CPU backend named) ------------------
+def overhead(rounds: int = 30, calls: int = 2000) -> dict[str, Any]:
+    """Per backend: its own bound call, a full `model.run` and the difference (best of ``rounds``); a cache hit."""
+    import dsp_core as dsp
+
+    path, feeds = _mlp(1)
+    found: dict[str, Any] = {}
+
+    def per_call(step: Callable[[], Any]) -> float:
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        return best
+
+    for mode in ("onnxruntime", "openvino"):
+        model = dsp.compile(path, mode=mode)
+        for _ in range(6):
+            model.run(feeds)
+        runtime = model.last_live.runtime  # type: ignore[union-attr]
+        (unit,) = runtime.units
+        bound = unit.compiled._bound  # the runtime's own call on pre-bound buffers
+        own, full = per_call(bound), per_call(functools.partial(model.run, feeds))
+        names = model._default_outputs
+        entry = model._prepare(names)
+        signature = model._signature(names, entry, model._stage(feeds))
+        cache = model.cache
+
+        def hit_once(cache: Any = cache, signature: Any = signature) -> None:
+            cache.release(cache.acquire(signature))
+
+        hit = per_call(hit_once)
+        found[mode] = {
+            "backend_call_us": round(own, 2),
+            "dsp_run_us": round(full, 2),
+            "dsp_overhead_us": round(full - own, 2),
+            "plan_cache_hit_us": round(hit, 2),
+        }
+        print(json.dumps({mode: found[mode]}), flush=True)
+    return found
+
+
 def versions() -> dict[str, str]:
     """Versions of what races."""
     found = {}
@@ -323,8 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the exported GPT-2 124M (.fixture-venv/bin/python benchmarks/export_gpt2_124m.py) for the decode race",
     )
+    parser.add_argument("--overhead", action="store_true", help="only DSP's per-call overhead on the 3-node MLP")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.overhead:
+        meta = machine_meta(versions=versions(), threads=1)
+        write_results(Path(args.out).with_name("cpu_overhead_race.json"), meta, overhead())
+        return 0
     if args.child:
         rows = run_one(args.threads[0], args.only, args.batches, args.runs) if args.only else []
         if args.gpt2_124m is not None:

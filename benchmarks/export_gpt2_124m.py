@@ -26,9 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 def build_gpt2_124m() -> torch.nn.Module:
     """GPT-2 small with seeded random weights."""
     torch.manual_seed(124)
-    cfg = GPT2Config(
-        n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, attn_implementation="eager"
-    )
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, attn_implementation="eager")
     return GPT2LMHeadModel(cfg).eval()
 
 
