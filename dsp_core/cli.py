@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     expl.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
-    _add_runs(expl, 0, "then show the frozen plan's islands and gaps (each gap's reason) and the auction's timed trials")
+    _add_runs(expl, 0, "then show the frozen plan's islands and gaps (with each gap's reason) and the timed trials")
     expl.set_defaults(func=cmd_plan_explain)
     fuse = plan.add_parser("fuse", help="fusion groups: each group's template and slots, kernels vs slots per step")
     fuse.add_argument("model")
