@@ -25,6 +25,9 @@ def session_options(threads: int) -> ort.SessionOptions:
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3  # errors only: DSP reports what matters
+    # Pool threads that spin after a call keep the cores busy while the next segment (on
+    # another runtime, or the reference) runs: with several threads they starve it.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if threads != 1 else "1")
     return opts
 
 
