@@ -477,6 +477,10 @@ def contenders(plan: Plan, result: Partition, k: int) -> list[Backend]:
     for backend in result.chain:
         if backend is result.reference or backend.name in faulty or not available(backend):
             continue  # the reference is the fallback, not a bidder
+        if backend.platform != "cpu":
+            # On a GPU the chain decides (TRITON runs everything CUDA_GRAPHS runs, plus fused
+            # kernels); timing captured GPU segments against each other at freeze is not built.
+            continue
         if not backend.contract.computes_values:
             continue
         if backend.name != seg.backend:
