@@ -133,8 +133,10 @@ OPTIONS: tuple[Option, ...] = (
         "auto_exclude",
         "DSP_AUTO_EXCLUDE",
         "str",
-        "",
-        "Backends AUTO leaves out, a comma list of names (openvino,onnxruntime); a mode named explicitly still runs.",
+        "openvino,onnxruntime",
+        "Backends AUTO leaves out, a comma list of names; a mode named explicitly still runs. Default: the native "
+        "CPU runtimes, which crash or disagree on malformed models (docs/cpu-backends.md); `none` lets AUTO use them "
+        "on models you trust.",
     ),
     Option(
         "auction_trials",

@@ -18,7 +18,7 @@ from dsp_core.backends.auction import TIE
 @pytest.fixture
 def cpu_runtimes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """AUTO with both CPU runtimes in it, and a disk cache of this test's own."""
-    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "")
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "none")
     monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path / "cache"))
 
 
@@ -129,7 +129,7 @@ def test_dsp_plan_explain_shows_the_timings(tmp_path: Path) -> None:
     from conftest import run_cli, write_tiny_mlp
 
     path = write_tiny_mlp(tmp_path / "tiny.onnx")
-    env = {"DSP_AUTO_EXCLUDE": "", "DSP_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"DSP_AUTO_EXCLUDE": "none", "DSP_CACHE_DIR": str(tmp_path / "cache")}
     done = run_cli("plan", "explain", str(path), "--runs", "4", "--dim", "n=2", env=env)
     assert done.returncode == 0, done.stderr
     trial = next(line for line in done.stdout.splitlines() if "trial (measured)" in line)

@@ -28,7 +28,7 @@ DECODERS = ("gpt2_eager", "gpt2_sdpa23", "gpt2_torchscript", "llama_eager", "lla
 @pytest.fixture
 def cpu_runtimes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """AUTO with both CPU runtimes in it, and a disk cache of this test's own."""
-    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "")
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "none")
     monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path / "cache"))
 
 
@@ -157,13 +157,14 @@ def test_the_external_data_mlp_through_auto_matches_the_reference(cpu_runtimes: 
     _through_auto(path, [{name: golden["x"]}] * 5)
 
 
-def test_auto_lists_both_when_nothing_leaves_them_out(tmp_path: Path) -> None:
-    """`dsp backends list` without DSP_AUTO_EXCLUDE puts both in AUTO's chain."""
+def test_auto_leaves_both_out_by_default_and_lists_them_when_let_in(tmp_path: Path) -> None:
+    """By default AUTO leaves the native runtimes out; DSP_AUTO_EXCLUDE=none lets them in."""
     env = {k: v for k, v in os.environ.items() if k != "DSP_AUTO_EXCLUDE"}
-    done = subprocess.run(
-        [sys.executable, "-m", "dsp_core.cli", "backends", "list", "--json"], capture_output=True, text=True, env=env
-    )
-    table = json.loads(done.stdout)
+    cmd = [sys.executable, "-m", "dsp_core.cli", "backends", "list", "--json"]
+    table = json.loads(subprocess.run(cmd, capture_output=True, text=True, env=env).stdout)
+    assert not {"openvino", "onnxruntime"} & set(table["auto"]), table["auto"]
+    let_in = {**env, "DSP_AUTO_EXCLUDE": "none"}
+    table = json.loads(subprocess.run(cmd, capture_output=True, text=True, env=let_in).stdout)
     assert {"openvino", "onnxruntime"} <= set(table["auto"]), table["auto"]
 
 

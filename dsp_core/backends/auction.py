@@ -181,6 +181,8 @@ def candidates(registry: Registry, mode: GraphExecutionMode, strict: bool = Fals
 def auto_excluded() -> frozenset[str]:
     """DSP_AUTO_EXCLUDE: names of backends AUTO leaves out (the reference is never left out)."""
     raw = str(config.get("auto_exclude") or "")
+    if raw.strip().lower() == "none":  # the default names the native CPU runtimes; "none" lets them in
+        return frozenset()
     return frozenset(n.strip() for n in raw.split(",") if n.strip()) - {"slot_by_slot"}
 
 
