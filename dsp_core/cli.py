@@ -182,7 +182,10 @@ def backends_table() -> dict[str, Any]:
         row["auto_position"] = auto.index(b.name) + 1 if b.name in auto else None
         rows.append(row)
     failures = [f.__dict__ for f in registry.failures]
-    return {"backends": rows, "auto": auto, "failures": failures, "notes": notes}
+    from dsp_core.backends.auction import auto_excluded
+
+    left_out = sorted(n for n in auto_excluded() if any(b.name == n for b in registry.backends))
+    return {"backends": rows, "auto": auto, "auto_excluded": left_out, "failures": failures, "notes": notes}
 
 
 def cmd_backends_list(args: argparse.Namespace) -> int:
@@ -198,6 +201,11 @@ def cmd_backends_list(args: argparse.Namespace) -> int:
         rows.append([r["name"], r["mode"], r["platform"], f"{r['distribution']} {r['version']}", avail, rank])
     _print_table(rows)
     print(f"\nAUTO resolves to: {' -> '.join(table['auto']) or '(nothing)'}")
+    if table["auto_excluded"]:
+        print(
+            f"left out of AUTO by DSP_AUTO_EXCLUDE: {', '.join(table['auto_excluded'])} "
+            "(named modes still run them; DSP_AUTO_EXCLUDE=none lets AUTO use them: docs/cpu-backends.md)"
+        )
     for f in table["failures"]:
         print(f"failed plugin {f['entry_point']} ({f['distribution']}, at {f['stage']}): {f['error']}")
     return 0

@@ -198,3 +198,11 @@ def test_an_op_a_runtime_lacks_is_declined_with_the_reason(cpu_runtimes: None) -
     assert decline["reason"] == "unsupported_op" and "no conversion rule for Det" in decline["detail"]
     a = np.eye(3, dtype=np.float32) * 2
     np.testing.assert_allclose(model.run({"x": a})["d"], 8.0, rtol=1e-6)
+
+
+def test_backends_list_says_what_auto_leaves_out() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DSP_AUTO_EXCLUDE"}
+    out = subprocess.run(
+        [sys.executable, "-m", "dsp_core.cli", "backends", "list"], capture_output=True, text=True, env=env
+    ).stdout
+    assert "left out of AUTO by DSP_AUTO_EXCLUDE: onnxruntime, openvino" in out
