@@ -35,6 +35,15 @@ class ShapeSignature:
     mode: str
     plan_hash: str
     thread: int | None = None  # set only where a backend's executors are thread-local
+    # computed once: a replay looks its plan up every call (never persisted: str hashes are per process)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        key = (self.outputs, self.feed_names, self.feeds, self.mode, self.plan_hash, self.thread)
+        object.__setattr__(self, "_hash", hash(key))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def differences(self, other: ShapeSignature) -> list[str]:
         """Human-readable differences from ``other`` ('placeholder x: shape (1, 7) vs cached (1, 1)')."""

@@ -70,6 +70,12 @@ from dsp_core.runtime.units import (
 if TYPE_CHECKING:
     from dsp_core.runtime.model import Executor
 
+# DSP_STAGING_FAULT (a test switch, dsp_core.runtime.staging) is checked on every steady
+# step; os.environ's own dict (bytes keys on POSIX) answers without encoding the key.
+_RAW_ENV = hasattr(os.environ, "_data") and hasattr(os.environ, "encodekey")
+_ENVIRON: Any = os.environ._data if _RAW_ENV else os.environ  # type: ignore[attr-defined]
+_STAGING_FAULT: Any = os.environ.encodekey("DSP_STAGING_FAULT") if _RAW_ENV else "DSP_STAGING_FAULT"  # type: ignore[attr-defined]
+
 log = logging.getLogger("dsp.runtime")
 S = SegmentPhase
 
@@ -343,7 +349,7 @@ class PlanRuntime:
     def _steady_step(self, feeds: list[tuple[int, Any]]) -> list[Any]:
         steady = self._steady
         assert steady is not None and self.template is not None
-        if os.environ.get("DSP_STAGING_FAULT"):
+        if _STAGING_FAULT in _ENVIRON:  # the test switch, looked up without os.environ's key encoding
             self._steady = None
             return self._frozen_step(feeds)
         values = self.template.copy()
