@@ -63,7 +63,7 @@ class ShapeSignature:
             if a[1] != b[1]:
                 out.append(f"placeholder {name}: dtype {a[1]} vs cached {b[1]}")
         for f in fields(self):
-            if f.name not in ("feeds", "feed_names") and getattr(self, f.name) != getattr(other, f.name):
+            if f.compare and f.name not in ("feeds", "feed_names") and getattr(self, f.name) != getattr(other, f.name):
                 out.append(f"{f.name}: {getattr(self, f.name)!r} vs cached {getattr(other, f.name)!r}")
         return sorted(out)
 
