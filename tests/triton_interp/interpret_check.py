@@ -54,15 +54,16 @@ def plan_values(model: Any, feeds: dict[str, np.ndarray]) -> tuple[Any, Any, lis
 
 def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-3) -> list[GroupCheck]:
     import torch
+    from dsp_cuda_graphs.segment import tainted_flats
     from dsp_triton import codegen
     from dsp_triton.kernels import _mismatch
     from dsp_triton.plugin import TritonPolicy
-    from dsp_triton.segment import unfused_reason
+    from dsp_triton.segment import node_specs, unfused_reason
 
     from dsp_core.plan.fusion import propose_groups
 
     plan, part, values = plan_values(model, feeds)
-    tainted = _tainted(plan)
+    tainted = tainted_flats(plan)
     results: list[GroupCheck] = []
     tmp = Path(tempfile.mkdtemp(prefix="dsp-triton-interp-"))
     for seg in part.segments:
@@ -71,17 +72,7 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
             if unfused_reason(plan, g) is not None:
                 continue
             ops = [plan.slots[s].op for s in g.slots]
-            nodes = [
-                codegen.NodeSpec(
-                    op=plan.slots[s].op,
-                    inputs=tuple(plan.flat(r) if r is not None else None for r in plan.slots[s].inputs),
-                    outputs=tuple(plan.flat(v) if v is not None else None for v in plan.slots[s].outputs),
-                    attrs=dict(plan.slots[s].attrs),
-                    opset=plan.slots[s].opset,
-                    domain=plan.slots[s].domain,
-                )
-                for s in g.slots
-            ]
+            nodes = node_specs(plan, g.slots)
             produced = {o for n in nodes for o in n.outputs if o is not None}
             ins = [i for n in nodes for i in n.inputs if i is not None and i not in produced]
             specs: dict[int, codegen.TensorSpec] = {}
@@ -167,16 +158,3 @@ class _NumpyAsCupy:
     @staticmethod
     def asnumpy(x: Any) -> np.ndarray:
         return np.asarray(x)
-
-
-def _tainted(plan: Any) -> set[int]:
-    from dsp_core.ops.registry import Trait
-    from dsp_core.plan.plan import ExternalClass
-
-    tainted = {plan.external_ref(k) for k, e in enumerate(plan.externals) if e.cls is not ExternalClass.CONSTANT}
-    for slot in plan.slots:
-        if slot.traits & Trait.SHAPE_ONLY_OUTPUT:
-            continue
-        if slot.traits & Trait.RANDOM or any(r in tainted for r in slot.inputs if r is not None):
-            tainted.update(v for v in slot.outputs if v is not None)
-    return {plan.flat(r) for r in tainted}

@@ -12,6 +12,7 @@ capture and replay see one kernel per group.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,22 @@ MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generato
 VIEW_ON_CUPY = frozenset(
     {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
 )
+
+
+def node_specs(plan: Plan, slots: Sequence[int]) -> list[codegen.NodeSpec]:
+    """The generator's view of a group's slots, wired by flat value indexes."""
+    return [
+        codegen.NodeSpec(
+            op=plan.slots[s].op,
+            inputs=tuple(plan.flat(r) if r is not None else None for r in plan.slots[s].inputs),
+            outputs=tuple(plan.flat(v) if v is not None else None for v in plan.slots[s].outputs),
+            attrs=dict(plan.slots[s].attrs),
+            opset=plan.slots[s].opset,
+            domain=plan.slots[s].domain,
+            name=plan.slots[s].name,
+        )
+        for s in slots
+    ]
 
 
 def unfused_reason(plan: Plan, group: Any) -> str | None:
@@ -100,18 +117,7 @@ class TritonSegment(CudaGraphSegment):
                         ins.append(i)
             outs = tuple(plan.flat(v) for v in g.outputs)
             releases = tuple(dict.fromkeys(r for *_, rel in mine for r in rel if r not in outs))
-            nodes = [
-                codegen.NodeSpec(
-                    op=plan.slots[s].op,
-                    inputs=tuple(plan.flat(r) if r is not None else None for r in plan.slots[s].inputs),
-                    outputs=tuple(plan.flat(v) if v is not None else None for v in plan.slots[s].outputs),
-                    attrs=dict(plan.slots[s].attrs),
-                    opset=plan.slots[s].opset,
-                    domain=plan.slots[s].domain,
-                    name=plan.slots[s].name,
-                )
-                for s in g.slots
-            ]
+            nodes = node_specs(plan, g.slots)
             fg = FusedGroup(
                 report,
                 mine,
