@@ -45,6 +45,7 @@ from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.plan import Plan, Segment
 from dsp_core.plan.subgraph import SubgraphIO, c_order, segment_model, serialized
+from dsp_core.runtime.units import unit_io  # a segment's I/O is split as a capturing unit's is
 
 # (shape, dtype) of each input: which compiled model a call uses.
 ShapeKey = tuple[tuple[tuple[int, ...], str], ...]
@@ -58,24 +59,8 @@ def segment_io(plan: Plan, slots: tuple[int, ...]) -> tuple[SubgraphIO, tuple[in
     else the slots read from outside is a graph input; outputs are the values read by
     slots outside the segment, or requested by the caller.
     """
-    inside = set(slots)
-    produced = {v for s in slots for v in plan.slots[s].outputs if v is not None}
-    const_flat = {plan.flat(plan.external_ref(k)) for k in plan.constants}
-    sealed = sealed_slots(plan)
-    frozen_values = {v for s in sealed for v in plan.slots[s].outputs if v is not None}
-    inputs: list[int] = []
-    embedded: list[int] = []
-    for s in slots:
-        for r in plan.slots[s].inputs:
-            if r is None or (r >= 0 and r in produced):
-                continue
-            flat = plan.flat(r)
-            bucket = embedded if (flat in const_flat or (r >= 0 and r in frozen_values)) else inputs
-            if flat not in bucket:
-                bucket.append(flat)
-    readers = {r for i, slot in enumerate(plan.slots) if i not in inside for r in slot.inputs if r is not None}
-    outputs = [plan.flat(v) for v in sorted(produced) if v in readers or v in plan.outputs]
-    return SubgraphIO(tuple(inputs), tuple(outputs)), tuple(embedded)
+    inputs, outputs, embedded = unit_io(plan, slots, frozenset(sealed_slots(plan)))
+    return SubgraphIO(inputs, outputs), embedded
 
 
 class WholeSegment(CompiledSegment):
