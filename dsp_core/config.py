@@ -147,6 +147,14 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "triton_products",
+        "DSP_TRITON_PRODUCTS",
+        "bool",
+        True,
+        "dsp-triton runs products of at most 16 rows (decode projections, the LM head) as its own "
+        "skinny-product kernels with their epilogues fused; off: they run on cuBLAS.",
+    ),
+    Option(
         "cublas_tf32",
         "DSP_CUBLAS_TF32",
         "bool",

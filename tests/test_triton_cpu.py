@@ -97,7 +97,8 @@ def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: 
     triton = propose_groups(plan, slots, TritonPolicy())
     if name != "cnn":
         assert triton.kernels < len(slots) * 0.6, (triton.kernels, len(slots))
-        assert any(g.template == "row_reduction" and len(g.slots) > 1 for g in triton.groups)
+        # a norm or softmax with its prologue, or (GPT-2: the scale and mask) a product's epilogue
+        assert any(g.template in ("row_reduction", "product") and len(g.slots) > 1 for g in triton.groups)
 
 
 def test_policy_keeps_ops_it_cannot_generate_alone() -> None:
@@ -330,3 +331,95 @@ def test_an_empty_output_is_left_to_the_reference_kernels() -> None:
     )
     with pytest.raises(codegen.Unsupported, match="empty"):
         codegen.generate(spec)
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_every_product_body_and_config_matches_numpy_under_the_interpreter() -> None:
+    script = Path(__file__).parent / "triton_interp" / "product_check.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    bad = [r for r in results if r["status"] != "ok"]
+    assert not bad, bad[:3]
+    assert {r["body"] for r in results} == {"nk", "kn", "dot"}
+
+
+# -- the skinny-product template (T3): grouping and declines, pure Python -------------------
+def _product_spec(a: tuple[int, ...], b: tuple[int, ...], dtype: str = "float16", op: str = "MatMul", **attrs):
+    n = codegen.NodeSpec
+    out = (*a[:-1], b[-1]) if op == "MatMul" else (a[0], b[-1])
+    return _spec("product", [n(op, (1, 2), (3,), attrs)], {1: (a, dtype), 2: (b, dtype), 3: (out, dtype)}, [1, 2], [3])
+
+
+def test_product_shape_picks_the_body_from_rows_and_the_weight_layout() -> None:
+    assert codegen.product_shape(_product_spec((1, 1, 64), (64, 32))).body == "kn"
+    spec = _product_spec((1, 1, 64), (64, 32))
+    spec.values[2] = codegen.TensorSpec((64, 32), "float16", (1, 64))  # a [N, K] buffer seen as [K, N]
+    assert codegen.product_shape(spec).body == "nk"
+    assert codegen.product_shape(_product_spec((1, 7, 64), (64, 32))).body == "dot"
+    got = codegen.product_shape(_product_spec((2, 32, 1, 64), (2, 32, 64, 300)))
+    assert (got.batch, got.m, got.k, got.n) == ((2, 32), 1, 64, 300)
+
+
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        (lambda: _product_spec((1, 17, 64), (64, 32)), "17 rows"),
+        (lambda: _product_spec((1, 1, 64), (64, 1)), "one column"),
+        (lambda: _product_spec((1, 3, 64), (64, 8), dtype="float64"), "float64"),
+        (lambda: _product_spec((3, 1, 0), (0, 8)), "empty"),
+    ],
+)
+def test_products_the_template_does_not_take_say_why(spec, why: str) -> None:
+    with pytest.raises(codegen.Unsupported, match=why):
+        kernel = codegen.generate(spec())
+        print(kernel.source)
+
+
+def test_a_product_kernel_streams_k_in_a_loop_and_fuses_its_epilogue() -> None:
+    n = codegen.NodeSpec
+    spec = _spec(
+        "product",
+        [n("MatMul", (1, 2), (3,)), n("Add", (3, 4), (5,)), n("Relu", (5,), (6,))],
+        {
+            1: ((1, 1, 512), "float16"),
+            2: ((512, 256), "float16"),
+            3: ((1, 1, 256), "float16"),
+            4: ((256,), "float16"),
+            5: ((1, 1, 256), "float16"),
+            6: ((1, 1, 256), "float16"),
+        },
+        [1, 2, 4],
+        [6],
+    )
+    kernel = codegen.generate(spec)
+    assert kernel.template == "product" and kernel.name.startswith("dsp_mm_")
+    assert "for k0 in range(0, 512," in kernel.source and "tl.sum(" in kernel.source
+    assert kernel.source.count("tl.store(") == 1  # the product itself is never written: only the Relu
+    assert kernel.args == (1, 2, 4, 6) and kernel.grid[0] == 256 // kernel.block
+    configs = codegen.product_configs(codegen.product_shape(spec))
+    assert len(configs) >= 4 and all(codegen.generate(spec, config=c).source for c in configs)
+
+
+def test_the_policy_takes_decode_products_with_their_epilogues() -> None:
+    m = dsp.compile(FIXTURES / "llama_eager.onnx", mode="slot_by_slot")
+    z = np.load(FIXTURES / "llama_eager.golden.npz")
+    m.run({k: z["step1." + k] for k in m.input_names})
+    plan, part = m.plan(), m.partition()
+    groups = [g for seg in part.segments for g in propose_groups(plan, seg.slots, TritonPolicy()).groups]
+    products = [g for g in groups if g.template == "product"]
+    assert products and not [g for g in groups if g.template == "matmul"]
+    ops = [[plan.slots[s].op for s in g.slots] for g in products]
+    assert ["MatMul", "Sigmoid", "Mul"] in ops  # gate projection + SiLU
+    assert any(o[0] == "MatMul" and "Add" in o for o in ops)  # a projection + its residual
+
+
+def test_products_stay_on_cublas_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSP_TRITON_PRODUCTS", "0")
+    m = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
+    z = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    m.run({k: z["step1." + k] for k in m.input_names})
+    plan, part = m.plan(), m.partition()
+    templates = {g.template for seg in part.segments for g in propose_groups(plan, seg.slots, TritonPolicy()).groups}
+    assert "matmul" in templates and "product" not in templates

@@ -106,3 +106,52 @@ def test_a_group_that_disagrees_is_demoted_loudly(monkeypatch: pytest.MonkeyPatc
             _close(model.run(feeds), want, "demoted")
     demoted = [r for r in _reports(model) if r["status"] == "demoted"]
     assert demoted and "disagreed" in demoted[0]["reason"]
+
+
+# -- the skinny-product template (T3) ---------------------------------------------------------
+def _product_model(m: int, k: int, n: int, dtype: str, mode: str, residual: bool = True) -> dsp.CompiledModel:
+    rng = np.random.default_rng(m * 1000 + k + n)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", dtype, [1, "rows", k])  # rows decided per layout, as in a prefill
+    w = g.constant((rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype), name="w")
+    b = g.constant(rng.standard_normal((n,)).astype(dtype), name="b")
+    y = g.Relu(x @ w + b)
+    if residual:
+        r = g.placeholder("r", dtype, [1, "rows", n])
+        y = y + r
+    g.output(y, "y")
+    return dsp.compile(g.build(), mode=mode, strict=mode != "slot_by_slot")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("m, k, n", [(1, 200, 72), (1, 1000, 130), (5, 333, 70), (16, 64, 1030), (33, 200, 72)])
+def test_products_with_their_epilogue_match_the_reference(m: int, k: int, n: int, dtype: str) -> None:
+    """Rows 1..16: one kernel (product + bias + Relu + residual); 33 rows: cuBLAS, then the epilogue kernel."""
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal((1, m, k)).astype(dtype), "r": rng.standard_normal((1, m, n)).astype(dtype)}
+    want = _product_model(m, k, n, dtype, "slot_by_slot").run(feeds)
+    model = _product_model(m, k, n, dtype, "triton")
+    for i in range(6):
+        _close(model.run(feeds), want, f"product {m}x{k}x{n} {dtype} run {i}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    products = [r for r in _reports(model) if r["template"] == "product"]
+    assert len(products) == 1 and products[0]["status"] == "triton", products
+    if m > 16:
+        assert "cuBLAS" in products[0]["reason"]
+    else:
+        assert products[0]["kernel"].startswith("dsp_mm_") and not products[0]["reason"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_products_in_half_precision_for_every_row_count(dtype: str) -> None:
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        pytest.skip(f"numpy has no {dtype} here")
+    rng = np.random.default_rng(3)
+    for m in (1, 2, 7, 16):
+        feeds = {"x": rng.standard_normal((1, m, 300)).astype(dtype)}
+        want = _product_model(m, 300, 200, dtype, "slot_by_slot", residual=False).run(feeds)
+        model = _product_model(m, 300, 200, dtype, "triton", residual=False)
+        for i in range(4):
+            _close(model.run(feeds), want, f"{dtype} rows {m} run {i}")

@@ -153,19 +153,21 @@ def _row_major(shape: Sequence[int]) -> list[int]:
 class _Emitter:
     """Lines of the kernel body with common subexpressions named once."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str = "", indent: str = "    ") -> None:
         self.lines: list[str] = []
         self.names: dict[str, str] = {}
         self.lane_names: set[str] = set()
+        self.tag = tag  # names of a nested body (the product's K loop) stay apart from the outer ones
+        self.indent = indent
 
     def let(self, expr: str, lane: bool, prefix: str = "t") -> str:
         if expr.isidentifier() or _is_int(expr):
             return expr
         name = self.names.get(expr)
         if name is None:
-            name = f"{prefix}{len(self.names)}"
+            name = f"{prefix}{self.tag}{len(self.names)}"
             self.names[expr] = name
-            self.lines.append(f"    {name} = {expr}")
+            self.lines.append(f"{self.indent}{name} = {expr}")
             if lane:
                 self.lane_names.add(name)
         return name
@@ -192,6 +194,7 @@ class _Gen:
         self.row_idx: Idx | None = None
         self.scalars: dict[int, str] = {}  # row template: reduction outputs per program
         self.rowvals: dict[int, str] = {}  # row template: Softmax/LayerNorm outputs (lane vectors)
+        self.product: tuple[int, str, tuple[str, ...]] | None = None  # product template: (value, name, lane dims)
 
     # -- indexes -------------------------------------------------------------------------
     def unflatten(self, flat: str, shape: Sequence[int], lane: bool) -> Idx:
@@ -301,6 +304,10 @@ class _Gen:
     def _compute(self, v: int, idx: Idx) -> tuple[str, bool]:
         if v in self.scalars:
             return self._scalar_at(v, idx)
+        if self.product is not None and v == self.product[0]:
+            if idx.dims != self.product[2]:
+                raise Unsupported("the product's value read at another index than its own lane")
+            return self.product[1], True
         if v not in self.producer:
             raise Unsupported(f"value {v} is neither read nor computed by the group")
         node, k = self.producer[v]
@@ -728,17 +735,209 @@ SUPPORTED_OPS = (
 )
 
 
+# -- the skinny-product template (T3) ------------------------------------------------------
+PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
+MAX_PRODUCT_ROWS = 16  # products with more rows stay on cuBLAS (prefill)
+_DOT_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+
+
+@dataclass(frozen=True)
+class ProductShape:
+    """A product's sizes and how the template streams it.
+
+    ``body``: ``"nk"`` (one row, the weights read along K: each program reduces BLOCK_N
+    rows of K contiguous elements), ``"kn"`` (one row, weights read along N), ``"dot"``
+    (2..16 rows, ``tl.dot`` with the rows padded to 16).
+    """
+
+    batch: tuple[int, ...]
+    m: int
+    k: int
+    n: int
+    trans_a: bool
+    trans_b: bool
+    body: str
+
+
+def product_shape(spec: GroupSpec) -> ProductShape:
+    """The product of a ``product`` group (its first node), or Unsupported with the reason."""
+    node = spec.nodes[0] if spec.nodes else None
+    if node is None or node.op not in PRODUCT_OPS or node.domain not in ("", "ai.onnx"):
+        raise Unsupported("a product group must start with its MatMul or Gemm")
+    a, b = node.inputs[0], node.inputs[1]
+    if a is None or b is None or a not in spec.values or b not in spec.values:
+        raise Unsupported("a product without both operands")
+    A, B = spec.values[a], spec.values[b]
+    if A.dtype != B.dtype or A.dtype not in FLOATS:
+        raise Unsupported(f"a product of {A.dtype} and {B.dtype}")
+    if node.op == "Gemm":
+        if len(A.shape) != 2 or len(B.shape) != 2:
+            raise Unsupported("Gemm of other than matrices")
+        ta, tb = bool(node.attrs.get("transA", 0)), bool(node.attrs.get("transB", 0))
+        m, k = (A.shape[1], A.shape[0]) if ta else (A.shape[0], A.shape[1])
+        n = B.shape[0] if tb else B.shape[1]
+        batch: tuple[int, ...] = ()
+    else:
+        if len(A.shape) < 2 or len(B.shape) < 2:
+            raise Unsupported("a product of a vector (rank 1): left to cuBLAS")
+        ta = tb = False
+        m, k, n = A.shape[-2], A.shape[-1], B.shape[-1]
+        out = node.outputs[0]
+        if out is None or out not in spec.values:
+            raise Unsupported("a product whose output is unknown")
+        batch = tuple(spec.values[out].shape[:-2])
+    if m > MAX_PRODUCT_ROWS:
+        raise Unsupported(f"a product of {m} rows (the skinny template takes up to {MAX_PRODUCT_ROWS})")
+    if k == 0 or n == 0 or m == 0:
+        raise Unsupported("an empty product")
+    if n == 1:
+        raise Unsupported("a product of one column (a dot product): left to cuBLAS")
+    strides = B.strides if B.strides is not None else tuple(_row_major(B.shape))
+    k_stride = strides[-1] if tb else strides[-2]
+    if m > 1:
+        if A.dtype not in _DOT_DTYPES:
+            raise Unsupported(f"a product of {m} rows in {A.dtype} (tl.dot takes fp16, bf16, fp32)")
+        body = "dot"
+    else:
+        body = "nk" if k_stride == 1 and n > 1 else "kn"
+    return ProductShape(batch, m, k, n, ta, tb, body)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def product_configs(shape: ProductShape) -> list[dict[str, int]]:
+    """The block configs the tuner times for a product (the first is the untuned default)."""
+    k2, n2 = _pow2(shape.k), _pow2(shape.n)
+    if shape.body == "nk":
+        pairs = [(4, 256), (2, 256), (8, 256), (4, 512), (2, 512), (1, 512), (8, 128)]
+        pairs = [(min(bn, n2), min(bk, max(16, k2))) for bn, bk in pairs]
+    elif shape.body == "kn":
+        pairs = [(64, 64), (32, 64), (128, 32), (64, 32), (32, 128), (128, 64)]
+        pairs = [(min(bn, max(16, n2)), min(bk, max(16, k2))) for bn, bk in pairs]
+    else:
+        pairs = [(32, 64), (64, 64), (32, 128), (64, 32), (16, 128), (128, 32)]
+        pairs = [(max(16, min(bn, n2)), max(16, min(bk, k2))) for bn, bk in pairs]
+    configs: list[dict[str, int]] = []
+    for bn, bk in pairs:
+        c = {"block_n": bn, "block_k": bk, "num_warps": 4}
+        if c not in configs:
+            configs.append(c)
+    return configs
+
+
+def _product(
+    gen: _Gen, spec: GroupSpec, config: dict[str, int] | None
+) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
+    """Emit the product's K loop and its epilogue lanes; the stores, grid, BLOCK_N and warps."""
+    shape = product_shape(spec)
+    node = spec.nodes[0]
+    a, b, out = node.inputs[0], node.inputs[1], node.outputs[0]
+    assert a is not None and b is not None and out is not None
+    operand_dtype, out_spec = spec.values[a].dtype, spec.values[out]
+    cfg = config or product_configs(shape)[0]
+    bn, bk, warps = int(cfg["block_n"]), int(cfg["block_k"]), int(cfg.get("num_warps", 4))
+    em = gen.em
+    n_blocks = (shape.n + bn - 1) // bn
+    batch_numel = math.prod(shape.batch)
+    em.lines.append("    pid = tl.program_id(0)")
+    if batch_numel > 1:
+        em.lines.append(f"    nb = pid % {n_blocks}")
+        em.lines.append(f"    bi = pid // {n_blocks}")
+        bidx = gen.unflatten("bi", shape.batch, lane=False)
+    else:
+        em.lines.append("    nb = pid")
+        bidx = Idx(tuple("0" for _ in shape.batch), tuple(False for _ in shape.batch))
+    em.lines.append(f"    rn = nb * {bn} + tl.arange(0, {bn})")
+    body = shape.body
+    if body == "dot":
+        em.lines.append(f"    rm = tl.arange(0, {MAX_PRODUCT_ROWS})")
+        em.lines.append(f"    acc = tl.zeros([{MAX_PRODUCT_ROWS}, {bn}], dtype=tl.float32)")
+        a_mk, b_kn = ("rm[:, None]", "rk[None, :]"), ("rk[:, None]", "rn[None, :]")
+        a_mask = f"(rm[:, None] < {shape.m}) & (rk[None, :] < {shape.k})"
+        b_mask = f"(rk[:, None] < {shape.k}) & (rn[None, :] < {shape.n})"
+    elif body == "nk":
+        em.lines.append(f"    acc = tl.zeros([{bn}], dtype=tl.float32)")
+        a_mk, b_kn = ("0", "rk[None, :]"), ("rk[None, :]", "rn[:, None]")
+        a_mask = f"rk[None, :] < {shape.k}"
+        b_mask = f"(rn[:, None] < {shape.n}) & (rk[None, :] < {shape.k})"
+    else:
+        em.lines.append(f"    acc = tl.zeros([{bn}], dtype=tl.float32)")
+        a_mk, b_kn = ("0", "rk[:, None]"), ("rk[:, None]", "rn[None, :]")
+        a_mask = f"rk[:, None] < {shape.k}"
+        b_mask = f"(rk[:, None] < {shape.k}) & (rn[None, :] < {shape.n})"
+
+    def operand(v: int, pair: tuple[str, str], trans: bool) -> Idx:
+        rank = len(spec.values[v].shape)
+        if node.op == "Gemm":
+            batch_part = Idx((), ())
+        else:
+            batch_part = gen.broadcast(bidx, shape.batch, spec.values[v].shape[:-2]) if shape.batch else Idx((), ())
+        dims = (pair[1], pair[0]) if trans else pair
+        tail = tuple(d if spec.values[v].shape[rank - 2 + j] != 1 else "0" for j, d in enumerate(dims))
+        return Idx((*batch_part.dims, *tail), (*batch_part.lane, *(d != "0" for d in tail)))
+
+    outer = (gen.em, gen.memo, gen.mask)
+    gen.em, gen.memo = _Emitter(tag="k", indent="        "), {}
+    gen.mask = a_mask
+    xa, _ = gen.value(a, operand(a, a_mk, shape.trans_a))
+    gen.mask = b_mask
+    xb, _ = gen.value(b, operand(b, b_kn, shape.trans_b))
+    loop = gen.em.lines
+    gen.em, gen.memo, gen.mask = outer
+    em.lines.append(f"    for k0 in range(0, {shape.k}, {bk}):")
+    em.lines.append(f"        rk = k0 + tl.arange(0, {bk})")
+    em.lines.extend(loop)
+    if body == "dot":
+        precision = ', input_precision="ieee"' if operand_dtype == "float32" else ""
+        em.lines.append(f"        acc = tl.dot({xa}, {xb}, acc{precision})")
+    else:
+        axis = 1 if body == "nk" else 0
+        em.lines.append(f"        acc += tl.sum({xa}.to(tl.float32) * {xb}.to(tl.float32), axis={axis})")
+    if body == "dot":
+        em.lines.append(f"    mask = (rm[:, None] < {shape.m}) & (rn[None, :] < {shape.n})")
+        lane_mn = ("rm[:, None]" if shape.m > 1 else "0", "rn[None, :]" if shape.n > 1 else "0")
+    else:
+        em.lines.append(f"    mask = rn < {shape.n}")
+        lane_mn = ("0", "rn" if shape.n > 1 else "0")
+    lane = Idx((*bidx.dims, *lane_mn), (*bidx.lane, *(d != "0" for d in lane_mn)))
+    y = "acc"
+    if node.op == "Gemm":
+        alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
+        if alpha != 1.0:
+            y = f"acc * {alpha}"
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        if c is not None and beta != 0.0:
+            cv, c_varies = gen.value(c, gen.broadcast(lane, out_spec.shape, spec.values[c].shape))
+            cf = gen._up((cv, spec.values[c].dtype, c_varies))
+            y = f"{y} + {cf}" if beta == 1.0 else f"{y} + {beta} * {cf}"
+    gen.product = (out, em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
+    stores: list[tuple[int, Idx]] = []
+    for v in spec.outputs:
+        oshape = spec.values[v].shape
+        if math.prod(oshape) != math.prod(out_spec.shape):
+            raise Unsupported(f"an output of {list(oshape)} in a product group of {list(out_spec.shape)}")
+        stores.append((v, gen.reshape(lane, out_spec.shape, oshape)))
+    grid = (max(1, batch_numel) * n_blocks, 1, 1)
+    return stores, grid, bn, warps
+
+
 def _warps(n: int) -> int:
     return 1 if n <= 128 else 2 if n <= 512 else 4 if n <= 2048 else 8 if n <= 8192 else 16
 
 
-def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = None) -> Kernel:
-    """The Triton kernel for ``spec`` (``block``/``num_warps``: a tuning config; None: the default).
+def generate(
+    spec: GroupSpec, block: int | None = None, num_warps: int | None = None, config: dict[str, int] | None = None
+) -> Kernel:
+    """The Triton kernel for ``spec`` (``block``/``num_warps``, or a product's ``config``: a tuning config).
 
     The kernel is named after its template and a hash of its source, so identical groups
     (the same layer's norm in every layer) share one compiled binary.
     """
-    for node in spec.nodes:
+    for j, node in enumerate(spec.nodes):
+        if spec.template == "product" and j == 0 and node.op in PRODUCT_OPS:
+            continue
         if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
             raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
     gen = _Gen(spec)
@@ -749,7 +948,9 @@ def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = 
         if spec.values[v].numel == 0:
             raise Unsupported("an empty output (nothing to compute; the reference kernels make it)")
     stores: list[tuple[int, Idx]] = []
-    if spec.template == "row_reduction":
+    if spec.template == "product":
+        stores, grid, block_size, warps = _product(gen, spec, config)
+    elif spec.template == "row_reduction":
         reductions = [n for n in spec.nodes if n.op in _ROW_VALUED]
         src = reductions[0].inputs[0] if reductions else None
         if src is None:
@@ -804,6 +1005,8 @@ def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = 
     n_in = len(gen.args)
     body = list(gen.em.lines)
     for k, (expr, varies, off, off_varies, tl_dtype) in enumerate(stored):
+        if spec.template == "product" and not varies:
+            raise Unsupported("a product group's output that does not depend on the product")
         if off_varies or varies:
             val = f"{expr}.to({tl_dtype})" if varies else f"tl.full([{block_size}], {expr}, {tl_dtype})"
             body.append(f"    tl.store(out{k} + ({off}), {val}, mask=mask)")
@@ -827,7 +1030,8 @@ def generate(spec: GroupSpec, block: int | None = None, num_warps: int | None = 
     )
     args = (*gen.args, *(v for v, _ in stores))
     tag = hashlib.blake2b(source.encode(), digest_size=5).hexdigest()
-    name = f"dsp_{'row' if spec.template == 'row_reduction' else 'pw'}_{tag}"
+    prefix = {"row_reduction": "row", "product": "mm"}.get(spec.template, "pw")
+    name = f"dsp_{prefix}_{tag}"
     source = source.replace("def KERNEL(", f"def {name}(", 1)
     return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template)
 
@@ -889,7 +1093,10 @@ def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis:
 
 
 __all__ = [
+    "MAX_PRODUCT_ROWS",
+    "PRODUCT_OPS",
     "SUPPORTED_OPS",
+    "ProductShape",
     "GroupSpec",
     "Kernel",
     "NodeSpec",
@@ -898,4 +1105,6 @@ __all__ = [
     "data_inputs",
     "generate",
     "kv_store",
+    "product_configs",
+    "product_shape",
 ]

@@ -37,6 +37,8 @@ log = logging.getLogger("dsp.triton")
 
 Step = tuple[Any, tuple[int, ...], Any, tuple[int, ...]]
 TUNE_RUNS = 5
+TUNE_LAUNCHES = 20  # launches per timed graph
+MIN_TRANSPOSED_WEIGHT = 1 << 16  # weights of at least this many elements get a [N, K] copy for one-row products
 MAX_KEYED_ELEMENTS = 4096  # host inputs up to this size are keyed by value
 # Loaded kernels by (source, warps), alive as long as the process: a captured graph holds
 # their functions, and a module freed while a graph can still launch it breaks the graph.
@@ -55,6 +57,7 @@ class GroupReport:
     kernel: str = ""
     config: dict[str, int] = field(default_factory=dict)
     compile_ms: float = 0.0
+    kernel_us: float | None = None  # the tuned config's time per launch, in a replayed graph
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,6 +69,7 @@ class GroupReport:
             "kernel": self.kernel,
             "config": dict(self.config),
             "compile_ms": round(self.compile_ms, 2),
+            "kernel_us": None if self.kernel_us is None else round(self.kernel_us, 3),
         }
 
 
@@ -79,6 +83,12 @@ class _Compiled:
         # input flat -> (the array seen at compile time, its value): inputs whose values the
         # generator baked into the source (slice bounds, exponents, literals)
         self.constants: dict[int, tuple[Any, np.ndarray]] = {}
+        # a product the template declined (more than 16 rows): its reference step (cuBLAS)
+        # runs first, then this kernel as its fused epilogue
+        self.head: Step | None = None
+        # input flat -> (the constant's address, the copy the kernel reads instead): weights
+        # transposed once to the layout the product streams best
+        self.substitutes: dict[int, tuple[int, Any]] = {}
 
     def empty_outputs(self, cp: Any) -> dict[int, Any]:
         return {
@@ -103,9 +113,11 @@ class FusedGroup:
         tolerance: float,
         cupy: Any,
         capturing: Callable[[], bool],
+        fixed: Callable[[int], bool] = lambda flat: False,
     ) -> None:
         self.report = report
         self.steps = steps
+        self.fixed = fixed  # True for an input that never changes between steps (a weight)
         self.in_flats = in_flats
         self.out_flats = out_flats
         self.nodes = nodes
@@ -198,11 +210,21 @@ class FusedGroup:
         cp = self.cp
         kernel = compiled.kernel
         by_flat = dict(zip(self.in_flats, inputs))
+        for flat, (address, copy) in compiled.substitutes.items():
+            if int(by_flat[flat].data.ptr) != address:
+                if self.capturing():
+                    raise CaptureFailed(f"fusion group {self.report.index}'s weight moved during capture")
+                copy = _nk_copy(cp, by_flat[flat])
+                compiled.substitutes[flat] = (int(by_flat[flat].data.ptr), copy)
+            by_flat[flat] = copy
+        if compiled.head is not None:
+            step, ins, out, _ = compiled.head
+            by_flat[out] = step(*[by_flat.get(i) for i in ins])
         outs = compiled.empty_outputs(cp)
         ptrs = [int(by_flat[v].data.ptr) for v in kernel.args[: kernel.n_inputs]]
         ptrs += [int(outs[v].data.ptr) for v in kernel.args[kernel.n_inputs :]]
         compiled.launch(ptrs, cp.cuda.get_current_stream().ptr)
-        return tuple(outs[o] for o in self.out_flats)
+        return tuple(outs[o] if o in outs else by_flat[o] for o in self.out_flats)
 
     def _spec(self, inputs: Sequence[Any]) -> tuple[codegen.GroupSpec, tuple[Any, ...], dict[int, Any]]:
         ref_outs, local = self.reference(inputs, keep=True)
@@ -256,8 +278,12 @@ class FusedGroup:
     def _compile_untraced(self, inputs: Sequence[Any], key: tuple[Any, ...]) -> _Compiled | None:
         start = time.perf_counter()
         self._baked: dict[int, np.ndarray] = {}
+        head: Step | None = None
+        substitutes: dict[int, tuple[int, Any]] = {}
         try:
             spec, ref_outs, local = self._spec(inputs)
+            if spec.template == "product":
+                spec, head, substitutes = self._product_spec(spec, local)
             kernel = codegen.generate(spec)
         except codegen.Unsupported as exc:
             self._settle("reference", str(exc))
@@ -271,6 +297,7 @@ class FusedGroup:
         try:
             compiled = self._build(kernel, local, shapes)
             compiled = self._tune(spec, compiled, local, shapes)
+            compiled.head, compiled.substitutes = head, substitutes
         except Exception as exc:  # noqa: BLE001  (a compiler error: this group runs its reference kernels)
             self._settle("reference", f"Triton failed to compile it: {type(exc).__name__}: {str(exc)[:300]}")
             log.warning("DSP TRITON: group %d (%s): %s", self.report.index, self.report.template, self.report.reason)
@@ -287,7 +314,9 @@ class FusedGroup:
             warnings.warn(message, stacklevel=2)
             log.warning(message)
             return None
-        compiled = _Compiled(compiled.binary, compiled.kernel, compiled.shapes)  # its own record of constants
+        fresh = _Compiled(compiled.binary, compiled.kernel, compiled.shapes)  # its own record of constants
+        fresh.head, fresh.substitutes = compiled.head, compiled.substitutes
+        compiled = fresh
         # Inputs whose values shaped the source: shape-like inputs (they fixed the concrete
         # shapes), literals; with a constant computed inside the group, every small input.
         pointers = set(compiled.kernel.args[: compiled.kernel.n_inputs])
@@ -305,8 +334,61 @@ class FusedGroup:
                 compiled.constants[flat] = (x, host)
         self.report.status = "triton"
         self.report.kernel = compiled.kernel.name
-        self.report.config = {"block": compiled.kernel.block, "num_warps": compiled.kernel.num_warps}
+        if not self.report.config:
+            self.report.config = {"block": compiled.kernel.block, "num_warps": compiled.kernel.num_warps}
+        if compiled.head is not None:
+            self.report.reason = "the product runs on cuBLAS, its epilogue as this kernel"
         return compiled
+
+    def _product_spec(
+        self, spec: codegen.GroupSpec, local: dict[int, Any]
+    ) -> tuple[codegen.GroupSpec, Step | None, dict[int, tuple[int, Any]]]:
+        """A product group as the skinny template takes it, or as cuBLAS plus a fused epilogue.
+
+        A one-row product whose weights are a constant laid out along N reads a copy
+        transposed once to [N, K] (each program then streams whole rows of K); the
+        original stays for the reference kernels.
+        """
+        node = spec.nodes[0]
+        try:
+            shape = codegen.product_shape(spec)
+        except codegen.Unsupported:
+            return self._epilogue_spec(spec, local), self.steps[0], {}
+        b = node.inputs[1]
+        assert b is not None
+        weight = local.get(b)
+        substitutes: dict[int, tuple[int, Any]] = {}
+        if (
+            shape.body == "kn"
+            and not shape.trans_b
+            and b in self.in_flats
+            and self.fixed(b)
+            and weight is not None
+            and getattr(weight, "ndim", 0) == 2
+            and weight.size >= MIN_TRANSPOSED_WEIGHT
+        ):
+            copy = _nk_copy(self.cp, weight)
+            substitutes[b] = (int(weight.data.ptr), copy)
+            local[b] = copy
+            values = dict(spec.values)
+            values[b] = codegen.TensorSpec(values[b].shape, values[b].dtype, (1, int(weight.shape[0])))
+            spec = codegen.GroupSpec(spec.template, spec.nodes, values, spec.inputs, spec.outputs, spec.constants)
+        return spec, None, substitutes
+
+    def _epilogue_spec(self, spec: codegen.GroupSpec, local: dict[int, Any]) -> codegen.GroupSpec:
+        """The epilogue of a product cuBLAS runs: a pointwise group reading the product's output."""
+        node = spec.nodes[0]
+        out = node.outputs[0]
+        assert out is not None
+        rest = [o for o in spec.outputs if o != out]
+        if len(spec.nodes) < 2 or not rest:
+            raise codegen.Unsupported("a product cuBLAS runs, with no epilogue to fuse")
+        x = local[out]
+        values = dict(spec.values)
+        item = x.dtype.itemsize
+        strides = tuple(int(st) // item for st in x.strides)
+        values[out] = codegen.TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
+        return codegen.GroupSpec("pointwise", spec.nodes[1:], values, [*spec.inputs, out], rest, spec.constants)
 
     def _settle(self, status: str, reason: str) -> None:
         self.report.status = status
@@ -360,49 +442,101 @@ class FusedGroup:
         local: dict[int, Any],
         shapes: dict[int, tuple[tuple[int, ...], Any]],
     ) -> _Compiled:
-        """A small config set for pointwise kernels, timed; the winner cached by source and device."""
+        """A small config set, timed; the winner cached by source and device (row kernels: none)."""
         if spec.template == "row_reduction":
             return first
         import triton
 
-        numel = max(1, math.prod(spec.values[max(spec.outputs, key=lambda v: spec.values[v].numel)].shape))
-        blocks = [b for b in (128, 256, 512, 1024, 2048) if b <= max(128, 1 << (numel - 1).bit_length())]
-        if len(blocks) <= 1:
+        if spec.template == "product":
+            configs = codegen.product_configs(codegen.product_shape(spec))
+        else:
+            numel = max(1, math.prod(spec.values[max(spec.outputs, key=lambda v: spec.values[v].numel)].shape))
+            configs = [
+                {"block": b} for b in (128, 256, 512, 1024, 2048) if b <= max(128, 1 << (numel - 1).bit_length())
+            ]
+        if len(configs) <= 1:
             return first
+
+        def build(config: dict[str, int]) -> _Compiled:
+            if spec.template == "product":
+                return self._build(codegen.generate(spec, config=config), local, shapes)
+            return self._build(codegen.generate(spec, block=config["block"]), local, shapes)
+
+        def is_first(config: dict[str, int]) -> bool:
+            if spec.template == "product":
+                return config == configs[0]  # generate's default
+            return config["block"] == first.kernel.block
+
         device = _device_name(self.cp)
         key = source_key(first.kernel.source, device, triton.__version__)
         tunes = TuneCache()
         chosen = tunes.get(key)
-        candidates: dict[int, _Compiled] = {first.kernel.block: first}
-        if chosen is not None and isinstance(chosen.get("block"), int):
-            block = int(chosen["block"])
-            if block in candidates:
-                return candidates[block]
-            return self._build(codegen.generate(spec, block=block), local, shapes)
-        times: dict[int, float] = {}
-        for block in blocks:
-            if block not in candidates:
-                candidates[block] = self._build(codegen.generate(spec, block=block), local, shapes)
-            times[block] = self._time(candidates[block], local)
-        best = min(times, key=lambda b: times[b])
-        tunes.put(key, {"block": best, "times_us": {str(b): round(t, 3) for b, t in times.items()}})
-        return candidates[best]
+        if chosen is not None and isinstance(chosen.get("config"), dict) and chosen["config"] in configs:
+            self.report.config = dict(chosen["config"])
+            best_us = chosen.get("best_us")
+            self.report.kernel_us = float(best_us) if isinstance(best_us, int | float) else None
+            return first if is_first(chosen["config"]) else build(chosen["config"])
+        times: list[float] = []
+        built: list[_Compiled] = []
+        for config in configs:
+            built.append(first if is_first(config) else build(config))
+            times.append(self._time(built[-1], local))
+        best = min(range(len(configs)), key=lambda k: times[k])
+        self.report.config, self.report.kernel_us = dict(configs[best]), times[best]
+        tunes.put(
+            key,
+            {
+                "config": configs[best],
+                "best_us": round(times[best], 3),
+                "times_us": {",".join(f"{a}={b}" for a, b in c.items()): round(t, 3) for c, t in zip(configs, times)},
+            },
+        )
+        return built[best]
 
     def _time(self, compiled: _Compiled, local: dict[int, Any]) -> float:
+        """Microseconds per launch, timed as a replayed graph of launches (what a step pays).
+
+        Timing eager launches would time the host: a launch costs more host time than a
+        small kernel costs the GPU, so every config would look alike.
+        """
         cp = self.cp
         kernel = compiled.kernel
         ptrs = [int(local[v].data.ptr) for v in kernel.args[: kernel.n_inputs]]
         scratch = compiled.empty_outputs(cp)
         ptrs += [int(x.data.ptr) for x in scratch.values()]
-        stream = cp.cuda.get_current_stream()
+        stream = cp.cuda.Stream(non_blocking=True)
         compiled.launch(ptrs, stream.ptr)
+        graph = None
+        try:
+            stream.begin_capture()
+            try:
+                for _ in range(TUNE_LAUNCHES):
+                    compiled.launch(ptrs, stream.ptr)
+            finally:
+                graph = stream.end_capture()
+        except Exception:  # noqa: BLE001  (no graphs here: time eager launches instead)
+            graph = None
         begin, end = cp.cuda.Event(), cp.cuda.Event()
+        if graph is not None:
+            graph.launch(stream)
+            begin.record(stream)
+            for _ in range(TUNE_RUNS):
+                graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / (TUNE_RUNS * TUNE_LAUNCHES)
         begin.record(stream)
         for _ in range(TUNE_RUNS):
             compiled.launch(ptrs, stream.ptr)
         end.record(stream)
         end.synchronize()
         return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / TUNE_RUNS
+
+
+def _nk_copy(cp: Any, weight: Any) -> Any:
+    """``weight`` ([K, N]) as a [K, N] view of a contiguous [N, K] copy: K is then its unit stride."""
+    with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+        return cp.ascontiguousarray(weight.T).T
 
 
 class _Arg:

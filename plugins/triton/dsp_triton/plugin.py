@@ -45,9 +45,13 @@ class TritonPolicy(ReferencePolicy):
         template = super().seed(plan, s, pattern)
         if template in ("pointwise", "row_reduction", "copy") and not self._generated(plan, s, pattern):
             return "opaque"  # no template generates it: alone, on the reference kernels
+        if template == "matmul" and product_declined(plan, s, pattern) is None:
+            return "product"  # the skinny-product template, its epilogue fused
         return template
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        if group.template == "product":
+            return self._epilogue_ok(plan, group, s, pattern)
         if not self._generated(plan, s, pattern):
             slot = plan.slots[s]
             return f"{slot.op} has no Triton template (dsp-triton generates {len(codegen.SUPPORTED_OPS)} ops)"
@@ -72,6 +76,23 @@ class TritonPolicy(ReferencePolicy):
             return "copy"
         return super().joined(group, s, pattern)
 
+    def _epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
+        op = plan.slots[s].op
+        view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
+        if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
+            return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
+        if not self._generated(plan, s, pattern):
+            return f"{op} has no Triton template"
+        product = group.patterns[group.slots[0]].shape
+        # Same last axis: lanes stay the product's columns (a reshape that splits heads would not).
+        if pattern.shape is None or product is None or not pattern.shape or pattern.shape[-1] != product[-1]:
+            return (
+                f"slot {s} iterates {list(pattern.shape) if pattern.shape else 'an unknown shape'}, "
+                f"not the product's {list(product) if product else 'unknown'} lanes"
+            )
+        return None
+
     @staticmethod
     def _generated(plan: Plan, s: int, pattern: SlotPattern) -> bool:
         slot = plan.slots[s]
@@ -83,6 +104,33 @@ class TritonPolicy(ReferencePolicy):
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
         return 0 if template == "view" else 1
+
+
+def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
+    """Why the skinny-product template does not take product slot ``s`` (None: it may).
+
+    A plan's shapes may be symbolic (rows = batch x seq): such a product is taken, and each
+    layout decides when it is first seen. Up to 16 rows the product is the template's
+    kernel with its epilogue; above (prefill) it runs on cuBLAS, followed by its epilogue
+    as one generated kernel.
+    """
+    slot = plan.slots[s]
+    if slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx"):
+        return f"{slot.op} is not a MatMul or Gemm"
+    if not config.get("triton_products"):
+        return "DSP_TRITON_PRODUCTS is off: products run on cuBLAS"
+    shape = pattern.shape
+    if shape is None or len(shape) < 2:
+        return "its output is of unknown rank or a vector"
+    ins = [plan.ref_info(r) if r is not None else (None, None) for r in slot.inputs[:2]]
+    if len(ins) < 2 or any(sh is not None and len(sh) < 2 for _, sh in ins):
+        return "an operand of rank below 2"
+    if any(dt is not None and dt not in ("float16", "bfloat16", "float32") for dt, _ in ins):
+        return "operands other than fp16, bf16 or fp32"
+    rows = shape[0] if slot.op == "Gemm" else shape[-2]
+    if isinstance(rows, int) and rows > codegen.MAX_PRODUCT_ROWS:
+        return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
+    return None
 
 
 def _probe() -> str | None:

@@ -28,7 +28,7 @@ from dsp_triton import codegen
 from dsp_triton.kernels import FusedGroup, GroupReport, KVStore
 
 # Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
-FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy"})
+FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product"})
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 
 
@@ -128,6 +128,7 @@ class TritonSegment(CudaGraphSegment):
                 self._tolerance,
                 st["cupy"],
                 lambda: self._capturing,
+                fixed=lambda flat: flat not in self._tainted,
             )
             self.groups.append(fg)
             steps.append((fg, tuple(ins), outs if len(outs) > 1 else outs[0], releases))
