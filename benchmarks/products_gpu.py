@@ -48,11 +48,21 @@ def _graph_time(cp: Any, fn: Any, runs: int = 10) -> float:
     return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / (runs * LAUNCHES)
 
 
-def copy_bandwidth(cp: Any) -> float:
-    src = cp.empty(1 << 29, dtype=cp.float16)  # 1 GiB
-    dst = cp.empty_like(src)
-    us = _graph_time(cp, lambda: dst.__setitem__(slice(None), src), runs=3)
-    return 2 * src.nbytes / (us * 1e-6)
+def copy_bandwidth() -> float:
+    """Read + write bytes per second of a 1 GiB device-to-device copy (as decode_gpu.py's floor)."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 10
+    begin.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * reps / (begin.elapsed_time(end) * 1e-3)
 
 
 def triton_time(k: int, n: int) -> dict[str, Any]:
@@ -108,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import cupy as cp
 
-    floor = copy_bandwidth(cp)
+    floor = copy_bandwidth()
     rows = []
     print(f"copy bandwidth {floor / 1e9:.0f} GB/s")
     head = f"{'model':<10} {'K x N':>14} {'triton us':>10} {'GB/s':>7} {'cuBLAS us':>10} {'GB/s':>7}"

@@ -142,12 +142,9 @@ def test_products_with_their_epilogue_match_the_reference(m: int, k: int, n: int
         assert products[0]["kernel"].startswith("dsp_mm_") and not products[0]["reason"]
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_products_in_half_precision_for_every_row_count(dtype: str) -> None:
-    try:
-        np.dtype(dtype)
-    except TypeError:
-        pytest.skip(f"numpy has no {dtype} here")
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_products_for_every_row_count(dtype: str) -> None:
+    """Rows 1, 2, 7, 16 (the one-row bodies and tl.dot with rows padded to 16); bf16 has no CuPy kernels."""
     rng = np.random.default_rng(3)
     for m in (1, 2, 7, 16):
         feeds = {"x": rng.standard_normal((1, m, 300)).astype(dtype)}

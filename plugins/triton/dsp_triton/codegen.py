@@ -54,6 +54,11 @@ FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 HALF = frozenset({"float16", "bfloat16"})
 
 MAX_ROW = 16384  # the row template keeps a whole row in registers
+# Ops whose reference kernel is a view on CuPy (no kernel at all): a group of only these
+# runs them (a generated copy would add a kernel); inside a bigger group they are index arithmetic.
+VIEW_ON_CUPY = frozenset(
+    {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
+)
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 
 
@@ -277,11 +282,12 @@ class _Gen:
             if d != "0" and strides[k] != 0 and spec.shape[k] != 1
         ]
         off = " + ".join(terms) if terms else "0"
-        if idx.varies:
+        if idx.varies and terms:
             expr = f"tl.load({ptr} + ({off}), mask={self.mask}, other=0)"
         else:
             expr = f"tl.load({ptr} + ({off}))"
-        return self.em.let(expr, idx.varies, "x"), idx.varies
+        varies = idx.varies and bool(terms)
+        return self.em.let(expr, varies, "x"), varies
 
     def _literal(self, v: int) -> str | None:
         """A one-element constant input as a literal of its dtype (no argument, no load)."""
@@ -759,11 +765,17 @@ class ProductShape:
     body: str
 
 
+def product_node(spec: GroupSpec) -> NodeSpec:
+    """The one MatMul or Gemm of a product group (after its prologue of index arithmetic)."""
+    found = [n for n in spec.nodes if n.op in PRODUCT_OPS and n.domain in ("", "ai.onnx")]
+    if len(found) != 1:
+        raise Unsupported(f"a product group holds {len(found)} products (the template takes one)")
+    return found[0]
+
+
 def product_shape(spec: GroupSpec) -> ProductShape:
     """The product of a ``product`` group (its first node), or Unsupported with the reason."""
-    node = spec.nodes[0] if spec.nodes else None
-    if node is None or node.op not in PRODUCT_OPS or node.domain not in ("", "ai.onnx"):
-        raise Unsupported("a product group must start with its MatMul or Gemm")
+    node = product_node(spec)
     a, b = node.inputs[0], node.inputs[1]
     if a is None or b is None or a not in spec.values or b not in spec.values:
         raise Unsupported("a product without both operands")
@@ -832,7 +844,7 @@ def _product(
 ) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
     """Emit the product's K loop and its epilogue lanes; the stores, grid, BLOCK_N and warps."""
     shape = product_shape(spec)
-    node = spec.nodes[0]
+    node = product_node(spec)
     a, b, out = node.inputs[0], node.inputs[1], node.outputs[0]
     assert a is not None and b is not None and out is not None
     operand_dtype, out_spec = spec.values[a].dtype, spec.values[out]
@@ -935,9 +947,9 @@ def generate(
     The kernel is named after its template and a hash of its source, so identical groups
     (the same layer's norm in every layer) share one compiled binary.
     """
-    for j, node in enumerate(spec.nodes):
-        if spec.template == "product" and j == 0 and node.op in PRODUCT_OPS:
-            continue
+    for node in spec.nodes:
+        if spec.template == "product" and node.op in PRODUCT_OPS:
+            continue  # the anchor: product_node checks there is one
         if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
             raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
     gen = _Gen(spec)
@@ -1096,6 +1108,7 @@ __all__ = [
     "MAX_PRODUCT_ROWS",
     "PRODUCT_OPS",
     "SUPPORTED_OPS",
+    "VIEW_ON_CUPY",
     "ProductShape",
     "GroupSpec",
     "Kernel",
@@ -1106,5 +1119,6 @@ __all__ = [
     "generate",
     "kv_store",
     "product_configs",
+    "product_node",
     "product_shape",
 ]

@@ -85,7 +85,7 @@ class _Compiled:
         self.constants: dict[int, tuple[Any, np.ndarray]] = {}
         # a product the template declined (more than 16 rows): its reference step (cuBLAS)
         # runs first, then this kernel as its fused epilogue
-        self.head: Step | None = None
+        self.head: list[Step] = []
         # input flat -> (the constant's address, the copy the kernel reads instead): weights
         # transposed once to the layout the product streams best
         self.substitutes: dict[int, tuple[int, Any]] = {}
@@ -217,9 +217,12 @@ class FusedGroup:
                 copy = _nk_copy(cp, by_flat[flat])
                 compiled.substitutes[flat] = (int(by_flat[flat].data.ptr), copy)
             by_flat[flat] = copy
-        if compiled.head is not None:
-            step, ins, out, _ = compiled.head
-            by_flat[out] = step(*[by_flat.get(i) for i in ins])
+        for step, ins, out, _ in compiled.head:
+            got = step(*[by_flat.get(i) for i in ins])
+            if isinstance(out, int):
+                by_flat[out] = got
+            else:
+                by_flat.update(zip(out, got))
         outs = compiled.empty_outputs(cp)
         ptrs = [int(by_flat[v].data.ptr) for v in kernel.args[: kernel.n_inputs]]
         ptrs += [int(outs[v].data.ptr) for v in kernel.args[kernel.n_inputs :]]
@@ -278,7 +281,7 @@ class FusedGroup:
     def _compile_untraced(self, inputs: Sequence[Any], key: tuple[Any, ...]) -> _Compiled | None:
         start = time.perf_counter()
         self._baked: dict[int, np.ndarray] = {}
-        head: Step | None = None
+        head: list[Step] = []
         substitutes: dict[int, tuple[int, Any]] = {}
         try:
             spec, ref_outs, local = self._spec(inputs)
@@ -336,24 +339,25 @@ class FusedGroup:
         self.report.kernel = compiled.kernel.name
         if not self.report.config:
             self.report.config = {"block": compiled.kernel.block, "num_warps": compiled.kernel.num_warps}
-        if compiled.head is not None:
+        if compiled.head:
             self.report.reason = "the product runs on cuBLAS, its epilogue as this kernel"
         return compiled
 
     def _product_spec(
         self, spec: codegen.GroupSpec, local: dict[int, Any]
-    ) -> tuple[codegen.GroupSpec, Step | None, dict[int, tuple[int, Any]]]:
+    ) -> tuple[codegen.GroupSpec, list[Step], dict[int, tuple[int, Any]]]:
         """A product group as the skinny template takes it, or as cuBLAS plus a fused epilogue.
 
         A one-row product whose weights are a constant laid out along N reads a copy
         transposed once to [N, K] (each program then streams whole rows of K); the
         original stays for the reference kernels.
         """
-        node = spec.nodes[0]
+        node = codegen.product_node(spec)
         try:
             shape = codegen.product_shape(spec)
         except codegen.Unsupported:
-            return self._epilogue_spec(spec, local), self.steps[0], {}
+            j = spec.nodes.index(node)
+            return self._epilogue_spec(spec, local, j), self.steps[: j + 1], {}
         b = node.inputs[1]
         assert b is not None
         weight = local.get(b)
@@ -373,22 +377,24 @@ class FusedGroup:
             values = dict(spec.values)
             values[b] = codegen.TensorSpec(values[b].shape, values[b].dtype, (1, int(weight.shape[0])))
             spec = codegen.GroupSpec(spec.template, spec.nodes, values, spec.inputs, spec.outputs, spec.constants)
-        return spec, None, substitutes
+        return spec, [], substitutes
 
-    def _epilogue_spec(self, spec: codegen.GroupSpec, local: dict[int, Any]) -> codegen.GroupSpec:
-        """The epilogue of a product cuBLAS runs: a pointwise group reading the product's output."""
-        node = spec.nodes[0]
-        out = node.outputs[0]
-        assert out is not None
-        rest = [o for o in spec.outputs if o != out]
-        if len(spec.nodes) < 2 or not rest:
+    def _epilogue_spec(self, spec: codegen.GroupSpec, local: dict[int, Any], j: int) -> codegen.GroupSpec:
+        """The epilogue of a product cuBLAS runs (node ``j``, after its prologue): a pointwise group."""
+        head, tail = spec.nodes[: j + 1], spec.nodes[j + 1 :]
+        made = {v for n in head for v in n.outputs if v is not None}
+        rest = [o for o in spec.outputs if o not in made]
+        if not tail or not rest:
             raise codegen.Unsupported("a product cuBLAS runs, with no epilogue to fuse")
-        x = local[out]
+        read = [r for n in tail for r in n.inputs if r is not None and r in made]
         values = dict(spec.values)
-        item = x.dtype.itemsize
-        strides = tuple(int(st) // item for st in x.strides)
-        values[out] = codegen.TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
-        return codegen.GroupSpec("pointwise", spec.nodes[1:], values, [*spec.inputs, out], rest, spec.constants)
+        for v in dict.fromkeys(read):
+            x = local[v]
+            item = x.dtype.itemsize
+            strides = tuple(int(st) // item for st in x.strides)
+            values[v] = codegen.TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
+        inputs = [*spec.inputs, *dict.fromkeys(read)]
+        return codegen.GroupSpec("pointwise", tail, values, inputs, rest, spec.constants)
 
     def _settle(self, status: str, reason: str) -> None:
         self.report.status = status

@@ -40,6 +40,7 @@ class TritonPolicy(ReferencePolicy):
 
     def __init__(self) -> None:
         self._ops: dict[int, str] = {}
+        self._readers_of: tuple[Plan | None, dict[int, list[int]]] = (None, {})
 
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         template = super().seed(plan, s, pattern)
@@ -52,6 +53,8 @@ class TritonPolicy(ReferencePolicy):
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         if group.template == "product":
             return self._epilogue_ok(plan, group, s, pattern)
+        if pattern.kind is PatternKind.MATMUL:
+            return self._prologue_ok(plan, group, s, pattern)
         if not self._generated(plan, s, pattern):
             slot = plan.slots[s]
             return f"{slot.op} has no Triton template (dsp-triton generates {len(codegen.SUPPORTED_OPS)} ops)"
@@ -70,11 +73,47 @@ class TritonPolicy(ReferencePolicy):
         return super().merge_ok(plan, group, s, pattern)
 
     def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
+        if pattern.kind is PatternKind.MATMUL:
+            return "product"  # a product reading through its prologue's indexes
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
             if self._ops.get(s) in VIEW_OPS:  # a view relabels: the group keeps its template
                 return group.template
             return "copy"
         return super().joined(group, s, pattern)
+
+    def _prologue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """A product may take a group of index arithmetic on its operand (a transpose, GQA's expand).
+
+        Only when that group computes nothing (injective ops) and nothing it makes is read
+        by anyone but the product: the kernel reads the operand through the indexes, never
+        stores it.
+        """
+        why = product_declined(plan, s, pattern)
+        if why is not None:
+            return why
+        if group.template not in ("copy", "view"):
+            return f"a {group.template} group is not index arithmetic a product can read through"
+        members = {*group.slots, s}
+        for m in group.slots:
+            if group.patterns[m].kind is not PatternKind.INJECTIVE:
+                return f"slot {m} computes values: a product reads only index arithmetic as its prologue"
+            for v in plan.slots[m].outputs:
+                if v is None:
+                    continue
+                if v in plan.outputs or any(r not in members for r in self._readers(plan).get(v, ())):
+                    return f"slot {m}'s output is read outside the product: it must be stored"
+        return None
+
+    def _readers(self, plan: Plan) -> dict[int, list[int]]:
+        """Value id -> slots that read it (memoised per plan)."""
+        if self._readers_of[0] is not plan:
+            readers: dict[int, list[int]] = {}
+            for slot in plan.slots:
+                for r in slot.inputs:
+                    if r is not None and r >= 0:
+                        readers.setdefault(r, []).append(slot.index)
+            self._readers_of = (plan, readers)
+        return self._readers_of[1]
 
     def _epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
@@ -84,7 +123,8 @@ class TritonPolicy(ReferencePolicy):
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
         if not self._generated(plan, s, pattern):
             return f"{op} has no Triton template"
-        product = group.patterns[group.slots[0]].shape
+        anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
+        product = group.patterns[anchor].shape
         # Same last axis: lanes stay the product's columns (a reshape that splits heads would not).
         if pattern.shape is None or product is None or not pattern.shape or pattern.shape[-1] != product[-1]:
             return (
@@ -103,7 +143,9 @@ class TritonPolicy(ReferencePolicy):
         return True
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
-        return 0 if template == "view" else 1
+        if template == "view" or all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in slots):
+            return 0  # views on the reference kernels (segment.unfused_reason)
+        return 1
 
 
 def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:

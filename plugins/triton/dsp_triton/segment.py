@@ -25,18 +25,12 @@ from dsp_core.errors import KernelError
 from dsp_core.plan.fusion import propose_groups
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
+from dsp_triton.codegen import VIEW_ON_CUPY
 from dsp_triton.kernels import FusedGroup, GroupReport, KVStore
 
 # Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
 FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product"})
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
-
-
-# Single ops whose reference kernel is a view on CuPy (no kernel at all): a generated copy
-# would add one. Inside a group they are index arithmetic.
-VIEW_ON_CUPY = frozenset(
-    {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
-)
 
 
 def node_specs(plan: Plan, slots: Sequence[int]) -> list[codegen.NodeSpec]:
@@ -61,8 +55,11 @@ def unfused_reason(plan: Plan, group: Any) -> str | None:
         return f"a {group.template} group runs alone"
     if not group.outputs:
         return "nothing it computes is read"
-    if len(group.slots) == 1 and plan.slots[group.slots[0]].op in VIEW_ON_CUPY:
-        return f"a lone {plan.slots[group.slots[0]].op} is a view on the reference kernels: no kernel to save"
+    if all(plan.slots[s].op in VIEW_ON_CUPY for s in group.slots):
+        ops = "+".join(dict.fromkeys(plan.slots[s].op for s in group.slots))
+        # Its readers (generated kernels, products, the KV store) read a view by its strides;
+        # where CuPy cannot make one (a reshape of a broadcast) it copies, one kernel as ours.
+        return f"{ops} only: views on the reference kernels, no kernel to save"
     return None
 
 
