@@ -824,6 +824,8 @@ def product_configs(shape: ProductShape) -> list[dict[str, int]]:
     k2, n2 = _pow2(shape.k), _pow2(shape.n)
     if shape.body == "nk":
         pairs = [(4, 256), (2, 256), (8, 256), (4, 512), (2, 512), (1, 512), (8, 128)]
+        if shape.k >= 4096:  # long rows: more bytes in flight per program
+            pairs += [(8, 1024), (4, 1024), (2, 1024), (16, 512)]
         pairs = [(min(bn, n2), min(bk, max(16, k2))) for bn, bk in pairs]
     elif shape.body == "kn":
         pairs = [(64, 64), (32, 64), (128, 32), (64, 32), (32, 128), (128, 64)]
@@ -833,9 +835,10 @@ def product_configs(shape: ProductShape) -> list[dict[str, int]]:
         pairs = [(max(16, min(bn, n2)), max(16, min(bk, k2))) for bn, bk in pairs]
     configs: list[dict[str, int]] = []
     for bn, bk in pairs:
-        c = {"block_n": bn, "block_k": bk, "num_warps": 4}
-        if c not in configs:
-            configs.append(c)
+        for warps in (4, 8) if bn * bk >= 8192 else (4,):
+            c = {"block_n": bn, "block_k": bk, "num_warps": warps}
+            if c not in configs:
+                configs.append(c)
     return configs
 
 

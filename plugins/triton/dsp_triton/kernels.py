@@ -312,7 +312,8 @@ class FusedGroup:
             self._settle("demoted", f"its kernel disagreed with the reference kernels: {bad}")
             message = (
                 f"DSP TRITON: fusion group {self.report.index} ({self.report.template}, slots "
-                f"{list(self.report.slots)}) demoted to its reference kernels: {bad}"
+                f"{list(self.report.slots)}: {'+'.join(n.op for n in self.nodes)}) demoted to its "
+                f"reference kernels: {bad}"
             )
             warnings.warn(message, stacklevel=2)
             log.warning(message)
@@ -503,7 +504,10 @@ class FusedGroup:
         """Microseconds per launch, timed as a replayed graph of launches (what a step pays).
 
         Timing eager launches would time the host: a launch costs more host time than a
-        small kernel costs the GPU, so every config would look alike.
+        small kernel costs the GPU, so every config would look alike. Each launch follows a
+        write of more bytes than the L2 cache holds, as in a decode step where every weight
+        is read once: a kernel timed on weights left in L2 by its previous launch would be
+        tuned for a cache it never has (the write's own time is measured and taken off).
         """
         cp = self.cp
         kernel = compiled.kernel
@@ -512,31 +516,57 @@ class FusedGroup:
         ptrs += [int(x.data.ptr) for x in scratch.values()]
         stream = cp.cuda.Stream(non_blocking=True)
         compiled.launch(ptrs, stream.ptr)
-        graph = None
+        flush = _l2_flush(cp)
         try:
-            stream.begin_capture()
-            try:
-                for _ in range(TUNE_LAUNCHES):
-                    compiled.launch(ptrs, stream.ptr)
-            finally:
-                graph = stream.end_capture()
+            with_kernel = _graph_us(cp, stream, lambda: (flush(stream), compiled.launch(ptrs, stream.ptr)))
+            alone = _graph_us(cp, stream, lambda: flush(stream))
+            return max(with_kernel - alone, 0.0)
         except Exception:  # noqa: BLE001  (no graphs here: time eager launches instead)
-            graph = None
-        begin, end = cp.cuda.Event(), cp.cuda.Event()
-        if graph is not None:
-            graph.launch(stream)
+            begin, end = cp.cuda.Event(), cp.cuda.Event()
             begin.record(stream)
             for _ in range(TUNE_RUNS):
-                graph.launch(stream)
+                compiled.launch(ptrs, stream.ptr)
             end.record(stream)
             end.synchronize()
-            return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / (TUNE_RUNS * TUNE_LAUNCHES)
-        begin.record(stream)
-        for _ in range(TUNE_RUNS):
-            compiled.launch(ptrs, stream.ptr)
-        end.record(stream)
-        end.synchronize()
-        return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / TUNE_RUNS
+            return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / TUNE_RUNS
+
+
+_FLUSH: list[Any] = []
+
+
+def _l2_flush(cp: Any) -> Callable[[Any], None]:
+    """A write of twice the device's L2 cache (at least 64 MiB), as a function of the stream."""
+    if not _FLUSH:
+        try:
+            l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 0))
+        except Exception:  # noqa: BLE001
+            l2 = 0
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            _FLUSH.append(cp.empty(max(2 * l2, 64 << 20), dtype=cp.uint8))
+    buf = _FLUSH[0]
+
+    def flush(stream: Any) -> None:
+        cp.cuda.runtime.memsetAsync(int(buf.data.ptr), 0, int(buf.nbytes), stream.ptr)
+
+    return flush
+
+
+def _graph_us(cp: Any, stream: Any, body: Callable[[], Any]) -> float:
+    """Microseconds per ``body()``, from a replayed graph of TUNE_LAUNCHES of them."""
+    stream.begin_capture()
+    try:
+        for _ in range(TUNE_LAUNCHES):
+            body()
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream)
+    begin, end = cp.cuda.Event(), cp.cuda.Event()
+    begin.record(stream)
+    for _ in range(TUNE_RUNS):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / (TUNE_RUNS * TUNE_LAUNCHES)
 
 
 def _nk_copy(cp: Any, weight: Any) -> Any:
