@@ -155,6 +155,14 @@ OPTIONS: tuple[Option, ...] = (
         "skinny-product kernels with their epilogues fused; off: they run on cuBLAS.",
     ),
     Option(
+        "triton_attention",
+        "DSP_TRITON_ATTENTION",
+        "bool",
+        True,
+        "dsp-triton runs decode attention (scores with scale and mask, softmax, the weighted sum) as one "
+        "kernel with an online softmax; off: the scores product, the softmax and the weighted sum separately.",
+    ),
+    Option(
         "cublas_tf32",
         "DSP_CUBLAS_TF32",
         "bool",

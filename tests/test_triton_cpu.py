@@ -423,3 +423,118 @@ def test_products_stay_on_cublas_when_switched_off(monkeypatch: pytest.MonkeyPat
     plan, part = m.plan(), m.partition()
     templates = {g.template for seg in part.segments for g in propose_groups(plan, seg.slots, TritonPolicy()).groups}
     assert "matmul" in templates and "product" not in templates
+
+
+# -- decode attention (T4) ---------------------------------------------------------------------
+def _decode_groups(name: str, monkeypatch: pytest.MonkeyPatch | None = None) -> tuple[object, list]:
+    m = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    z = np.load(FIXTURES / f"{name}.golden.npz")
+    m.run({k: z["step1." + k] for k in m.input_names})
+    plan, part = m.plan(), m.partition()
+    return plan, [g for seg in part.segments for g in propose_groups(plan, seg.slots, TritonPolicy()).groups]
+
+
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
+def test_exported_attention_is_one_decode_attention_group(name: str) -> None:
+    plan, groups = _decode_groups(name)
+    attention = [g for g in groups if g.template == "decode_attention"]
+    assert len(attention) == 2  # one per layer of the 2-layer fixtures
+    for g in attention:
+        ops = [plan.slots[s].op for s in g.slots]
+        assert ops.count("MatMul") == 2 and ops.count("Softmax") == 1
+    assert not [g for g in groups if g.template == "row_reduction" and plan.slots[g.slots[0]].op == "Softmax"]
+
+
+def test_attention_stays_three_kernels_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSP_TRITON_ATTENTION", "0")
+    _, groups = _decode_groups("llama_eager")
+    assert not [g for g in groups if g.template == "decode_attention"]
+
+
+def _softmax_graph(weight_constant: bool, axis: int = -1, scores_out: bool = False):
+    rng = np.random.default_rng(0)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [1, 4, 1, 16])
+    w = g.constant(rng.standard_normal((16, 32)).astype(np.float32)) if weight_constant else None
+    k = g.placeholder("k", "float32", [1, 4, 16, 32])
+    scores = g.MatMul(x, w if weight_constant else k)
+    probs = g.Softmax(scores, axis=axis)
+    v = g.placeholder("v", "float32", [1, 4, 32, 8])
+    g.output(g.MatMul(probs, v), "y")
+    if scores_out:
+        g.output(scores, "scores")
+    return g.build()
+
+
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        ({"weight_constant": True}, "a classifier head (constant weights) is not attention"),
+        ({"weight_constant": False, "axis": 1}, "a softmax over another axis"),
+        ({"weight_constant": False, "scores_out": True}, "scores read outside"),
+    ],
+)
+def test_what_is_not_decode_attention(kw, why: str, tmp_path: Path) -> None:
+    import onnx
+
+    from dsp_core.ir.onnx_export import to_onnx
+
+    path = tmp_path / "m.onnx"
+    onnx.save(to_onnx(_softmax_graph(**kw)), str(path))
+    m = dsp.compile(path, mode="slot_by_slot")
+    rng = np.random.default_rng(1)
+    feeds = {
+        "x": rng.standard_normal((1, 4, 1, 16)).astype(np.float32),
+        "k": rng.standard_normal((1, 4, 16, 32)).astype(np.float32),
+        "v": rng.standard_normal((1, 4, 32, 8)).astype(np.float32),
+    }
+    m.run({n: feeds[n] for n in m.input_names})
+    plan, part = m.plan(), m.partition()
+    groups = [g for seg in part.segments for g in propose_groups(plan, seg.slots, TritonPolicy()).groups]
+    assert not [g for g in groups if g.template == "decode_attention"], why
+
+
+def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() -> None:
+    n = codegen.NodeSpec
+    nodes = [
+        n("Transpose", (2,), (3,), {"perm": [0, 1, 3, 2]}),
+        n("MatMul", (1, 3), (4,)),
+        n("Softmax", (4,), (5,), {"axis": -1}, opset=13),
+        n("MatMul", (5, 6), (7,)),
+    ]
+    shapes = {
+        1: ((1, 4, 1, 16), "float16"),
+        2: ((1, 4, 300, 16), "float16"),
+        3: ((1, 4, 16, 300), "float16"),
+        4: ((1, 4, 1, 300), "float16"),
+        5: ((1, 4, 1, 300), "float16"),
+        6: ((1, 4, 300, 16), "float16"),
+        7: ((1, 4, 1, 16), "float16"),
+    }
+    spec = _spec("decode_attention", nodes, shapes, [1, 2, 6], [7])
+    kernel = codegen.generate(spec)
+    assert kernel.name.startswith("dsp_attn_") and kernel.grid == (4, 1, 1)
+    assert "for l0 in range(0, 300," in kernel.source and "att_alpha" in kernel.source
+    assert kernel.source.count("tl.store(") == 1  # scores and probabilities never leave the kernel
+    prefill = dict(shapes)
+    prefill.update({1: ((1, 4, 7, 16), "float16"), 4: ((1, 4, 7, 300), "float16")})
+    prefill.update({5: ((1, 4, 7, 300), "float16"), 7: ((1, 4, 7, 16), "float16")})
+    spec7 = _spec("decode_attention", nodes, prefill, [1, 2, 6], [7])
+    with pytest.raises(codegen.Unsupported, match="query rows"):
+        codegen.generate(spec7)
+    parts = codegen.attention_parts(spec7)
+    assert [p.template for p, _ in parts] == ["product", "row_reduction", "product"]
+    assert [idxs for _, idxs in parts] == [[0, 1], [2], [3]]
+    assert all(codegen.generate(p).source for p, _ in parts)
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_decode_attention_matches_the_reference_under_the_interpreter() -> None:
+    """GQA ratios 1, 3, 4; valid lengths 1, 255, 257, L-1, L (tests/triton_interp/attention_graphs.py)."""
+    script = Path(__file__).parent / "triton_interp" / "attention_graphs.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not [r for r in results if r["status"] != "ok"]
+    assert sum(r["template"] == "decode_attention" for r in results) == 5

@@ -333,6 +333,20 @@ class FusionPolicy:
         """Kernels one step launches for a group."""
         return 1
 
+    def absorbs(self, plan: Plan, group: GroupView, s: int, other: GroupView) -> bool:
+        """True when ``group``, which slot ``s`` just joined, should take all of ``other`` too.
+
+        ``other`` is another group that produces an input of ``s``; the core asks only when
+        the two are independent (neither depends on the other), so the merge makes no
+        cycle. A product taking the index arithmetic of its second operand (GQA's expand of
+        the V cache) as a prologue is the case. The default never merges.
+        """
+        return False
+
+    def merged(self, group: GroupView, other: GroupView) -> str:
+        """The template of ``group`` once it absorbed ``other``."""
+        return group.template
+
 
 class ReferencePolicy(FusionPolicy):
     """The reference grouping policy: the Triton templates fusion.md describes, backend-neutral.
@@ -491,8 +505,12 @@ class _Grouper:
                 chosen = self._open(s, pattern)
             else:
                 self._join(chosen, s, pattern)
+            for g in dict.fromkeys(reversed(preds)):
+                if g != chosen and self.groups[g].slots and self._absorbable(chosen, g, s):
+                    self._merge(chosen, g)
             for g in set(preds) - {chosen}:
-                self.reasons.setdefault((g, s), f"slot {s} joined group {chosen} first")
+                if self.groups[g].slots:
+                    self.reasons.setdefault((g, s), f"slot {s} joined group {chosen} first")
 
     def _legal(self, g: int, s: int, pattern: SlotPattern) -> str | None:
         """The core's rules, then the policy's; None when slot ``s`` may join group ``g``."""
@@ -531,6 +549,39 @@ class _Grouper:
         if len(self._inputs_with(group, s)) > self.policy.limits.max_inputs:
             return f"the group would read more than {self.policy.limits.max_inputs} inputs, the template limit"
         return self.policy.merge_ok(plan, group, s, pattern)
+
+    def _absorbable(self, g: int, h: int, s: int) -> bool:
+        """True when group ``h`` may merge into ``g`` (which ``s`` just joined): independent, within limits."""
+        if g in self.ancestors[h]:
+            return False  # h depends on g (other than through s): one kernel cannot hold both
+        others = self.ancestors[g] - {h}
+        if h in self.ancestors[g] and any(h in self.ancestors[k] for k in others):
+            return False  # g depends on h through another group: merging would make a cycle
+        group, other = self.groups[g], self.groups[h]
+        if len(group.slots) + len(other.slots) > self.policy.limits.max_nodes:
+            return False
+        if any(self.patterns[m].kind is PatternKind.OPAQUE for m in other.slots):
+            return False
+        return self.policy.absorbs(self.plan, group, s, other)
+
+    def _merge(self, g: int, h: int) -> None:
+        """Group ``h``'s slots into ``g``; ``h`` is left empty (result() drops it)."""
+        group, other = self.groups[g], self.groups[h]
+        group.template = self.policy.merged(group, other)
+        for m in other.slots:
+            self.group_of[m] = g
+            group.slots.append(m)
+        group.slots.sort()
+        group.reductions = sorted({*group.reductions, *other.reductions})
+        group.reduction = group.reduction or other.reduction
+        other.slots = []
+        merged = (self.ancestors[g] | self.ancestors[h]) - {g, h}
+        self.ancestors[g] = merged
+        self.ancestors[h] = set()
+        for k, anc in enumerate(self.ancestors):
+            if k != g and (h in anc or g in anc):
+                anc.discard(h)
+                anc |= {g} | merged
 
     def _producer_in(self, r: int, members: set[int]) -> int | None:
         return next((m for m in members if r in self.plan.slots[m].outputs), None)
@@ -611,6 +662,7 @@ class _Grouper:
     def _schedule(self) -> list[int]:
         """Groups in dependency order, the one holding the earliest slot first among those ready."""
         n = len(self.groups)
+        live = sum(1 for g in self.groups if g.slots)  # merged groups are empty
         succ: list[set[int]] = [set() for _ in range(n)]
         indegree = [0] * n
         for s in self.slots:
@@ -619,7 +671,7 @@ class _Grouper:
                 if a != b and b not in succ[a]:
                     succ[a].add(b)
                     indegree[b] += 1
-        ready = [(min(g.slots), g.index) for g in self.groups if indegree[g.index] == 0]
+        ready = [(min(g.slots), g.index) for g in self.groups if g.slots and indegree[g.index] == 0]
         heapq.heapify(ready)
         order: list[int] = []
         while ready:
@@ -629,7 +681,7 @@ class _Grouper:
                 indegree[h] -= 1
                 if indegree[h] == 0:
                     heapq.heappush(ready, (min(self.groups[h].slots), h))
-        if len(order) != n:  # the cycle check makes this unreachable; say so loudly if it is not
+        if len(order) != live:  # the cycle check makes this unreachable; say so loudly if it is not
             from dsp_core.errors import DSPError
 
             raise DSPError(

@@ -152,3 +152,24 @@ def test_products_for_every_row_count(dtype: str) -> None:
         model = _product_model(m, 300, 200, dtype, "triton", residual=False)
         for i in range(4):
             _close(model.run(feeds), want, f"{dtype} rows {m} run {i}")
+
+
+# -- decode attention (T4) ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str) -> None:
+    """GQA ratios 1, 3, 4 and valid lengths 1, 255, 257, L-1, L: one kernel, captured, replaying."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triton_interp"))
+    import attention_graphs as ag
+
+    for heads, kv, length, valid, dim in ag.CASES:
+        feeds = ag.feeds(heads, kv, length, valid, dim, dtype)
+        want = ag.model(heads, kv, length, dim, "slot_by_slot", dtype).run(feeds)
+        model = ag.model(heads, kv, length, dim, "triton", dtype, strict=True)
+        for i in range(5):
+            _close(model.run(feeds), want, f"attention {heads}/{kv} L{length} valid {valid} {dtype} run {i}")
+        assert model.dsp.phase is PlanPhase.REPLAYING
+        groups = [r for r in _reports(model) if r["template"] == "decode_attention"]
+        assert len(groups) == 1 and groups[0]["status"] == "triton", groups
+        assert groups[0]["kernel"].startswith("dsp_attn_")

@@ -199,7 +199,8 @@ class _Gen:
         self.row_idx: Idx | None = None
         self.scalars: dict[int, str] = {}  # row template: reduction outputs per program
         self.rowvals: dict[int, str] = {}  # row template: Softmax/LayerNorm outputs (lane vectors)
-        self.product: tuple[int, str, tuple[str, ...]] | None = None  # product template: (value, name, lane dims)
+        # product and attention templates: value -> (its name, the lane index it exists at)
+        self.lane_values: dict[int, tuple[str, tuple[str, ...]]] = {}
 
     # -- indexes -------------------------------------------------------------------------
     def unflatten(self, flat: str, shape: Sequence[int], lane: bool) -> Idx:
@@ -310,10 +311,11 @@ class _Gen:
     def _compute(self, v: int, idx: Idx) -> tuple[str, bool]:
         if v in self.scalars:
             return self._scalar_at(v, idx)
-        if self.product is not None and v == self.product[0]:
-            if idx.dims != self.product[2]:
-                raise Unsupported("the product's value read at another index than its own lane")
-            return self.product[1], True
+        if v in self.lane_values:
+            name, lane_dims = self.lane_values[v]
+            if idx.dims != lane_dims:
+                raise Unsupported("a product's value read at another index than its own lane")
+            return name, True
         if v not in self.producer:
             raise Unsupported(f"value {v} is neither read nor computed by the group")
         node, k = self.producer[v]
@@ -927,7 +929,7 @@ def _product(
             cv, c_varies = gen.value(c, gen.broadcast(lane, out_spec.shape, spec.values[c].shape))
             cf = gen._up((cv, spec.values[c].dtype, c_varies))
             y = f"{y} + {cf}" if beta == 1.0 else f"{y} + {beta} * {cf}"
-    gen.product = (out, em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
+    gen.lane_values[out] = (em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
     stores: list[tuple[int, Idx]] = []
     for v in spec.outputs:
         oshape = spec.values[v].shape
@@ -936,6 +938,192 @@ def _product(
         stores.append((v, gen.reshape(lane, out_spec.shape, oshape)))
     grid = (max(1, batch_numel) * n_blocks, 1, 1)
     return stores, grid, bn, warps
+
+
+# -- decode attention (T4): scores, softmax and the weighted sum in one kernel ---------------
+def attention_nodes(spec: GroupSpec) -> tuple[NodeSpec, NodeSpec, NodeSpec]:
+    """The scores product, the Softmax and the weighted-sum product of an attention group."""
+    products = [n for n in spec.nodes if n.op == "MatMul" and n.domain in ("", "ai.onnx")]
+    softmax = [n for n in spec.nodes if n.op == "Softmax"]
+    if len(products) != 2 or len(softmax) != 1:
+        raise Unsupported(f"an attention group of {len(products)} products and {len(softmax)} softmaxes (parts)")
+    p1, sm, p2 = products[0], softmax[0], products[1]
+    if not spec.nodes.index(p1) < spec.nodes.index(sm) < spec.nodes.index(p2):
+        raise Unsupported("an attention group whose products and softmax are out of order")
+    return p1, sm, p2
+
+
+def attention_configs(spec: GroupSpec) -> list[dict[str, int]]:
+    """KV positions per loop step (BLOCK_L) and warps the tuner times; the first is the default."""
+    p1, _, _ = attention_nodes(spec)
+    out = p1.outputs[0]
+    length = spec.values[out].shape[-1] if out is not None and out in spec.values else 64
+    blocks = [b for b in (64, 32, 128) if b <= max(32, _pow2(length))]
+    return [{"block_l": b, "num_warps": w} for b in blocks for w in (4, 2)]
+
+
+def attention_parts(spec: GroupSpec) -> list[tuple[GroupSpec, list[int]]]:
+    """An attention group as separate kernels, for layouts the one-kernel template declines (prefill).
+
+    The scores product with its prologue and epilogue (``product``), the softmax with the
+    casts after it (``row_reduction``), the weighted sum with V's index arithmetic and its
+    epilogue (``product``; absent from a group that holds no weighted sum); each with the
+    indexes of its nodes in ``spec.nodes``. The values between parts are stored (row-major).
+    """
+    nodes = spec.nodes
+    products = [j for j, n in enumerate(nodes) if n.op == "MatMul"]
+    softmax = [j for j, n in enumerate(nodes) if n.op == "Softmax"]
+    if not products or len(softmax) != 1 or len(products) > 2 or not products[0] < softmax[0]:
+        raise Unsupported("an attention group that is not scores, softmax and a weighted sum")
+    i_sm = softmax[0]
+    i_p2 = products[1] if len(products) == 2 else len(nodes)
+    if i_p2 < i_sm:
+        raise Unsupported("an attention group whose products and softmax are out of order")
+    sm = nodes[i_sm]
+    producer = {v: j for j, n in enumerate(nodes) for v in n.outputs if v is not None}
+    v_side: set[int] = set()
+    if i_p2 < len(nodes):
+        stack = [nodes[i_p2].inputs[1]]
+        while stack:
+            r = stack.pop()
+            j = producer.get(r) if r is not None else None
+            if j is not None and j not in v_side and j != i_sm and nodes[j].op not in ("Softmax", "MatMul"):
+                v_side.add(j)
+                stack.extend(nodes[j].inputs)
+    part_a = [j for j in range(i_sm) if j not in v_side]
+    part_b = [j for j in range(i_sm, i_p2) if j not in v_side]
+    part_c = sorted(v_side | set(range(i_p2, len(nodes)))) if i_p2 < len(nodes) else []
+    x_in = sm.inputs[0]
+    a = nodes[i_p2].inputs[0] if part_c else None
+    assert x_in is not None
+    values = dict(spec.values)
+    for v in (x_in, a):
+        if v is not None:
+            values[v] = TensorSpec(values[v].shape, values[v].dtype, tuple(_row_major(values[v].shape)))
+    plan: list[tuple[str, list[int], list[int], list[int]]] = [("product", part_a, [], [x_in])]
+    if part_c:
+        assert a is not None
+        plan += [("row_reduction", part_b, [x_in], [a]), ("product", part_c, [a], list(spec.outputs))]
+    else:
+        plan += [("row_reduction", part_b, [x_in], list(spec.outputs))]
+    out: list[tuple[GroupSpec, list[int]]] = []
+    for template, idxs, extra_in, outs in plan:
+        made = {v for j in idxs for v in nodes[j].outputs if v is not None}
+        reads = [r for j in idxs for r in nodes[j].inputs if r is not None and r not in made]
+        inputs = [r for r in dict.fromkeys([*extra_in, *reads]) if r in spec.inputs or r in extra_in]
+        part = GroupSpec(template, [nodes[j] for j in idxs], values, inputs, outs, spec.constants)
+        out.append((part, idxs))
+    return out
+
+
+def _attention(
+    gen: _Gen, spec: GroupSpec, config: dict[str, int] | None
+) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
+    """One program per (batch, head): q.K over the KV positions in blocks, online softmax, P@V."""
+    p1, sm, p2 = attention_nodes(spec)
+    q, k, scores = p1.inputs[0], p1.inputs[1], p1.outputs[0]
+    a, v, out = p2.inputs[0], p2.inputs[1], p2.outputs[0]
+    x_in, probs = sm.inputs[0], sm.outputs[0]
+    if None in (q, k, scores, a, v, out, x_in, probs):
+        raise Unsupported("an attention group with a missing operand")
+    assert q is not None and k is not None and scores is not None and a is not None
+    assert v is not None and out is not None and x_in is not None and probs is not None
+    sv, ov = spec.values[scores], spec.values[out]
+    qv, kv, vv = spec.values[q], spec.values[k], spec.values[v]
+    if min(len(qv.shape), len(kv.shape), len(vv.shape), len(spec.values[a].shape)) < 2:
+        raise Unsupported("attention over operands of rank below 2")
+    if qv.shape[-2] != 1:
+        raise Unsupported(f"attention for {qv.shape[-2]} query rows (the decode template takes one)")
+    d, length, d2 = qv.shape[-1], kv.shape[-1], vv.shape[-1]
+    if kv.shape[-2] != d or vv.shape[-2] != length or spec.values[a].shape[-1] != length:
+        raise Unsupported("attention operands whose sizes do not chain")
+    if int(sm.attrs.get("axis", -1)) % len(spec.values[x_in].shape) != len(spec.values[x_in].shape) - 1:
+        raise Unsupported("a softmax over other than the last axis")
+    same = tuple(spec.values[a].shape) == tuple(spec.values[probs].shape)
+    if tuple(spec.values[x_in].shape) != tuple(sv.shape) or not same:
+        raise Unsupported("ops between the products and the softmax change the shape")
+    batch = tuple(ov.shape[:-2])
+    if tuple(sv.shape[:-2]) != batch or ov.shape[-2] != 1:
+        raise Unsupported("scores and output of different batch shapes")
+    if any(spec.values[x].dtype not in FLOATS for x in (q, k, v)):
+        raise Unsupported("attention over non-float operands")
+    between: list[NodeSpec] = []  # the ops from the probabilities to the weighted sum's operand
+    at_value: int | None = a
+    while at_value != probs:
+        found = gen.producer.get(at_value) if at_value is not None else None
+        if found is None:
+            raise Unsupported("the weighted sum's operand does not come from the softmax")
+        between.append(found[0])
+        at_value = found[0].inputs[0]
+    if any(n.op not in ("Cast", "CastLike", "Identity") for n in between):
+        # an online softmax has the probabilities only up to a positive scale until the end
+        raise Unsupported("ops other than casts between the softmax and the weighted sum")
+    cfg = config or attention_configs(spec)[0]
+    bl, warps = int(cfg["block_l"]), int(cfg.get("num_warps", 4))
+    bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
+    em = gen.em
+    em.lines.append("    pid = tl.program_id(0)")
+    bidx = (
+        gen.unflatten("pid", batch, lane=False)
+        if math.prod(batch) > 1
+        else Idx(tuple("0" for _ in batch), tuple(False for _ in batch))
+    )
+
+    def at(x: int, pair: tuple[str, str]) -> Idx:
+        shape = spec.values[x].shape
+        head = gen.broadcast(bidx, batch, shape[:-2]) if batch else Idx((), ())
+        tail = tuple(e if shape[len(shape) - 2 + j] != 1 else "0" for j, e in enumerate(pair))
+        return Idx((*head.dims, *tail), (*head.lane, *(e != "0" for e in tail)))
+
+    em.lines.append(f"    rd = tl.arange(0, {bd})")
+    em.lines.append(f"    rv = tl.arange(0, {bd2})")
+    gen.mask = f"rd < {d}"
+    xq, _ = gen.value(q, at(q, ("0", "rd")))
+    em.lines.append("    att_m = tl.full([], float('-inf'), tl.float32)")
+    em.lines.append("    att_l = tl.full([], 0.0, tl.float32)")
+    em.lines.append(f"    att_acc = tl.zeros([{bd2}], dtype=tl.float32)")
+    outer = (gen.em, gen.memo, gen.mask)
+    loop = _Emitter(tag="k", indent="        ")
+    gen.em, gen.memo = loop, {}
+    gen.mask = f"(rl[:, None] < {length}) & (rd[None, :] < {d})"
+    xk, _ = gen.value(k, at(k, ("rd[None, :]", "rl[:, None]")))
+    loop.lines.append(f"        att_s = tl.sum({xq}[None, :].to(tl.float32) * {xk}.to(tl.float32), axis=1)")
+    lane_l = at(scores, ("0", "rl"))
+    gen.lane_values[scores] = (loop.let(f"att_s.to({_tl(sv.dtype)})", True, "p"), lane_l.dims)
+    gen.mask = f"rl < {length}"
+    xs, _ = gen.value(x_in, lane_l)
+    loop.lines += [
+        f"        att_x = tl.where(rl < {length}, {xs}.to(tl.float32), float('-inf'))",
+        "        att_mnew = tl.maximum(att_m, tl.max(att_x, axis=0))",
+        "        att_muse = tl.where(att_mnew == float('-inf'), 0.0, att_mnew)",
+        "        att_alpha = tl.exp(att_m - att_muse)",
+        "        att_p = tl.exp(att_x - att_muse)",
+        "        att_l = att_l * att_alpha + tl.sum(att_p, axis=0)",
+    ]
+    gen.lane_values[probs] = ("att_p", at(probs, ("0", "rl")).dims)
+    xa, _ = gen.value(a, at(a, ("0", "rl")))
+    gen.mask = f"(rl[:, None] < {length}) & (rv[None, :] < {d2})"
+    xv, _ = gen.value(v, at(v, ("rl[:, None]", "rv[None, :]")))
+    loop.lines += [
+        f"        att_acc = att_acc * att_alpha + tl.sum({xa}[:, None].to(tl.float32) * {xv}.to(tl.float32), axis=0)",
+        "        att_m = att_mnew",
+    ]
+    gen.em, gen.memo, gen.mask = outer
+    em.lines.append(f"    for l0 in range(0, {length}, {bl}):")
+    em.lines.append(f"        rl = l0 + tl.arange(0, {bl})")
+    em.lines.extend(loop.lines)
+    em.lines.append(f"    mask = rv < {d2}")
+    lane = at(out, ("0", "rv"))
+    gen.lane_values.pop(scores, None)
+    gen.lane_values.pop(probs, None)
+    gen.lane_values[out] = (em.let(f"(att_acc / att_l).to({_tl(ov.dtype)})", True, "p"), lane.dims)
+    stores: list[tuple[int, Idx]] = []
+    for o in spec.outputs:
+        oshape = spec.values[o].shape
+        if math.prod(oshape) != math.prod(ov.shape):
+            raise Unsupported(f"an output of {list(oshape)} in an attention group of {list(ov.shape)}")
+        stores.append((o, gen.reshape(lane, ov.shape, oshape)))
+    return stores, (max(1, math.prod(batch)), 1, 1), bl, warps
 
 
 def _warps(n: int) -> int:
@@ -951,8 +1139,8 @@ def generate(
     (the same layer's norm in every layer) share one compiled binary.
     """
     for node in spec.nodes:
-        if spec.template == "product" and node.op in PRODUCT_OPS:
-            continue  # the anchor: product_node checks there is one
+        if spec.template in ("product", "decode_attention") and node.op in PRODUCT_OPS:
+            continue  # the anchors: product_node / attention_nodes check them
         if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
             raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
     gen = _Gen(spec)
@@ -965,6 +1153,8 @@ def generate(
     stores: list[tuple[int, Idx]] = []
     if spec.template == "product":
         stores, grid, block_size, warps = _product(gen, spec, config)
+    elif spec.template == "decode_attention":
+        stores, grid, block_size, warps = _attention(gen, spec, config)
     elif spec.template == "row_reduction":
         reductions = [n for n in spec.nodes if n.op in _ROW_VALUED]
         src = reductions[0].inputs[0] if reductions else None
@@ -1020,7 +1210,7 @@ def generate(
     n_in = len(gen.args)
     body = list(gen.em.lines)
     for k, (expr, varies, off, off_varies, tl_dtype) in enumerate(stored):
-        if spec.template == "product" and not varies:
+        if spec.template in ("product", "decode_attention") and not varies:
             raise Unsupported("a product group's output that does not depend on the product")
         if off_varies or varies:
             val = f"{expr}.to({tl_dtype})" if varies else f"tl.full([{block_size}], {expr}, {tl_dtype})"
@@ -1045,7 +1235,7 @@ def generate(
     )
     args = (*gen.args, *(v for v, _ in stores))
     tag = hashlib.blake2b(source.encode(), digest_size=5).hexdigest()
-    prefix = {"row_reduction": "row", "product": "mm"}.get(spec.template, "pw")
+    prefix = {"row_reduction": "row", "product": "mm", "decode_attention": "attn"}.get(spec.template, "pw")
     name = f"dsp_{prefix}_{tag}"
     source = source.replace("def KERNEL(", f"def {name}(", 1)
     return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template)
@@ -1118,6 +1308,9 @@ __all__ = [
     "NodeSpec",
     "TensorSpec",
     "Unsupported",
+    "attention_configs",
+    "attention_nodes",
+    "attention_parts",
     "data_inputs",
     "generate",
     "kv_store",

@@ -89,6 +89,15 @@ class _Compiled:
         # input flat -> (the constant's address, the copy the kernel reads instead): weights
         # transposed once to the layout the product streams best
         self.substitutes: dict[int, tuple[int, Any]] = {}
+        # a group run as several kernels (an attention the one-kernel template declines):
+        # each part launched in order, the values between them stored
+        self.parts: list[_Compiled] = []
+
+    def pointer_args(self) -> set[int]:
+        """Value ids the kernel(s) read through pointers."""
+        if self.parts:
+            return set().union(*(p.pointer_args() for p in self.parts))
+        return set(self.kernel.args[: self.kernel.n_inputs])
 
     def empty_outputs(self, cp: Any) -> dict[int, Any]:
         return {
@@ -207,27 +216,33 @@ class FusedGroup:
         return self._launch(compiled, inputs)
 
     def _launch(self, compiled: _Compiled, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        by_flat = dict(zip(self.in_flats, inputs))
+        for part in compiled.parts or [compiled]:
+            self._launch_part(part, by_flat)
+        return tuple(by_flat[o] for o in self.out_flats)
+
+    def _launch_part(self, compiled: _Compiled, by_flat: dict[int, Any]) -> None:
+        """Launch one kernel (after its head steps) on the values in ``by_flat``; add what it stores."""
         cp = self.cp
         kernel = compiled.kernel
-        by_flat = dict(zip(self.in_flats, inputs))
+        reads = dict(by_flat)
         for flat, (address, copy) in compiled.substitutes.items():
-            if int(by_flat[flat].data.ptr) != address:
+            if int(reads[flat].data.ptr) != address:
                 if self.capturing():
                     raise CaptureFailed(f"fusion group {self.report.index}'s weight moved during capture")
-                copy = _nk_copy(cp, by_flat[flat])
-                compiled.substitutes[flat] = (int(by_flat[flat].data.ptr), copy)
-            by_flat[flat] = copy
+                copy = _nk_copy(cp, reads[flat])
+                compiled.substitutes[flat] = (int(reads[flat].data.ptr), copy)
+            reads[flat] = copy
         for step, ins, out, _ in compiled.head:
-            got = step(*[by_flat.get(i) for i in ins])
-            if isinstance(out, int):
-                by_flat[out] = got
-            else:
-                by_flat.update(zip(out, got))
+            got = step(*[reads.get(i) for i in ins])
+            made = {out: got} if isinstance(out, int) else dict(zip(out, got))
+            reads.update(made)
+            by_flat.update(made)
         outs = compiled.empty_outputs(cp)
-        ptrs = [int(by_flat[v].data.ptr) for v in kernel.args[: kernel.n_inputs]]
+        ptrs = [int(reads[v].data.ptr) for v in kernel.args[: kernel.n_inputs]]
         ptrs += [int(outs[v].data.ptr) for v in kernel.args[kernel.n_inputs :]]
         compiled.launch(ptrs, cp.cuda.get_current_stream().ptr)
-        return tuple(outs[o] if o in outs else by_flat[o] for o in self.out_flats)
+        by_flat.update(outs)
 
     def _spec(self, inputs: Sequence[Any]) -> tuple[codegen.GroupSpec, tuple[Any, ...], dict[int, Any]]:
         ref_outs, local = self.reference(inputs, keep=True)
@@ -281,30 +296,31 @@ class FusedGroup:
     def _compile_untraced(self, inputs: Sequence[Any], key: tuple[Any, ...]) -> _Compiled | None:
         start = time.perf_counter()
         self._baked: dict[int, np.ndarray] = {}
-        head: list[Step] = []
-        substitutes: dict[int, tuple[int, Any]] = {}
         try:
             spec, ref_outs, local = self._spec(inputs)
-            if spec.template == "product":
-                spec, head, substitutes = self._product_spec(spec, local)
-            kernel = codegen.generate(spec)
+            pieces = self._pieces(spec, local)
+            kernels = [codegen.generate(piece) for piece, _, _ in pieces]
         except codegen.Unsupported as exc:
             self._settle("reference", str(exc))
             return None
-        shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
-        for v in kernel.args[: kernel.n_inputs]:
-            x = local[v]
-            if isinstance(x, np.ndarray):
-                self._settle("reference", f"input {v} is a host array")
-                return None
+        built: list[_Compiled] = []
         try:
-            compiled = self._build(kernel, local, shapes)
-            compiled = self._tune(spec, compiled, local, shapes)
-            compiled.head, compiled.substitutes = head, substitutes
+            for (piece, head, substitutes), kernel in zip(pieces, kernels):
+                for v in kernel.args[: kernel.n_inputs]:
+                    if isinstance(local[v], np.ndarray):
+                        self._settle("reference", f"input {v} is a host array")
+                        return None
+                shapes = {v: (piece.values[v].shape, np.dtype(piece.values[v].dtype)) for v in piece.outputs}
+                one = self._tune(piece, self._build(kernel, local, shapes), local, shapes)
+                one.head, one.substitutes = head, substitutes
+                built.append(one)
         except Exception as exc:  # noqa: BLE001  (a compiler error: this group runs its reference kernels)
             self._settle("reference", f"Triton failed to compile it: {type(exc).__name__}: {str(exc)[:300]}")
             log.warning("DSP TRITON: group %d (%s): %s", self.report.index, self.report.template, self.report.reason)
             return None
+        compiled = built[0] if len(built) == 1 else _Compiled(built[-1].binary, built[-1].kernel, {})
+        if len(built) > 1:
+            compiled.parts = built
         got = self._launch(compiled, inputs)
         bad = _mismatch(got, ref_outs, self.tolerance, self.cp)
         self.report.compile_ms += (time.perf_counter() - start) * 1000
@@ -319,11 +335,11 @@ class FusedGroup:
             log.warning(message)
             return None
         fresh = _Compiled(compiled.binary, compiled.kernel, compiled.shapes)  # its own record of constants
-        fresh.head, fresh.substitutes = compiled.head, compiled.substitutes
+        fresh.head, fresh.substitutes, fresh.parts = compiled.head, compiled.substitutes, compiled.parts
         compiled = fresh
         # Inputs whose values shaped the source: shape-like inputs (they fixed the concrete
         # shapes), literals; with a constant computed inside the group, every small input.
-        pointers = set(compiled.kernel.args[: compiled.kernel.n_inputs])
+        pointers = compiled.pointer_args()
         inside = any(v not in self.in_flats for v in self._baked)
         for flat, x in zip(self.in_flats, inputs):
             if x is None or (flat in pointers and flat not in self._baked and not inside):
@@ -340,12 +356,37 @@ class FusedGroup:
         self.report.kernel = compiled.kernel.name
         if not self.report.config:
             self.report.config = {"block": compiled.kernel.block, "num_warps": compiled.kernel.num_warps}
-        if compiled.head:
+        if compiled.parts:
+            self.report.kernel = "+".join(part.kernel.name for part in compiled.parts)
+            self.report.reason = f"{len(compiled.parts)} kernels for this layout: {kernels[0].template} rows"
+        elif compiled.head:
             self.report.reason = "the product runs on cuBLAS, its epilogue as this kernel"
         return compiled
 
-    def _product_spec(
+    def _pieces(
         self, spec: codegen.GroupSpec, local: dict[int, Any]
+    ) -> list[tuple[codegen.GroupSpec, list[Step], dict[int, tuple[int, Any]]]]:
+        """The kernels that run a group for this layout: one, or an attention's three parts."""
+        if spec.template == "decode_attention":
+            try:
+                codegen.generate(spec)
+                return [(spec, [], {})]
+            except codegen.Unsupported as exc:
+                if "query rows" not in str(exc) and "(parts)" not in str(exc):
+                    raise
+            pieces = []
+            for part, idxs in codegen.attention_parts(spec):
+                if part.template == "product":
+                    pieces.append(self._product_spec(part, local, [self.steps[j] for j in idxs]))
+                else:
+                    pieces.append((part, [], {}))
+            return pieces
+        if spec.template == "product":
+            return [self._product_spec(spec, local, self.steps)]
+        return [(spec, [], {})]
+
+    def _product_spec(
+        self, spec: codegen.GroupSpec, local: dict[int, Any], steps: list[Step]
     ) -> tuple[codegen.GroupSpec, list[Step], dict[int, tuple[int, Any]]]:
         """A product group as the skinny template takes it, or as cuBLAS plus a fused epilogue.
 
@@ -358,7 +399,7 @@ class FusedGroup:
             shape = codegen.product_shape(spec)
         except codegen.Unsupported:
             j = spec.nodes.index(node)
-            return self._epilogue_spec(spec, local, j), self.steps[: j + 1], {}
+            return self._epilogue_spec(spec, local, j), steps[: j + 1], {}
         b = node.inputs[1]
         assert b is not None
         weight = local.get(b)
@@ -366,6 +407,7 @@ class FusedGroup:
         if (
             shape.body == "kn"
             and not shape.trans_b
+            and b in spec.inputs
             and b in self.in_flats
             and self.fixed(b)
             and weight is not None
@@ -456,6 +498,8 @@ class FusedGroup:
 
         if spec.template == "product":
             configs = codegen.product_configs(codegen.product_shape(spec))
+        elif spec.template == "decode_attention":
+            configs = codegen.attention_configs(spec)
         else:
             numel = max(1, math.prod(spec.values[max(spec.outputs, key=lambda v: spec.values[v].numel)].shape))
             configs = [
@@ -465,12 +509,12 @@ class FusedGroup:
             return first
 
         def build(config: dict[str, int]) -> _Compiled:
-            if spec.template == "product":
+            if spec.template in ("product", "decode_attention"):
                 return self._build(codegen.generate(spec, config=config), local, shapes)
             return self._build(codegen.generate(spec, block=config["block"]), local, shapes)
 
         def is_first(config: dict[str, int]) -> bool:
-            if spec.template == "product":
+            if spec.template in ("product", "decode_attention"):
                 return config == configs[0]  # generate's default
             return config["block"] == first.kernel.block
 
@@ -517,6 +561,7 @@ class FusedGroup:
         stream = cp.cuda.Stream(non_blocking=True)
         compiled.launch(ptrs, stream.ptr)
         flush = _l2_flush(cp)
+
         def flushed_launch() -> None:
             flush(stream)
             compiled.launch(ptrs, stream.ptr)

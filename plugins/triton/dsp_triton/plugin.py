@@ -52,7 +52,11 @@ class TritonPolicy(ReferencePolicy):
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         if group.template == "product":
+            if plan.slots[s].op == "Softmax":
+                return self._softmax_ok(plan, group, s, pattern)
             return self._epilogue_ok(plan, group, s, pattern)
+        if group.template == "decode_attention":
+            return self._attention_ok(plan, group, s, pattern)
         if pattern.kind is PatternKind.MATMUL:
             return self._prologue_ok(plan, group, s, pattern)
         if not self._generated(plan, s, pattern):
@@ -73,6 +77,10 @@ class TritonPolicy(ReferencePolicy):
         return super().merge_ok(plan, group, s, pattern)
 
     def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
+        if group.template == "decode_attention" or (
+            group.template == "product" and pattern.kind is PatternKind.ROW_REDUCTION
+        ):
+            return "decode_attention"  # scores, softmax, weighted sum: one decode-attention kernel
         if pattern.kind is PatternKind.MATMUL:
             return "product"  # a product reading through its prologue's indexes
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
@@ -104,6 +112,78 @@ class TritonPolicy(ReferencePolicy):
                     return f"slot {m}'s output is read outside the product: it must be stored"
         return None
 
+    def absorbs(self, plan: Plan, group: GroupView, s: int, other: GroupView) -> bool:
+        """A product takes the index arithmetic of its other operand; a weighted sum, its attention.
+
+        The second: ``s`` joined V's index arithmetic (GQA's expand) as a product, and
+        ``other`` is the scores-and-softmax group its probabilities come from.
+        """
+        if plan.slots[s].op not in codegen.PRODUCT_OPS or group.template not in ("product", "decode_attention"):
+            return False
+        members = {*group.slots, *other.slots}
+        if self._only_for(plan, other.slots, members) is not None:
+            return False
+        if all(other.patterns[m].kind is PatternKind.INJECTIVE for m in other.slots):
+            return True
+        if other.template != "decode_attention" or group.template != "product":
+            return False
+        waiting = sum(other.patterns[m].kind is PatternKind.MATMUL for m in other.slots) == 1
+        prologue = all(group.patterns[m].kind is PatternKind.INJECTIVE for m in group.slots if m != s)
+        made = {v for m in other.slots for v in plan.slots[m].outputs if v is not None}
+        return waiting and prologue and plan.slots[s].inputs[0] in made and plan.slots[s].op == "MatMul"
+
+    def merged(self, group: GroupView, other: GroupView) -> str:
+        return "decode_attention" if other.template == "decode_attention" else group.template
+
+    def _only_for(self, plan: Plan, slots: Sequence[int], members: set[int]) -> str | None:
+        """None when every value ``slots`` make is read only by ``members`` (and is no plan output)."""
+        readers = self._readers(plan)
+        for m in slots:
+            for v in plan.slots[m].outputs:
+                if v is None:
+                    continue
+                if v in plan.outputs or any(r not in members for r in readers.get(v, ())):
+                    return f"slot {m}'s output is read outside the group: it must be stored"
+        return None
+
+    def _softmax_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """Scores (a product of two activations, with scale and mask) followed by their softmax."""
+        if not config.get("triton_attention"):
+            return "DSP_TRITON_ATTENTION is off: softmax and products run as separate kernels"
+        anchors = [m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL]
+        if len(anchors) != 1 or plan.slots[anchors[0]].op != "MatMul":
+            return "a softmax joins only a MatMul's scores"
+        weights = plan.slots[anchors[0]].inputs[1]
+        if weights is not None and weights < 0:
+            return "the scores' second operand is a constant (a projection, not attention)"
+        slot = plan.slots[s]
+        rank = len(pattern.row) if pattern.row else 0
+        if rank == 0 or int(slot.attrs.get("axis", -1)) % rank != rank - 1:
+            return "a softmax over other than the last axis"
+        scores = group.patterns[anchors[0]].shape
+        if scores is None or pattern.row is None or tuple(pattern.row) != tuple(scores):
+            return "the softmax's rows are not the product's scores"
+        return self._only_for(plan, group.slots, {*group.slots, s})
+
+    def _attention_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """After the softmax: casts of the probabilities, their product with V, then its epilogue."""
+        anchors = [m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL]
+        op = plan.slots[s].op
+        if len(anchors) >= 2:
+            return self._epilogue_ok(plan, group, s, pattern, anchor=anchors[-1])
+        if op in ("Cast", "Identity"):
+            return None
+        if pattern.kind is not PatternKind.MATMUL or op != "MatMul":
+            return f"{op} between the softmax and the weighted sum (an online softmax takes casts only)"
+        why = product_declined(plan, s, pattern)
+        if why is not None:
+            return why
+        produced = {v for m in group.slots for v in plan.slots[m].outputs if v is not None}
+        a = plan.slots[s].inputs[0]
+        if a is None or a not in produced:
+            return "the weighted sum's first operand is not the softmax's probabilities"
+        return self._only_for(plan, group.slots, {*group.slots, s})
+
     def _readers(self, plan: Plan) -> dict[int, list[int]]:
         """Value id -> slots that read it (memoised per plan)."""
         if self._readers_of[0] is not plan:
@@ -115,7 +195,9 @@ class TritonPolicy(ReferencePolicy):
             self._readers_of = (plan, readers)
         return self._readers_of[1]
 
-    def _epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+    def _epilogue_ok(
+        self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
+    ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
@@ -123,7 +205,8 @@ class TritonPolicy(ReferencePolicy):
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
         if not self._generated(plan, s, pattern):
             return f"{op} has no Triton template"
-        anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
+        if anchor is None:
+            anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
         product = group.patterns[anchor].shape
         # Same last axis: lanes stay the product's columns (a reshape that splits heads would not).
         if pattern.shape is None or product is None or not pattern.shape or pattern.shape[-1] != product[-1]:

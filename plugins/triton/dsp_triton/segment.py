@@ -29,7 +29,7 @@ from dsp_triton.codegen import VIEW_ON_CUPY
 from dsp_triton.kernels import FusedGroup, GroupReport, KVStore
 
 # Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
-FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product"})
+FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product", "decode_attention"})
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 
 
