@@ -771,6 +771,7 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
                 print(f"      boundary slot {b['producer']} -> {b['consumer']}: {b['reason']}")
         for gap in seg.get("gaps", []):
             print(f"    gap slot {gap['slot']} {gap['op']}: {gap['reason']}")
+    print_merges(report["merges"])
     print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")
     if "units" in report:
         print(f"after {runs} run(s): plan phase {report['phase']}")
@@ -785,6 +786,7 @@ def fuse_report(path: str, backend: str | None = None, decode: bool = False, max
     """What `dsp plan fuse` prints, as a dict: groups per segment, kernels vs slots per step."""
     from dsp_core.backends.discovery import discover
     from dsp_core.plan.fusion import NO_FUSION, REFERENCE_POLICY, FusionPolicy, segment_fusion
+    from dsp_core.plan.merge import merge_report
 
     registry = discover()
     policy: FusionPolicy = REFERENCE_POLICY
@@ -814,6 +816,7 @@ def fuse_report(path: str, backend: str | None = None, decode: bool = False, max
     return {
         "model": path,
         "decode": decode,
+        "merges": merge_report(plan, model.graph),
         "policy": policy.name,
         "slots": len(plan.slots),
         "live_slots": live,
@@ -825,6 +828,19 @@ def fuse_report(path: str, backend: str | None = None, decode: bool = False, max
             name: sum(1 for g in groups if g["template"] == name) for name in sorted({g["template"] for g in groups})
         },
     }
+
+
+def print_merges(merges: dict[str, Any]) -> None:
+    """The sibling-product rewrite's lines of `dsp plan fuse` and `dsp plan explain`."""
+    if not merges["enabled"]:
+        print("merged products: off (DSP_MERGE_PRODUCTS=0)")
+    else:
+        print(f"merged products: {len(merges['merged'])} merge(s) of {merges['products_merged']} products")
+    for m in merges["merged"]:
+        parts = " + ".join(f"{p['node']} [{p['n']}]" for p in m["parts"])
+        print(f"  slot {m['slot']} {m['form']} of {m['input']!r}, K={m['k']} N={m['n']} {m['dtype']}: {parts}")
+    for u in merges["unmerged"]:
+        print(f"  not merged: {u['node']} (reads {u['input']!r}): {u['reason']}")
 
 
 def cmd_plan_fuse(args: argparse.Namespace) -> int:
@@ -839,6 +855,7 @@ def cmd_plan_fuse(args: argparse.Namespace) -> int:
         f"({report['sealed']} sealed at freeze) -> {report['kernels']} kernels per step "
         f"(policy {report['policy']}; templates {report['templates']})"
     )
+    print_merges(report["merges"])
     why = {(b["producer"], b["consumer"]): b["reason"] for b in report["boundaries"]}
     for g in report["groups"]:
         slots = " ".join(f"{s}:{op}" for s, op in zip(g["slots"], g["ops"]))
