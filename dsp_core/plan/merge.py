@@ -147,14 +147,17 @@ def _candidate(graph: Graph, position: int, node: Node) -> _Candidate | str:
     trans_b = int(attrs.get("transB", 0))
     k, n = (int(w.shape[1]), int(w.shape[0])) if trans_b else (int(w.shape[0]), int(w.shape[1]))
     bias = node.inputs[2] if len(node.inputs) > 2 else ""
+    bias_rank = 0  # 0: no bias; else the bias's rank, which the siblings' biases share (they are joined)
     if bias:
         c = graph.initializers.get(bias)
         if c is None:
             return f"its bias {bias!r} is not a constant (an initializer)"
         if tuple(c.shape) not in ((n,), (1, n)) or dtypes.normalize(c.dtype) != dtype:
-            return f"its bias {bias!r} is {c.dtype}{list(c.shape)}, not one {dtype} value per column ([{n}] or [1, {n}])"
+            shape = f"{c.dtype}{list(c.shape)}"
+            return f"its bias {bias!r} is {shape}, not one {dtype} value per column ([{n}] or [1, {n}])"
+        bias_rank = c.ndim
     alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
-    return _Candidate(position, node, ("Gemm", k, dtype, alpha, beta, trans_b, bool(bias)), k, n, dtype)
+    return _Candidate(position, node, ("Gemm", k, dtype, alpha, beta, trans_b, bias_rank), k, n, dtype)
 
 
 def _written_in_place(nodes: Sequence[Node], name: str, lo: int, hi: int, opsets: dict[str, int]) -> bool:
@@ -173,8 +176,9 @@ def _written_in_place(nodes: Sequence[Node], name: str, lo: int, hi: int, opsets
 def _describe(key: tuple[Any, ...]) -> str:
     if key[0] == "MatMul":
         return f"MatMul K={key[1]} {key[2]}"
-    form, k, dtype, alpha, beta, trans_b, bias = key
-    return f"Gemm K={k} {dtype} alpha={alpha} beta={beta} transB={trans_b} {'with' if bias else 'without'} bias"
+    form, k, dtype, alpha, beta, trans_b, bias_rank = key
+    bias = f"a rank-{bias_rank} bias" if bias_rank else "no bias"
+    return f"Gemm K={k} {dtype} alpha={alpha} beta={beta} transB={trans_b} {bias}"
 
 
 def analyse(graph: Graph, nodes: Sequence[Node]) -> tuple[list[list[_Candidate]], list[Unmerged]]:
@@ -252,11 +256,16 @@ def merge_products(graph: Graph, nodes: Sequence[Node]) -> tuple[list[Node], lis
     return out, merges
 
 
+def is_merged(slot: Any) -> bool:
+    """True for a slot (or SlotView) of the rewrite's ``dsp::MergedMatMul``."""
+    return bool(slot.op == MERGED_OP and slot.domain == MERGED_DOMAIN)
+
+
 def merges_of(plan: Any) -> list[Merge]:
     """The merged products of a compiled plan (read from its ``dsp::MergedMatMul`` slots)."""
     found: list[Merge] = []
     for slot in plan.slots:
-        if slot.op != MERGED_OP or slot.domain != MERGED_DOMAIN:
+        if not is_merged(slot):
             continue
         k_parts = len(slot.outputs)
         weights = slot.inputs[1 : 1 + k_parts]
@@ -308,6 +317,7 @@ __all__ = [
     "analyse",
     "concatenated_weight",
     "enabled",
+    "is_merged",
     "merge_products",
     "merge_report",
     "merges_of",
