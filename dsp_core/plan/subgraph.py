@@ -89,8 +89,10 @@ def _merged_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
         if slot.attrs.get("bias"):
             nodes.append(helper.make_node("Concat", names[1 + k :], [tmp + "c"], name=tmp + "c", axis=-1))
             product_inputs.append(tmp + "c")
-        attrs = {"alpha": float(slot.attrs.get("alpha", 1.0)), "beta": float(slot.attrs.get("beta", 1.0))}
-        nodes.append(helper.make_node("Gemm", product_inputs, [tmp + "y"], name=tmp + "y", transB=trans_b, **attrs))
+        alpha, beta = float(slot.attrs.get("alpha", 1.0)), float(slot.attrs.get("beta", 1.0))
+        gemm = helper.make_node("Gemm", product_inputs, [tmp + "y"], name=tmp + "y", transB=trans_b)
+        gemm.attribute.extend([helper.make_attribute("alpha", alpha), helper.make_attribute("beta", beta)])
+        nodes.append(gemm)
     else:
         nodes.append(helper.make_node("MatMul", product_inputs, [tmp + "y"], name=tmp + "y"))
     sizes = [_part_n(plan, r, trans_b) for r in slot.inputs[1 : 1 + k]]
