@@ -93,14 +93,16 @@ def _parser() -> argparse.ArgumentParser:
     dot.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     _add_runs(dot, 3, "so the plan freezes and its units exist")
     dot.set_defaults(func=cmd_plan_dot)
-    expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline")
+    expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline; merged products")
     expl.add_argument("model")
     expl.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
     _add_runs(expl, 0, "then show the frozen plan's islands and gaps (with each gap's reason) and the timed trials")
     expl.set_defaults(func=cmd_plan_explain)
-    fuse = plan.add_parser("fuse", help="fusion groups: each group's template and slots, kernels vs slots per step")
+    fuse = plan.add_parser(
+        "fuse", help="merged products, then fusion groups: each group's template and slots, kernels vs slots per step"
+    )
     fuse.add_argument("model")
     fuse.add_argument("--backend", help="group with this backend's fusion policy (default: the reference policy)")
     fuse.add_argument("--decode", action="store_true", help="the decode plan GenerationPipeline builds (fixed KV)")
