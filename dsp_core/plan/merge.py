@@ -27,7 +27,7 @@ disk cache keys models with the switch (``plan_options``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -78,7 +78,7 @@ class Merge:
             "k": self.k,
             "n": self.n,
             "dtype": self.dtype,
-            "parts": [{"node": p.node, "output": p.output, "weight": p.weight, "n": p.n} for p in self.parts],
+            "parts": [asdict(p) for p in self.parts],
         }
 
 
@@ -92,7 +92,7 @@ class Unmerged:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form."""
-        return {"node": self.node, "input": self.input, "reason": self.reason}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
