@@ -96,9 +96,9 @@ def test_generation_pipeline_prefill_decode_and_blocks_are_bit_equal(
 
 
 # -- crafted graphs: what merges ----------------------------------------------------------------
-def _siblings(widths: tuple[int, ...], k: int = 64) -> dsp.Graph:
+def _siblings(widths: tuple[int, ...], k: int = 64, opset: int = 23) -> dsp.Graph:
     """Three (or more) MatMuls of one x; the first's output is a graph output itself, the others feed a Tanh."""
-    g = dsp.GraphBuilder("siblings")
+    g = dsp.GraphBuilder("siblings", opset=opset)
     x = g.placeholder("x", "float32", ["b", 5, k])
     ys = [g.MatMul(x, g.constant(_w(k, n), name=f"w{i}")) for i, n in enumerate(widths)]
     g.output(ys[0])
@@ -127,8 +127,10 @@ def test_three_siblings_merge_keep_their_names_and_stay_bit_equal(monkeypatch: p
     np.testing.assert_allclose(on["t2"], np.tanh(joined[..., 22:]), rtol=1e-5, atol=1e-5)
 
 
-def _gemm_siblings(trans_b: int, bias_shape: str = "1d", alpha: float = 0.5, beta: float = 2.0) -> dsp.Graph:
-    g = dsp.GraphBuilder("gemms")
+def _gemm_siblings(
+    trans_b: int, bias_shape: str = "1d", alpha: float = 0.5, beta: float = 2.0, opset: int = 23
+) -> dsp.Graph:
+    g = dsp.GraphBuilder("gemms", opset=opset)
     x = g.placeholder("x", "float32", ["m", 63])
     outs = []
     for i, n in enumerate((7, 9)):
@@ -295,13 +297,16 @@ def test_plan_fuse_and_explain_show_the_merges(tmp_path: Path) -> None:
     assert "merged products: off (DSP_MERGE_PRODUCTS=0)" in off
 
 
+@pytest.mark.parametrize("opset", [11, 23])  # Split's sizes: an attribute before opset 13, an input after
+@pytest.mark.parametrize("form", ["MatMul", "Gemm"])
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
-def test_whole_segment_backends_run_a_merged_plan_as_one_segment(backend: str) -> None:
-    graph = _gemm_siblings(1)
+def test_whole_segment_backends_run_a_merged_plan_as_one_segment(backend: str, form: str, opset: int) -> None:
+    graph = _gemm_siblings(1, opset=opset) if form == "Gemm" else _siblings((17, 5, 33), opset=opset)
     merged = dsp.compile(graph, mode=backend, strict=True)
     report = merged.explain()
-    assert [s["backend"] for s in report["segments"]] == [backend] and report["merges"]["products_merged"] == 2
-    x = RNG.standard_normal((4, 63)).astype(np.float32)
+    assert [s["backend"] for s in report["segments"]] == [backend]
+    assert report["merges"]["products_merged"] == (2 if form == "Gemm" else 3)
+    x = RNG.standard_normal((4, 63) if form == "Gemm" else (2, 5, 64)).astype(np.float32)
     reference = dsp.compile(graph, mode="slot_by_slot").run({"x": x})
     got = merged.run({"x": x})
     assert list(got) == list(reference) == graph.output_names
