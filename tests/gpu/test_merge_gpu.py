@@ -1,9 +1,10 @@
 """Merged sibling products on a GPU: CUDA_GRAPHS and TRITON run the merged plan as the unmerged one.
 
-dsp-cuda-graphs (and dsp-triton, built on it) binds ``dsp::MergedMatMul`` to the same
-cuBLAS calls the separate products made, so on CUDA_GRAPHS the merged plan's outputs are
-the unmerged plan's bits. TRITON may group the slots around the merged product otherwise
-(they are renumbered), and a fused kernel may contract a multiply-add, so there it is
+dsp-cuda-graphs binds ``dsp::MergedMatMul`` to the same cuBLAS calls the separate
+products made, so on CUDA_GRAPHS the merged plan's outputs are the unmerged plan's bits.
+dsp-triton runs each part as one skinny-product kernel, as it ran the product; it may
+group the slots around the merged product otherwise (they are renumbered, and a part
+has no fused epilogue), and a fused kernel may contract a multiply-add, so there it is
 compared within its contract's tolerance. The decode plan still captures once.
 """
 
@@ -21,6 +22,7 @@ from dsp_core.runtime.lifecycle import PlanPhase
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MODES = ["cuda_graphs", "triton"]
+_last_reports: list[dict] = []  # the fusion reports of the last model _run ran (TRITON)
 
 
 def _run(path: Path | dsp.Graph, mode: str, feeds: dict[str, np.ndarray], flag: str, mp: pytest.MonkeyPatch) -> dict:
@@ -31,6 +33,10 @@ def _run(path: Path | dsp.Graph, mode: str, feeds: dict[str, np.ndarray], flag: 
     for _ in range(6):  # eager, freeze, warm, capture, replays
         out = model.run(feeds)
     assert model.dsp.phase is PlanPhase.REPLAYING
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    _last_reports[:] = [
+        r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()
+    ]
     return out
 
 
@@ -58,6 +64,9 @@ def test_merged_decoder_is_the_unmerged_bits(name: str, mode: str, monkeypatch: 
         off = _run(path, mode, feeds, "0", monkeypatch)
         on = _run(path, mode, feeds, "1", monkeypatch)
         _same(off, on, mode, f"{name} step {step}")
+        if mode == "triton":  # each merged part ran as the skinny-product kernel its product had
+            parts = [r for r in _last_reports if r["template"] == "product" and r["status"] == "triton"]
+            assert len(parts) >= 10, _last_reports
         np.testing.assert_allclose(on["logits"], golden[f"step{step}.logits"], atol=1e-3)
 
 
