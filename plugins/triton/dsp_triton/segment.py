@@ -136,20 +136,7 @@ class TritonSegment(CudaGraphSegment):
                         ins.append(i)
             outs = tuple(plan.flat(v) for v in g.outputs)
             releases = tuple(dict.fromkeys(r for *_, rel in mine for r in rel if r not in outs))
-            nodes = node_specs(plan, g.slots)
-            fg = FusedGroup(
-                report,
-                mine,
-                tuple(ins),
-                outs,
-                nodes,
-                self._constant,
-                self._tolerance,
-                st["cupy"],
-                lambda: self._capturing,
-                fixed=lambda flat: flat not in self._tainted,
-            )
-            self.groups.append(fg)
+            fg = self._group(st, report, mine, tuple(ins), outs, node_specs(plan, g.slots))
             steps.append((fg, tuple(ins), outs if len(outs) > 1 else outs[0], releases))
             step_slots.append(g.slots)
         self._step_slots = step_slots
@@ -177,21 +164,33 @@ class TritonSegment(CudaGraphSegment):
             report = GroupReport(index, "product", (slot.index,))
             self.reports.append(report)
             node = codegen.NodeSpec(form, part_ins, (y,), dict(attrs), slot.opset, "", f"{slot.name}#{j}")
-            fg = FusedGroup(
-                report,
-                [(product, part_ins, y, ())],
-                part_ins,
-                (y,),
-                [node],
-                self._constant,
-                self._tolerance,
-                st["cupy"],
-                lambda: self._capturing,
-                fixed=lambda flat: flat not in self._tainted,
-            )
-            self.groups.append(fg)
-            groups.append(fg)
+            groups.append(self._group(st, report, [(product, part_ins, y, ())], part_ins, (y,), [node]))
         return groups
+
+    def _group(
+        self,
+        st: dict[str, Any],
+        report: GroupReport,
+        steps: list[Any],
+        ins: tuple[int, ...],
+        outs: tuple[int, ...],
+        nodes: list[codegen.NodeSpec],
+    ) -> FusedGroup:
+        """A fusion group's step (kept in ``self.groups``): its kernel compiled on first use."""
+        fg = FusedGroup(
+            report,
+            steps,
+            ins,
+            outs,
+            nodes,
+            self._constant,
+            self._tolerance,
+            st["cupy"],
+            lambda: self._capturing,
+            fixed=lambda flat: flat not in self._tainted,
+        )
+        self.groups.append(fg)
+        return fg
 
     def _constant(self, flat: int, value: Any) -> np.ndarray | None:
         """A host copy of a small input that does not change between steps (None: it does, or it is big)."""
