@@ -16,6 +16,7 @@ import pytest
 from conftest import FIXTURES, run_cli
 
 import dsp_core as dsp
+from dsp_core.errors import GraphError
 from dsp_core.ir.onnx_export import to_onnx
 from dsp_core.ir.onnx_import import import_model
 from dsp_core.llm import GenerationPipeline
@@ -224,6 +225,25 @@ def test_must_not_merge(case: str) -> None:
         assert not unmerged
     else:
         assert unmerged and any(why in u.reason for u in unmerged), unmerged
+
+
+def test_no_read_moves_across_an_in_place_write() -> None:
+    """Products of a buffer around its KVScatter: merging would move the second read before the write."""
+    g = dsp.GraphBuilder("written")
+    buf = g.variable("buf", "float32", [2, 8])
+    first = g.MatMul(buf, g.constant(_w(8, 3), name="w0"))
+    written = g.op(
+        "KVScatter", buf, g.placeholder("new", "float32", [1, 8]), g.placeholder("pos", "int64", [1]), domain="dsp"
+    )
+    second = g.MatMul(buf, g.constant(_w(8, 5), name="w1"))  # reads the buffer after the write: invalid
+    for t in (first, written, second):
+        g.output(t)
+    graph = g.build()
+    merges, unmerged = analyse(graph, graph.nodes)
+    assert not merges and all("written in place" in u.reason for u in unmerged) and len(unmerged) == 2
+    for merge in (False, True):  # rejected as it was, not made valid by the rewrite
+        with pytest.raises(GraphError, match="after KVScatter"):
+            compile_plan(graph, merge_products=merge)
 
 
 def test_products_of_the_same_weight_kind_only_merge_among_themselves() -> None:
