@@ -92,6 +92,8 @@ class TritonPolicy(ReferencePolicy):
         why = product_declined(plan, s, pattern)
         if why is not None:
             return why
+        if is_merged(plan.slots[s]):
+            return "a merged product runs one kernel per part, with no prologue fused (not built yet)"
         if group.template not in ("copy", "view"):
             return f"a {group.template} group is not index arithmetic a product can read through"
         members = {*group.slots, s}
@@ -118,7 +120,7 @@ class TritonPolicy(ReferencePolicy):
 
     def _epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
-        if is_merged(plan.slots[group.slots[0]]):
+        if any(is_merged(plan.slots[m]) for m in group.slots):
             return "a merged product runs one kernel per part, with no epilogue fused (not built yet)"
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
