@@ -93,14 +93,16 @@ def _parser() -> argparse.ArgumentParser:
     dot.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     _add_runs(dot, 3, "so the plan freezes and its units exist")
     dot.set_defaults(func=cmd_plan_dot)
-    expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline")
+    expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline; merged products")
     expl.add_argument("model")
     expl.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
     _add_runs(expl, 0, "then show the frozen plan's islands and gaps (with each gap's reason) and the timed trials")
     expl.set_defaults(func=cmd_plan_explain)
-    fuse = plan.add_parser("fuse", help="fusion groups: each group's template and slots, kernels vs slots per step")
+    fuse = plan.add_parser(
+        "fuse", help="merged products, then fusion groups: each group's template and slots, kernels vs slots per step"
+    )
     fuse.add_argument("model")
     fuse.add_argument("--backend", help="group with this backend's fusion policy (default: the reference policy)")
     fuse.add_argument("--decode", action="store_true", help="the decode plan GenerationPipeline builds (fixed KV)")
@@ -771,6 +773,7 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
                 print(f"      boundary slot {b['producer']} -> {b['consumer']}: {b['reason']}")
         for gap in seg.get("gaps", []):
             print(f"    gap slot {gap['slot']} {gap['op']}: {gap['reason']}")
+    print_merges(report["merges"])
     print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")
     if "units" in report:
         print(f"after {runs} run(s): plan phase {report['phase']}")
@@ -785,6 +788,7 @@ def fuse_report(path: str, backend: str | None = None, decode: bool = False, max
     """What `dsp plan fuse` prints, as a dict: groups per segment, kernels vs slots per step."""
     from dsp_core.backends.discovery import discover
     from dsp_core.plan.fusion import NO_FUSION, REFERENCE_POLICY, FusionPolicy, segment_fusion
+    from dsp_core.plan.merge import merge_report
 
     registry = discover()
     policy: FusionPolicy = REFERENCE_POLICY
@@ -814,6 +818,7 @@ def fuse_report(path: str, backend: str | None = None, decode: bool = False, max
     return {
         "model": path,
         "decode": decode,
+        "merges": merge_report(plan, model.graph),
         "policy": policy.name,
         "slots": len(plan.slots),
         "live_slots": live,
@@ -825,6 +830,19 @@ def fuse_report(path: str, backend: str | None = None, decode: bool = False, max
             name: sum(1 for g in groups if g["template"] == name) for name in sorted({g["template"] for g in groups})
         },
     }
+
+
+def print_merges(merges: dict[str, Any]) -> None:
+    """The sibling-product rewrite's lines of `dsp plan fuse` and `dsp plan explain`."""
+    if not merges["enabled"]:
+        print("merged products: off (DSP_MERGE_PRODUCTS=0)")
+    else:
+        print(f"merged products: {len(merges['merged'])} merge(s) of {merges['products_merged']} products")
+    for m in merges["merged"]:
+        parts = " + ".join(f"{p['node']} [{p['n']}]" for p in m["parts"])
+        print(f"  slot {m['slot']} {m['form']} of {m['input']!r}, K={m['k']} N={m['n']} {m['dtype']}: {parts}")
+    for u in merges["unmerged"]:
+        print(f"  not merged: {u['node']} (reads {u['input']!r}): {u['reason']}")
 
 
 def cmd_plan_fuse(args: argparse.Namespace) -> int:
@@ -839,6 +857,7 @@ def cmd_plan_fuse(args: argparse.Namespace) -> int:
         f"({report['sealed']} sealed at freeze) -> {report['kernels']} kernels per step "
         f"(policy {report['policy']}; templates {report['templates']})"
     )
+    print_merges(report["merges"])
     why = {(b["producer"], b["consumer"]): b["reason"] for b in report["boundaries"]}
     for g in report["groups"]:
         slots = " ".join(f"{s}:{op}" for s, op in zip(g["slots"], g["ops"]))

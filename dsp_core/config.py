@@ -77,6 +77,13 @@ OPTIONS: tuple[Option, ...] = (
         False,
         "Log which signature part differed from the nearest cached plan on every miss.",
     ),
+    Option(
+        "merge_products",
+        "DSP_MERGE_PRODUCTS",
+        "bool",
+        True,
+        "Merge sibling products (MatMul/Gemm of one input, constant weights of one K) into one (docs/merge.md).",
+    ),
     Option("disk_cache", "DSP_DISK_CACHE", "bool", True, "Keep compiled plans on disk between processes."),
     Option(
         "cache_dir", "DSP_CACHE_DIR", "path", "", "Disk cache directory; empty = $XDG_CACHE_HOME/dsp or ~/.cache/dsp."

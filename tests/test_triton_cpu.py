@@ -402,7 +402,9 @@ def test_a_product_kernel_streams_k_in_a_loop_and_fuses_its_epilogue() -> None:
     assert len(configs) >= 4 and all(codegen.generate(spec, config=c).source for c in configs)
 
 
-def test_the_policy_takes_decode_products_with_their_epilogues() -> None:
+@pytest.mark.parametrize("merge", ["0", "1"])
+def test_the_policy_takes_decode_products_with_their_epilogues(merge: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSP_MERGE_PRODUCTS", merge)
     m = dsp.compile(FIXTURES / "llama_eager.onnx", mode="slot_by_slot")
     z = np.load(FIXTURES / "llama_eager.golden.npz")
     m.run({k: z["step1." + k] for k in m.input_names})
@@ -411,8 +413,13 @@ def test_the_policy_takes_decode_products_with_their_epilogues() -> None:
     products = [g for g in groups if g.template == "product"]
     assert products and not [g for g in groups if g.template == "matmul"]
     ops = [[plan.slots[s].op for s in g.slots] for g in products]
-    assert ["MatMul", "Sigmoid", "Mul"] in ops  # gate projection + SiLU
     assert any(o[0] == "MatMul" and "Add" in o for o in ops)  # a projection + its residual
+    if merge == "0":
+        assert ["MatMul", "Sigmoid", "Mul"] in ops  # gate projection + SiLU
+    else:  # Q/K/V and gate/up merged (docs/merge.md): a product group each, its parts without epilogue
+        assert ops.count(["MergedMatMul"]) == 4
+        merged = [g for g in products if plan.slots[g.slots[0]].op == "MergedMatMul"]
+        assert sorted(g.kernels for g in merged) == [2, 2, 3, 3]  # one skinny-product kernel per part
 
 
 def test_products_stay_on_cublas_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

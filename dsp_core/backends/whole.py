@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from dsp_core.cache.disk import default_cache_dir
 from dsp_core.ir import dtypes
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
+from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_core.plan.subgraph import SubgraphIO, c_order, segment_model, serialized
 from dsp_core.runtime.units import unit_io  # a segment's I/O is split as a capturing unit's is
@@ -177,6 +179,22 @@ class WholeSegment(CompiledSegment):
 # write an input in place, which a runtime computing new tensors cannot): the reference
 # runs them.
 NOT_WHOLE = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW | Trait.RANDOM | Trait.MUTATES_INPUT
+
+
+def written_view(slot: SlotView) -> SlotView:
+    """``slot`` as the segment model writes it: a merged product is its MatMul or Gemm (plan/subgraph.py).
+
+    A whole-segment backend asks its op table about this view, not the slot: the
+    runtime reads the product (Concat of constant weights, one product, Split), never
+    ``dsp::MergedMatMul`` itself.
+    """
+    if not is_merged(slot):
+        return slot
+    k = len(slot.output_dtypes)
+    form = str(slot.attrs.get("form", "MatMul"))
+    attrs = {key: slot.attrs[key] for key in ("alpha", "beta", "transB") if form == "Gemm" and key in slot.attrs}
+    ins = slot.input_dtypes[:2] + (slot.input_dtypes[1 + k : 2 + k] if slot.attrs.get("bias") else ())
+    return replace(slot, op=form, domain="", attrs=attrs, input_dtypes=ins, output_dtypes=slot.output_dtypes[:1])
 
 
 def common_decline(backend: Backend, slot: SlotView, domains: frozenset[str] = frozenset({""})) -> Decline | None:

@@ -132,6 +132,50 @@ def gemm(
     return y.astype(a.dtype, copy=False)
 
 
+def _merged_rule(attrs: dict[str, Any], a: TensorInfo, *parts: TensorInfo) -> list[TensorInfo]:
+    """Shape rule of dsp::MergedMatMul: one output per weight, as its original product."""
+    if attrs.get("form", "MatMul") == "Gemm":
+        k = len(parts) // 2 if attrs.get("bias", 0) else len(parts)
+        return [_gemm_rule(attrs, a, b)[0] for b in parts[:k]]
+    return [_matmul_rule(attrs, a, b)[0] for b in parts]
+
+
+@op("MergedMatMul", domain="dsp", traits=Trait.FUSABLE, inputs=(2, -1), outputs=(1, -1), shape=_merged_rule)
+def merged_matmul(
+    ctx: KernelContext,
+    a: Array,
+    *weights: Array,
+    form: str = "MatMul",
+    bias: int = 0,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    transB: int = 0,
+    merged: Any = (),
+) -> tuple[Array, ...]:
+    """Sibling products of one input as one product over weights concatenated along N, cut back into parts.
+
+    Made by the sibling-merge rewrite (dsp_core/plan/merge.py, docs/merge.md): inputs are
+    ``a`` then the k weights ``B_1..B_k`` of the products it replaced, then (``form="Gemm"``,
+    ``bias=1``) their k biases; output i is ``a @ B_i`` (Gemm: ``alpha * a @ op(B_i) +
+    beta * C_i``), which is column block i of ``a @ concat(B_1..B_k)``. ``merged`` names
+    the nodes it replaced (for reports). The weights stay separate constants: a backend
+    that runs one product concatenates them once when it compiles the segment, as it
+    transposes weights. This reference runs each part exactly as the product it replaced
+    (the same kernel on the same arrays), so the rewritten plan is bit-equal to the
+    original; one numpy product over the concatenation is not (BLAS blocks the columns
+    by N, docs/merge.md measures it).
+    """
+    k = ctx.n_outputs
+    if len(weights) != (2 * k if bias else k):
+        raise ValueError(f"{len(weights)} weight and bias inputs for {k} outputs (bias={bias})")
+    if form == "MatMul":
+        return tuple(matmul(ctx, a, b) for b in weights)
+    if form != "Gemm":
+        raise ValueError(f"form {form!r}: expected 'MatMul' or 'Gemm'")
+    biases = weights[k:] if bias else (None,) * k
+    return tuple(gemm(ctx, a, b, c, alpha=alpha, beta=beta, transB=transB) for b, c in zip(weights[:k], biases))
+
+
 _EQUATION = re.compile(r"[A-Za-z ,]*(?:\.\.\.[A-Za-z ,]*)*(?:->[A-Za-z ]*(?:\.\.\.[A-Za-z ]*)?)?")
 
 

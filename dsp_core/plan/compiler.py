@@ -1,7 +1,8 @@
 """Graph + requested outputs -> Plan, or a decline with a reason.
 
-Steps: keep the nodes the outputs need; fold Constant nodes into constant externals;
-class every external input; number values; freeze attributes; compute liveness.
+Steps: keep the nodes the outputs need; merge sibling products (dsp_core/plan/merge.py,
+unless DSP_MERGE_PRODUCTS=0); fold Constant nodes into constant externals; class every
+external input; number values; freeze attributes; compute liveness.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dsp_core.errors import GraphError, InputError, UnsupportedOpError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Dim, Graph, Node
 from dsp_core.ops.registry import KernelContext, OpDef, TensorInfo, Trait, lookup
+from dsp_core.plan import merge as merging
 from dsp_core.plan.plan import External, ExternalClass, Plan, Region, Slot, ValueInfo
 
 
@@ -64,18 +66,23 @@ def check_outputs(graph: Graph, outputs: Sequence[str] | None) -> tuple[str, ...
     return tuple(outputs)
 
 
-def compile_plan(graph: Graph, outputs: Sequence[str] | None = None) -> Plan | Declined:
+def compile_plan(
+    graph: Graph, outputs: Sequence[str] | None = None, merge_products: bool | None = None
+) -> Plan | Declined:
     """Compile ``graph`` for ``outputs`` into a Plan, or return why it declines.
 
     Subgraphs (If/Loop/Scan bodies, ...) are compiled into sub-plans recorded as the
     plan's regions; a subgraph that cannot be compiled declines the whole graph.
+    ``merge_products``: run the sibling-product rewrite (None: DSP_MERGE_PRODUCTS, on).
     """
     out_names = check_outputs(graph, outputs)
-    return _compile(graph, out_names, outer=())
+    return _compile(graph, out_names, outer=(), merge=merging.enabled(merge_products))
 
 
-def _compile(graph: Graph, out_names: tuple[str, ...], outer: tuple[str, ...]) -> Plan | Declined:
+def _compile(graph: Graph, out_names: tuple[str, ...], outer: tuple[str, ...], merge: bool) -> Plan | Declined:
     nodes = required_nodes(graph, out_names)
+    if merge:
+        nodes, _ = merging.merge_products(graph, nodes)
     opdefs: list[OpDef] = []
     regions: dict[int, tuple[dict[str, Plan], tuple[str, ...]]] = {}  # node position -> sub-plans
     for pos, node in enumerate(nodes):
@@ -89,7 +96,7 @@ def _compile(graph: Graph, out_names: tuple[str, ...], outer: tuple[str, ...]) -
             reads = tuple(sorted({name for _, _, sub in subs for name in sub.outer_names}))
             subplans: dict[str, Plan] = {}
             for _, attr, sub in subs:
-                subplan = _compile(sub, tuple(sub.output_names), outer=tuple(sorted(sub.outer_names)))
+                subplan = _compile(sub, tuple(sub.output_names), tuple(sorted(sub.outer_names)), merge)
                 if isinstance(subplan, Declined):
                     return Declined(f"subgraph {attr!r} of {node.label()}: {subplan.reason}", node.name)
                 subplans[attr] = subplan

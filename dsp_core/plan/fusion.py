@@ -53,7 +53,9 @@ VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 INJECTIVE_OPS = VIEW_OPS | frozenset(
     {"Transpose", "Slice", "Concat", "Gather", "Expand", "Split", "Pad", "Tile", "DepthToSpace", "SpaceToDepth"}
 )
-MATMUL_OPS = frozenset({"MatMul", "Gemm", "MatMulInteger", "QLinearMatMul", "Conv", "ConvTranspose", "Einsum"})
+MATMUL_OPS = frozenset(
+    {"MatMul", "Gemm", "MergedMatMul", "MatMulInteger", "QLinearMatMul", "Conv", "ConvTranspose", "Einsum"}
+)  # MergedMatMul: sibling products merged by dsp_core/plan/merge.py
 # Ops that reduce the axis named by their ``axis`` attribute (default last) row by row.
 ROW_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
 OPAQUE_TRAITS = Trait.CONTROL_FLOW | Trait.RANDOM | Trait.DYNAMIC_OUTPUT_SIZE

@@ -6,6 +6,10 @@ outside become its graph inputs (with the concrete shapes of this live plan), th
 constants and sealed values it reads become initializers, and the values other units
 read become its outputs. Every tensor is named ``v<flat index>``, so the runtime's
 input and output names map straight back onto the executor's flat value list.
+
+A ``dsp::MergedMatMul`` slot (dsp_core/plan/merge.py) is written in ONNX as what it
+means: its weights (and biases) joined by Concat, which the runtime folds once, one
+MatMul or Gemm, and a Split on the last axis into the slot's outputs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from onnx import helper, numpy_helper
 
 from dsp_core.ir import dtypes
 from dsp_core.ir.typecheck import attribute_types
+from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan
 
 # The IR version written: 10 is read by every ONNX Runtime >= 1.17 and OpenVINO >= 2024.
@@ -47,7 +52,7 @@ def segment_model(
     constants: Mapping[int, np.ndarray],
 ) -> onnx.ModelProto:
     """The ONNX model of ``slots``: inputs ``io.inputs`` typed by ``feeds`` (flat -> (dtype, shape))."""
-    nodes = [_node(plan, s) for s in slots]
+    nodes = [node for s in slots for node in _nodes(plan, s)]
     graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
     graph_outputs = [_value_info(name_of(f), *_out_info(plan, f)) for f in io.outputs]
     inits = [numpy_helper.from_array(c_order(a), name_of(f)) for f, a in constants.items()]
@@ -55,13 +60,55 @@ def segment_model(
     opsets: dict[str, int] = {}
     for s in slots:
         slot = plan.slots[s]
-        opsets[slot.domain] = max(opsets.get(slot.domain, 1), slot.opset)
+        domain = "" if is_merged(slot) else slot.domain  # written as ONNX ops
+        opsets[domain] = max(opsets.get(domain, 1), slot.opset)
     opsets.setdefault("", max(opsets.values(), default=17))
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()], producer_name="dsp"
     )
     model.ir_version = IR_VERSION
     return model
+
+
+def _nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
+    """The ONNX nodes of slot ``s``: one, except for a merged product."""
+    return _merged_nodes(plan, s) if is_merged(plan.slots[s]) else [_node(plan, s)]
+
+
+def _merged_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
+    """``dsp::MergedMatMul`` as ONNX: Concat of the weights (and biases), one product, Split on the last axis."""
+    slot = plan.slots[s]
+    k = len(slot.outputs)
+    names = [name_of(plan.flat(r)) for r in slot.inputs]
+    outs = [name_of(plan.flat(v)) if v is not None else f"s{s}_unused{j}" for j, v in enumerate(slot.outputs)]
+    trans_b = int(slot.attrs.get("transB", 0))
+    tmp = f"s{s}_merged_"
+    nodes = [helper.make_node("Concat", names[1 : 1 + k], [tmp + "w"], name=tmp + "w", axis=0 if trans_b else 1)]
+    product_inputs = [names[0], tmp + "w"]
+    if slot.attrs.get("form") == "Gemm":
+        if slot.attrs.get("bias"):
+            nodes.append(helper.make_node("Concat", names[1 + k :], [tmp + "c"], name=tmp + "c", axis=-1))
+            product_inputs.append(tmp + "c")
+        alpha, beta = float(slot.attrs.get("alpha", 1.0)), float(slot.attrs.get("beta", 1.0))
+        gemm = helper.make_node("Gemm", product_inputs, [tmp + "y"], name=tmp + "y", transB=trans_b)
+        gemm.attribute.extend([helper.make_attribute("alpha", alpha), helper.make_attribute("beta", beta)])
+        nodes.append(gemm)
+    else:
+        nodes.append(helper.make_node("MatMul", product_inputs, [tmp + "y"], name=tmp + "y"))
+    sizes = [_part_n(plan, r, trans_b) for r in slot.inputs[1 : 1 + k]]
+    if slot.opset >= 13:  # the sizes are an input from opset 13 on
+        sizes_tensor = numpy_helper.from_array(np.asarray(sizes, np.int64), tmp + "sizes")
+        nodes.append(helper.make_node("Constant", [], [tmp + "sizes"], name=tmp + "sizes", value=sizes_tensor))
+        nodes.append(helper.make_node("Split", [tmp + "y", tmp + "sizes"], outs, name=f"s{s}", axis=-1))
+    else:
+        nodes.append(helper.make_node("Split", [tmp + "y"], outs, name=f"s{s}", axis=-1, split=sizes))
+    return nodes
+
+
+def _part_n(plan: Plan, weight: int | None, trans_b: int) -> int:
+    shape = plan.ref_info(weight)[1]
+    assert shape is not None and len(shape) == 2, "a merged product's weights are rank-2 constants"
+    return int(shape[0] if trans_b else shape[1])  # type: ignore[arg-type]
 
 
 def _node(plan: Plan, s: int) -> onnx.NodeProto:

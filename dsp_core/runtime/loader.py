@@ -30,7 +30,7 @@ from dsp_core.cache.memory import CacheStats
 from dsp_core.errors import DSPError
 from dsp_core.ir import onnx_scan
 from dsp_core.ir.onnx_import import import_model
-from dsp_core.plan import serialize
+from dsp_core.plan import merge, serialize
 from dsp_core.plan.plan import ExternalClass, Plan
 from dsp_core.runtime.model import CompiledModel
 
@@ -46,7 +46,8 @@ def model_key(
     A path is keyed by the blake2b of its bytes (``file_digest``), never by its name, size
     or modification time alone, and so are the files its external data names (relative
     to its directory; for bytes or a proto, relative to ``base_dir``). ``cache`` keeps the
-    digests of settled files for later processes (``DiskCache.recall_digest``).
+    digests of settled files for later processes (``DiskCache.recall_digest``). The compile
+    options that change a plan (``merge.plan_options``: DSP_MERGE_PRODUCTS) are part of it.
     """
     base: Path | None
     try:
@@ -67,7 +68,7 @@ def model_key(
     except OSError as exc:
         log.info("DSP disk cache: %s cannot be keyed (%s); compiling without the cache", _describe(source), exc)
         return None
-    return DiskCache.key("dsp-model/2", *parts, version)
+    return DiskCache.key("dsp-model/2", *parts, version, merge.plan_options())
 
 
 # -- content identity ---------------------------------------------------------------------

@@ -27,6 +27,7 @@ from dsp_core.errors import InputError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph, Value
 from dsp_core.plan.compiler import Declined, check_outputs, compile_plan
+from dsp_core.plan.merge import merge_report
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_core.runtime.handle import DspHandle
 from dsp_core.runtime.legacy import run_graph
@@ -255,7 +256,9 @@ class CompiledModel:
         entry = self._prepare(self._names(outputs))
         if isinstance(entry, Declined):
             return {"mode": self.mode.name, "declined": str(entry), "segments": []}
-        return explain(entry.plan, entry.partition)
+        report = explain(entry.plan, entry.partition)
+        report["merges"] = merge_report(entry.plan, self.graph)
+        return report
 
     def when_plan_learns(self, callback: Callable[[Plan], None]) -> None:
         """Call ``callback(plan)`` when a live plan of the default outputs learns capture gaps."""

@@ -120,6 +120,33 @@ def gemm_kernel(
     return kernel
 
 
+def merged_matmul_kernel(
+    st: dict[str, Any],
+    form: str = "MatMul",
+    bias: int = 0,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    transB: int = 0,
+    **_: Any,
+) -> Any:
+    """The ``dsp::MergedMatMul`` slot kernel (dsp_core/plan/merge.py): each part as the MatMul or Gemm it replaced.
+
+    The same cuBLAS calls the unmerged plan made (the reference kernel would widen half
+    weights to float32 on every call). One product over the weights joined once along N
+    is the faster form still to build here (docs/merge.md).
+    """
+    gemm = gemm_kernel(st, alpha=alpha, beta=beta, transB=transB) if form == "Gemm" else None
+
+    def kernel(a: Any, *inputs: Any) -> tuple[Any, ...]:
+        k = len(inputs) // 2 if bias else len(inputs)
+        if gemm is None:
+            return tuple(matmul(st, a, b) for b in inputs)
+        biases = inputs[k:] if bias else (None,) * k
+        return tuple(gemm(a, b, c) for b, c in zip(inputs[:k], biases))
+
+    return kernel
+
+
 class CublasXP:
     """cupy, with ``matmul`` going through the owned cuBLAS binding (capturable)."""
 

@@ -43,11 +43,12 @@ from dsp_core.backends.auction import slot_view
 from dsp_core.backends.base import Backend, CaptureFailed, CaptureOutOfMemory, CompiledSegment, ReplayStatus
 from dsp_core.errors import DSPError, KernelError
 from dsp_core.ops.registry import Trait
+from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.buffers import PlannedAllocator, TracingAllocator
 from dsp_cuda_graphs.fused import layer_norm_kernel, softmax_kernel
-from dsp_cuda_graphs.kernels import CublasXP, gemm_kernel, matmul_kernel
+from dsp_cuda_graphs.kernels import CublasXP, gemm_kernel, matmul_kernel, merged_matmul_kernel
 
 # Inputs (by position) that the reference kernels read as Python ints/floats on the host.
 HOST_INPUTS: dict[str, tuple[int, ...]] = {
@@ -183,6 +184,8 @@ class CudaGraphSegment(CompiledSegment):
                     kernel = matmul_kernel(st)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "Gemm":
                     kernel = gemm_kernel(st, **slot.attrs)
+                elif is_merged(slot):  # sibling products merged by the core: each part through cuBLAS
+                    kernel = merged_matmul_kernel(st, **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "LayerNormalization":
                     only_y = slot.outputs[0] is not None and all(v is None for v in slot.outputs[1:])
                     kernel = layer_norm_kernel(st, kernel, 1 if only_y else len(slot.outputs), **slot.attrs)

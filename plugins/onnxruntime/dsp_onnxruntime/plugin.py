@@ -21,7 +21,7 @@ from dsp_core.backends.base import (
     SlotView,
 )
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.backends.whole import common_decline
+from dsp_core.backends.whole import common_decline, written_view
 from dsp_core.plan.plan import Plan, Segment
 
 # DSP's dtype table for this backend: what its CPU kernels compute and IOBinding binds.
@@ -86,6 +86,7 @@ class OnnxRuntimeBackend(Backend):
         return Availability.yes()
 
     def _supports(self, slot: SlotView) -> Decline | None:
+        slot = written_view(slot)  # a merged product is written as its MatMul/Gemm
         common = common_decline(self, slot, DOMAINS)
         if common is not None:
             return common

@@ -28,7 +28,7 @@ from dsp_core.backends.base import (
     SlotView,
 )
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.backends.whole import common_decline
+from dsp_core.backends.whole import common_decline, written_view
 from dsp_core.plan.plan import Plan, Segment
 from dsp_openvino.ops import CONVERTS
 
@@ -39,7 +39,8 @@ DTYPES = frozenset({"float32", "int8", "uint8", "int32", "int64", "bool"})
 # Ops worth a call of their own: a segment without one and shorter than MIN_SLOTS costs
 # more in OpenVINO's per-call overhead (~13 us) than it saves; the auction is told so.
 HEAVY_OPS = frozenset(
-    {"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum", "MatMulInteger"}
+    {"MatMul", "Gemm", "MergedMatMul", "Conv", "ConvTranspose", "Attention", "LSTM", "GRU", "RNN", "Einsum"}
+    | {"MatMulInteger"}
 )
 MIN_SLOTS = 8
 
@@ -105,6 +106,7 @@ class OpenVinoBackend(Backend):
         return Availability.yes()
 
     def _supports(self, slot: SlotView) -> Decline | None:
+        slot = written_view(slot)  # a merged product is written as its MatMul/Gemm
         common = common_decline(self, slot)
         if common is not None:
             return common

@@ -12,6 +12,7 @@ from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.plan.fusion import VIEW_OPS, FusionLimits, GroupView, PatternKind, ReferencePolicy, SlotPattern
+from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 
@@ -99,6 +100,8 @@ class TritonPolicy(ReferencePolicy):
         why = product_declined(plan, s, pattern)
         if why is not None:
             return why
+        if is_merged(plan.slots[s]):
+            return "a merged product runs one kernel per part, with no prologue fused (not built yet)"
         if group.template not in ("copy", "view"):
             return f"a {group.template} group is not index arithmetic a product can read through"
         members = {*group.slots, s}
@@ -199,6 +202,8 @@ class TritonPolicy(ReferencePolicy):
         self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
+        if any(is_merged(plan.slots[m]) for m in group.slots):
+            return "a merged product runs one kernel per part, with no epilogue fused (not built yet)"
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
@@ -226,6 +231,8 @@ class TritonPolicy(ReferencePolicy):
         return True
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
+        if template == "product" and len(slots) == 1 and is_merged(plan.slots[slots[0]]):
+            return len(plan.slots[slots[0]].outputs)  # one skinny-product kernel per part
         if template == "view" or all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in slots):
             return 0  # views on the reference kernels (segment.unfused_reason)
         return 1
@@ -240,7 +247,8 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     as one generated kernel.
     """
     slot = plan.slots[s]
-    if slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx"):
+    merged = is_merged(slot)  # sibling products merged by the core: each part is one such product
+    if not merged and (slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx")):
         return f"{slot.op} is not a MatMul or Gemm"
     if not config.get("triton_products"):
         return "DSP_TRITON_PRODUCTS is off: products run on cuBLAS"
@@ -252,7 +260,8 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
         return "an operand of rank below 2"
     if any(dt is not None and dt not in ("float16", "bfloat16", "float32") for dt, _ in ins):
         return "operands other than fp16, bf16 or fp32"
-    rows = shape[0] if slot.op == "Gemm" else shape[-2]
+    form = str(slot.attrs.get("form", "MatMul")) if merged else slot.op
+    rows = shape[0] if form == "Gemm" else shape[-2]
     if isinstance(rows, int) and rows > codegen.MAX_PRODUCT_ROWS:
         return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
     return None
