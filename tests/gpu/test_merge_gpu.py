@@ -64,9 +64,10 @@ def test_merged_decoder_is_the_unmerged_bits(name: str, mode: str, monkeypatch: 
         off = _run(path, mode, feeds, "0", monkeypatch)
         on = _run(path, mode, feeds, "1", monkeypatch)
         _same(off, on, mode, f"{name} step {step}")
-        if mode == "triton":  # each merged part ran as the skinny-product kernel its product had
-            parts = [r for r in _last_reports if r["template"] == "product" and r["status"] == "triton"]
-            assert len(parts) >= 10, _last_reports
+        if mode == "triton":  # each merged product ran as one skinny-product kernel over its joined weights
+            products = [r for r in _last_reports if r["template"] == "product"]
+            assert len([r for r in products if r["status"] == "triton"]) >= 8, _last_reports
+            assert not [r for r in _last_reports if r["status"] == "demoted"], _last_reports
         np.testing.assert_allclose(on["logits"], golden[f"step{step}.logits"], atol=1e-3)
 
 

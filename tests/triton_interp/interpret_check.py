@@ -92,6 +92,9 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
 
             spec = codegen.GroupSpec(g.template, nodes, specs, list(dict.fromkeys(ins)), outs, constant)
             pieces = [spec]
+            if len(nodes) == 1 and nodes[0].op == "MergedMatMul":  # as kernels.py does: joined weights
+                spec = _merged(codegen, spec, values, passed)
+                pieces = [spec]
             try:
                 codegen.generate(spec)
             except codegen.Unsupported as exc:
@@ -107,6 +110,20 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
                     break
             results.append(GroupCheck(seg.index, g.index, g.template, ops, status, detail))
     return results
+
+
+def _merged(codegen: Any, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:
+    """A merged product's one-kernel spec, with its joined weights (and biases) built with numpy."""
+    node = spec.nodes[0]
+    weights, biases = codegen.merged_operands(node)
+    trans_b = bool(node.attrs.get("transB", 0)) and node.attrs.get("form") == "Gemm"
+    rows = [np.asarray(values[w]) if trans_b else np.asarray(values[w]).T for w in weights]
+    passed[codegen.MERGED_B] = np.ascontiguousarray(np.concatenate(rows, axis=0)).T
+    bias_shape = None
+    if biases:
+        passed[codegen.MERGED_C] = np.ascontiguousarray(np.concatenate([np.asarray(values[c]) for c in biases], -1))
+        bias_shape = tuple(passed[codegen.MERGED_C].shape)
+    return codegen.merged_spec(spec, bias_shape)
 
 
 def _run_piece(
@@ -133,7 +150,7 @@ def _run_piece(
     fn = getattr(module, kernel.name)
     args = []
     for v in kernel.args[: kernel.n_inputs]:
-        args.append(_torch_view(torch, passed.get(v, _passable(np.asarray(values[v])))))
+        args.append(_torch_view(torch, passed[v] if v in passed else _passable(np.asarray(values[v]))))
     out_arrays = [np.empty(spec.values[v].shape, dtype=spec.values[v].dtype) for v in kernel.args[kernel.n_inputs :]]
     args += [torch.from_numpy(a) for a in out_arrays]
     try:

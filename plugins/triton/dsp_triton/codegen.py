@@ -102,6 +102,9 @@ class GroupSpec:
     inputs: list[int]  # values read from outside the group
     outputs: list[int]  # values stored (read outside the group)
     constants: Callable[[int], np.ndarray | None] = lambda v: None  # host copy of a small constant input
+    # product template: output -> (offset, width) along the product's last axis, for sibling
+    # products merged into one (each output stored by its own lanes of the joined product)
+    splits: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class _Gen:
         self.rowvals: dict[int, str] = {}  # row template: Softmax/LayerNorm outputs (lane vectors)
         # product and attention templates: value -> (its name, the lane index it exists at)
         self.lane_values: dict[int, tuple[str, tuple[str, ...]]] = {}
+        self.store_masks: dict[int, str] = {}  # output -> its store mask when not every lane stores it
 
     # -- indexes -------------------------------------------------------------------------
     def unflatten(self, flat: str, shape: Sequence[int], lane: bool) -> Idx:
@@ -817,6 +821,56 @@ def product_shape(spec: GroupSpec) -> ProductShape:
     return ProductShape(batch, m, k, n, ta, tb, body)
 
 
+MERGED_B, MERGED_C, MERGED_Y = -1001, -1002, -1003  # the joined weights, biases and product of merged siblings
+
+
+def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The weights and biases of a ``dsp::MergedMatMul`` node (its parts in order)."""
+    k = len(node.outputs)
+    weights = node.inputs[1 : 1 + k]
+    biases = node.inputs[1 + k :] if node.attrs.get("bias") else ()
+    if node.inputs[0] is None or None in weights or None in biases or None in node.outputs:
+        raise Unsupported("a merged product with a missing operand")
+    return tuple(w for w in weights if w is not None), tuple(c for c in biases if c is not None)
+
+
+def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpec:
+    """Merged siblings as one product: the joined weights (``MERGED_B``, a [K, sum N] view of a
+    [sum N, K] buffer), the joined biases (``MERGED_C``), each part stored by its own lanes."""
+    node = spec.nodes[0]
+    weights, biases = merged_operands(node)
+    form = str(node.attrs.get("form", "MatMul"))
+    trans_b = bool(node.attrs.get("transB", 0)) and form == "Gemm"
+    shapes = [spec.values[w].shape for w in weights]
+    if any(len(sh) != 2 for sh in shapes):
+        raise Unsupported("merged products of other than matrices")
+    widths = [int(sh[0] if trans_b else sh[1]) for sh in shapes]
+    kdim = int(shapes[0][1] if trans_b else shapes[0][0])
+    values = dict(spec.values)
+    dtype = spec.values[weights[0]].dtype
+    values[MERGED_B] = TensorSpec((kdim, sum(widths)), dtype, (1, kdim))
+    first = spec.values[node.outputs[0]]  # type: ignore[index]
+    values[MERGED_Y] = TensorSpec((*first.shape[:-1], sum(widths)), first.dtype)
+    a = node.inputs[0]
+    assert a is not None
+    inputs: tuple[int, ...] = (a, MERGED_B)
+    attrs: dict[str, Any] = {}
+    if form == "Gemm":
+        attrs = {"alpha": node.attrs.get("alpha", 1.0), "beta": node.attrs.get("beta", 1.0)}
+        if biases:
+            assert bias_shape is not None
+            values[MERGED_C] = TensorSpec(bias_shape, spec.values[biases[0]].dtype, tuple(_row_major(bias_shape)))
+            inputs = (a, MERGED_B, MERGED_C)
+    product = NodeSpec(form, inputs, (MERGED_Y,), attrs, node.opset, "", node.name)
+    splits: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for y, width in zip(node.outputs, widths):
+        assert y is not None
+        splits[y] = (offset, width)
+        offset += width
+    return GroupSpec("product", [product], values, list(inputs), list(spec.outputs), spec.constants, splits)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -933,6 +987,16 @@ def _product(
     stores: list[tuple[int, Idx]] = []
     for v in spec.outputs:
         oshape = spec.values[v].shape
+        if v in spec.splits:  # a part of merged siblings: its lanes [offset, offset + width)
+            offset, width = spec.splits[v]
+            n_expr = "rn[None, :]" if body == "dot" else "rn"
+            if tuple(oshape) != (*out_spec.shape[:-1], width) or spec.nodes[-1].outputs[0] != out:
+                raise Unsupported("a merged product's part of another shape, or with an epilogue")
+            dims = (*lane.dims[:-1], gen.em.let(f"({n_expr} - {offset})", True, "i"))
+            gen.store_masks[v] = f"mask & ({n_expr} >= {offset}) & ({n_expr} < {offset + width})"
+            gen.lane_values[v] = (gen.lane_values[out][0], dims)
+            stores.append((v, Idx(dims, (*lane.lane[:-1], True))))
+            continue
         if math.prod(oshape) != math.prod(out_spec.shape):
             raise Unsupported(f"an output of {list(oshape)} in a product group of {list(out_spec.shape)}")
         stores.append((v, gen.reshape(lane, out_spec.shape, oshape)))
@@ -1202,19 +1266,19 @@ def generate(
             stores.append((v, gen.unflatten(flat, oshape, lane=True)))
         grid = ((numel + block_size - 1) // block_size, 1, 1)
         warps = num_warps or (4 if block_size >= 512 else 2 if block_size >= 128 else 1)
-    stored: list[tuple[str, bool, str, bool, str]] = []  # value name, varies, offset, offset varies, dtype
+    stored: list[tuple[str, bool, str, bool, str, str]] = []  # name, varies, offset, varies, dtype, mask
     for v, idx in stores:
         expr, varies = gen.value(v, idx)
         off, off_varies = gen.flatten(idx, spec.values[v].shape)
-        stored.append((expr, varies, off, off_varies, _tl(spec.values[v].dtype)))
+        stored.append((expr, varies, off, off_varies, _tl(spec.values[v].dtype), gen.store_masks.get(v, "mask")))
     n_in = len(gen.args)
     body = list(gen.em.lines)
-    for k, (expr, varies, off, off_varies, tl_dtype) in enumerate(stored):
+    for k, (expr, varies, off, off_varies, tl_dtype, store_mask) in enumerate(stored):
         if spec.template in ("product", "decode_attention") and not varies:
             raise Unsupported("a product group's output that does not depend on the product")
         if off_varies or varies:
             val = f"{expr}.to({tl_dtype})" if varies else f"tl.full([{block_size}], {expr}, {tl_dtype})"
-            body.append(f"    tl.store(out{k} + ({off}), {val}, mask=mask)")
+            body.append(f"    tl.store(out{k} + ({off}), {val}, mask={store_mask})")
         else:
             body.append(f"    tl.store(out{k} + ({off}), {expr}.to({tl_dtype}))")
     params = [f"in{j}" for j in range(n_in)] + [f"out{k}" for k in range(len(stored))]
@@ -1299,6 +1363,9 @@ def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis:
 
 __all__ = [
     "MAX_PRODUCT_ROWS",
+    "MERGED_B",
+    "MERGED_C",
+    "MERGED_Y",
     "PRODUCT_OPS",
     "SUPPORTED_OPS",
     "VIEW_ON_CUPY",
@@ -1314,6 +1381,8 @@ __all__ = [
     "data_inputs",
     "generate",
     "kv_store",
+    "merged_operands",
+    "merged_spec",
     "product_configs",
     "product_node",
     "product_shape",

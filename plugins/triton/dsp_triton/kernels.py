@@ -86,9 +86,9 @@ class _Compiled:
         # a product the template declined (more than 16 rows): its reference step (cuBLAS)
         # runs first, then this kernel as its fused epilogue
         self.head: list[Step] = []
-        # input flat -> (the constant's address, the copy the kernel reads instead): weights
-        # transposed once to the layout the product streams best
-        self.substitutes: dict[int, tuple[int, Any]] = {}
+        # input flat (or a synthetic id) -> what the kernel reads there instead, made once
+        # from constant inputs: a weight transposed to [N, K], merged weights joined along N
+        self.substitutes: dict[int, Derived] = {}
         # a group run as several kernels (an attention the one-kernel template declines):
         # each part launched in order, the values between them stored
         self.parts: list[_Compiled] = []
@@ -226,13 +226,13 @@ class FusedGroup:
         cp = self.cp
         kernel = compiled.kernel
         reads = dict(by_flat)
-        for flat, (address, copy) in compiled.substitutes.items():
-            if int(reads[flat].data.ptr) != address:
+        for flat, derived in compiled.substitutes.items():
+            sources = [reads[f] for f in derived.sources]
+            if tuple(int(x.data.ptr) for x in sources) != derived.addresses:
                 if self.capturing():
-                    raise CaptureFailed(f"fusion group {self.report.index}'s weight moved during capture")
-                copy = _nk_copy(cp, reads[flat])
-                compiled.substitutes[flat] = (int(reads[flat].data.ptr), copy)
-            reads[flat] = copy
+                    raise CaptureFailed(f"fusion group {self.report.index}'s weights moved during capture")
+                compiled.substitutes[flat] = derived = Derived.make(cp, derived.sources, sources, derived.build)
+            reads[flat] = derived.array
         for step, ins, out, _ in compiled.head:
             got = step(*[reads.get(i) for i in ins])
             made = {out: got} if isinstance(out, int) else dict(zip(out, got))
@@ -365,7 +365,7 @@ class FusedGroup:
 
     def _pieces(
         self, spec: codegen.GroupSpec, local: dict[int, Any]
-    ) -> list[tuple[codegen.GroupSpec, list[Step], dict[int, tuple[int, Any]]]]:
+    ) -> list[tuple[codegen.GroupSpec, list[Step], dict[int, Derived]]]:
         """The kernels that run a group for this layout: one, or an attention's three parts."""
         if spec.template == "decode_attention":
             try:
@@ -387,13 +387,17 @@ class FusedGroup:
 
     def _product_spec(
         self, spec: codegen.GroupSpec, local: dict[int, Any], steps: list[Step]
-    ) -> tuple[codegen.GroupSpec, list[Step], dict[int, tuple[int, Any]]]:
+    ) -> tuple[codegen.GroupSpec, list[Step], dict[int, Derived]]:
         """A product group as the skinny template takes it, or as cuBLAS plus a fused epilogue.
 
         A one-row product whose weights are a constant laid out along N reads a copy
         transposed once to [N, K] (each program then streams whole rows of K); the
         original stays for the reference kernels.
         """
+        if len(spec.nodes) == 1 and is_merged_node(spec.nodes[0]):
+            merged, head, joined = self._merged_spec(spec, local)
+            codegen.product_shape(merged)  # more than 16 rows: its reference steps (cuBLAS per part)
+            return merged, head, joined
         node = codegen.product_node(spec)
         try:
             shape = codegen.product_shape(spec)
@@ -403,7 +407,7 @@ class FusedGroup:
         b = node.inputs[1]
         assert b is not None
         weight = local.get(b)
-        substitutes: dict[int, tuple[int, Any]] = {}
+        substitutes: dict[int, Derived] = {}
         if (
             shape.body == "kn"
             and not shape.trans_b
@@ -414,13 +418,34 @@ class FusedGroup:
             and getattr(weight, "ndim", 0) == 2
             and weight.size >= MIN_TRANSPOSED_WEIGHT
         ):
-            copy = _nk_copy(self.cp, weight)
-            substitutes[b] = (int(weight.data.ptr), copy)
-            local[b] = copy
+            substitutes[b] = Derived.make(self.cp, (b,), [weight], _nk_copy)
+            local[b] = substitutes[b].array
             values = dict(spec.values)
             values[b] = codegen.TensorSpec(values[b].shape, values[b].dtype, (1, int(weight.shape[0])))
             spec = codegen.GroupSpec(spec.template, spec.nodes, values, spec.inputs, spec.outputs, spec.constants)
         return spec, [], substitutes
+
+    def _merged_spec(
+        self, spec: codegen.GroupSpec, local: dict[int, Any]
+    ) -> tuple[codegen.GroupSpec, list[Step], dict[int, Derived]]:
+        """Merged sibling products as one product over their weights joined along N, read as [N, K]."""
+        node = spec.nodes[0]
+        weights, biases = codegen.merged_operands(node)
+        if any(not self.fixed(w) for w in (*weights, *biases)):
+            raise codegen.Unsupported("merged products whose weights are not constants")
+        arrays = [local[w] for w in weights]
+        if any(getattr(x, "ndim", 0) != 2 or isinstance(x, np.ndarray) for x in arrays):
+            raise codegen.Unsupported("merged products of other than device matrices")
+        trans_b = bool(node.attrs.get("transB", 0)) and str(node.attrs.get("form", "MatMul")) == "Gemm"
+        substitutes = {codegen.MERGED_B: Derived.make(self.cp, weights, arrays, _joined_nk(trans_b))}
+        if biases:
+            cs = [local[c] for c in biases]
+            substitutes[codegen.MERGED_C] = Derived.make(self.cp, biases, cs, _joined_bias)
+        for syn, derived in substitutes.items():
+            local[syn] = derived.array
+        bias = substitutes.get(codegen.MERGED_C)
+        merged = codegen.merged_spec(spec, None if bias is None else tuple(bias.array.shape))
+        return merged, [], substitutes
 
     def _epilogue_spec(self, spec: codegen.GroupSpec, local: dict[int, Any], j: int) -> codegen.GroupSpec:
         """The epilogue of a product cuBLAS runs (node ``j``, after its prologue): a pointwise group."""
@@ -618,10 +643,46 @@ def _graph_us(cp: Any, stream: Any, body: Callable[[], Any]) -> float:
     return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / (TUNE_RUNS * TUNE_LAUNCHES)
 
 
-def _nk_copy(cp: Any, weight: Any) -> Any:
-    """``weight`` ([K, N]) as a [K, N] view of a contiguous [N, K] copy: K is then its unit stride."""
-    with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-        return cp.ascontiguousarray(weight.T).T
+@dataclass
+class Derived:
+    """An array a kernel reads instead of (or besides) its inputs, made once from constant ones."""
+
+    sources: tuple[int, ...]  # the input flats it is made from
+    addresses: tuple[int, ...]  # their device addresses when it was made
+    build: Callable[[Any, list[Any]], Any]
+    array: Any
+
+    @staticmethod
+    def make(cp: Any, flats: tuple[int, ...], arrays: list[Any], build: Callable[[Any, list[Any]], Any]) -> Derived:
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            got = build(cp, arrays)
+        return Derived(flats, tuple(int(x.data.ptr) for x in arrays), build, got)
+
+
+def _nk_copy(cp: Any, weights: list[Any]) -> Any:
+    """A [K, N] weight as a [K, N] view of a contiguous [N, K] copy: K is then its unit stride."""
+    return cp.ascontiguousarray(weights[0].T).T
+
+
+def _joined_nk(trans_b: bool) -> Callable[[Any, list[Any]], Any]:
+    """Weights of merged products ([K, N_i], or [N_i, K] transposed) joined as one [K, sum N_i] view of [sum N_i, K]."""
+
+    def build(cp: Any, weights: list[Any]) -> Any:
+        rows = [w if trans_b else w.T for w in weights]
+        return cp.ascontiguousarray(cp.concatenate(rows, axis=0)).T
+
+    return build
+
+
+def _joined_bias(cp: Any, biases: list[Any]) -> Any:
+    return cp.ascontiguousarray(cp.concatenate(biases, axis=-1))
+
+
+def is_merged_node(node: codegen.NodeSpec) -> bool:
+    """True for the core's ``dsp::MergedMatMul`` (sibling products merged at freeze)."""
+    from dsp_core.plan.merge import MERGED_DOMAIN, MERGED_OP
+
+    return node.op == MERGED_OP and node.domain == MERGED_DOMAIN
 
 
 class _Arg:

@@ -101,7 +101,7 @@ class TritonPolicy(ReferencePolicy):
         if why is not None:
             return why
         if is_merged(plan.slots[s]):
-            return "a merged product runs one kernel per part, with no prologue fused (not built yet)"
+            return "a merged product reads its joined weights: no prologue is fused"
         if group.template not in ("copy", "view"):
             return f"a {group.template} group is not index arithmetic a product can read through"
         members = {*group.slots, s}
@@ -203,7 +203,7 @@ class TritonPolicy(ReferencePolicy):
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
         if any(is_merged(plan.slots[m]) for m in group.slots):
-            return "a merged product runs one kernel per part, with no epilogue fused (not built yet)"
+            return "a merged product stores each part by its own lanes: no epilogue is fused (not built yet)"
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
@@ -231,8 +231,6 @@ class TritonPolicy(ReferencePolicy):
         return True
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
-        if template == "product" and len(slots) == 1 and is_merged(plan.slots[slots[0]]):
-            return len(plan.slots[slots[0]].outputs)  # one skinny-product kernel per part
         if template == "view" or all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in slots):
             return 0  # views on the reference kernels (segment.unfused_reason)
         return 1
@@ -247,7 +245,7 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     as one generated kernel.
     """
     slot = plan.slots[s]
-    merged = is_merged(slot)  # sibling products merged by the core: each part is one such product
+    merged = is_merged(slot)  # sibling products merged by the core: one product over their joined weights
     if not merged and (slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx")):
         return f"{slot.op} is not a MatMul or Gemm"
     if not config.get("triton_products"):

@@ -18,13 +18,11 @@ from typing import Any
 import numpy as np
 from dsp_cpu_ref.slot_by_slot import run_order
 from dsp_cuda_graphs import device
-from dsp_cuda_graphs.kernels import gemm_kernel, matmul_kernel
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
 from dsp_core import progress
 from dsp_core.errors import KernelError
 from dsp_core.plan.fusion import propose_groups
-from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 from dsp_triton.codegen import VIEW_ON_CUPY
@@ -65,18 +63,6 @@ def unfused_reason(plan: Plan, group: Any) -> str | None:
     return None
 
 
-class _MergedParts:
-    """The step of a merged product run part by part: ``(a, B_1..B_k[, C_1..C_k]) -> (Y_1..Y_k)``."""
-
-    def __init__(self, parts: list[FusedGroup]) -> None:
-        self.parts = parts
-
-    def __call__(self, a: Any, *inputs: Any) -> tuple[Any, ...]:
-        k = len(self.parts)
-        biases = inputs[k:] if len(inputs) > k else (None,) * k
-        return tuple(part(a, b) if c is None else part(a, b, c) for part, b, c in zip(self.parts, inputs[:k], biases))
-
-
 class TritonSegment(CudaGraphSegment):
     """One segment (or island) on the GPU with fused Triton kernels for its groups."""
 
@@ -114,14 +100,6 @@ class TritonSegment(CudaGraphSegment):
                 steps.append((store, step_ins, step_outs, step_rel))
                 step_slots.append(g.slots)
                 continue
-            if len(g.slots) == 1 and is_merged(first) and g.template == "product":
-                kernel, step_ins, step_outs, step_rel = mine[0]
-                report.status = "parts"
-                report.reason = "merged sibling products: each part one skinny-product group"
-                parts = _MergedParts(self._part_groups(st, g.index, first, step_ins, step_outs))
-                steps.append((parts, step_ins, step_outs, step_rel))
-                step_slots.append(g.slots)
-                continue
             why = unfused_reason(plan, g)
             if why is not None:
                 report.status, report.reason = "reference", why
@@ -141,31 +119,6 @@ class TritonSegment(CudaGraphSegment):
             step_slots.append(g.slots)
         self._step_slots = step_slots
         return steps
-
-    def _part_groups(
-        self, st: dict[str, Any], index: int, slot: Any, ins: tuple[int, ...], outs: Any
-    ) -> list[FusedGroup]:
-        """A ``dsp::MergedMatMul`` slot as one skinny-product group per part, as its products were.
-
-        Each part is the MatMul or Gemm it replaced (its cuBLAS step the reference), so the
-        template treats it as it treated that product; one kernel over the weights joined
-        along N is the faster form still to build (docs/merge.md).
-        """
-        outs = (outs,) if isinstance(outs, int) else tuple(outs)
-        k = len(outs)
-        a, weights = ins[0], ins[1 : 1 + k]
-        biases = ins[1 + k :] if slot.attrs.get("bias") else (None,) * k
-        form = str(slot.attrs.get("form", "MatMul"))
-        attrs = {key: slot.attrs[key] for key in ("alpha", "beta", "transB") if form == "Gemm" and key in slot.attrs}
-        product = gemm_kernel(st, **attrs) if form == "Gemm" else matmul_kernel(st)
-        groups = []
-        for j, (b, c, y) in enumerate(zip(weights, biases, outs)):
-            part_ins = (a, b) if c is None else (a, b, c)
-            report = GroupReport(index, "product", (slot.index,))
-            self.reports.append(report)
-            node = codegen.NodeSpec(form, part_ins, (y,), dict(attrs), slot.opset, "", f"{slot.name}#{j}")
-            groups.append(self._group(st, report, [(product, part_ins, y, ())], part_ins, (y,), [node]))
-        return groups
 
     def _group(
         self,
