@@ -165,9 +165,10 @@ OPTIONS: tuple[Option, ...] = (
         "triton_attention",
         "DSP_TRITON_ATTENTION",
         "bool",
-        True,
+        False,
         "dsp-triton runs decode attention (scores with scale and mask, softmax, the weighted sum) as one "
-        "kernel with an online softmax; off: the scores product, the softmax and the weighted sum separately.",
+        "kernel with an online softmax (one program per head: slower than the three kernels it replaces "
+        "until it splits the KV positions); off: the scores product, the softmax and the weighted sum.",
     ),
     Option(
         "cublas_tf32",

@@ -442,7 +442,8 @@ def _decode_groups(name: str, monkeypatch: pytest.MonkeyPatch | None = None) -> 
 
 
 @pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
-def test_exported_attention_is_one_decode_attention_group(name: str) -> None:
+def test_exported_attention_is_one_decode_attention_group(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSP_TRITON_ATTENTION", "1")
     plan, groups = _decode_groups(name)
     attention = [g for g in groups if g.template == "decode_attention"]
     assert len(attention) == 2  # one per layer of the 2-layer fixtures
@@ -452,8 +453,8 @@ def test_exported_attention_is_one_decode_attention_group(name: str) -> None:
     assert not [g for g in groups if g.template == "row_reduction" and plan.slots[g.slots[0]].op == "Softmax"]
 
 
-def test_attention_stays_three_kernels_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DSP_TRITON_ATTENTION", "0")
+def test_attention_stays_three_kernels_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DSP_TRITON_ATTENTION", raising=False)
     _, groups = _decode_groups("llama_eager")
     assert not [g for g in groups if g.template == "decode_attention"]
 
@@ -481,8 +482,10 @@ def _softmax_graph(weight_constant: bool, axis: int = -1, scores_out: bool = Fal
         ({"weight_constant": False, "scores_out": True}, "scores read outside"),
     ],
 )
-def test_what_is_not_decode_attention(kw, why: str, tmp_path: Path) -> None:
+def test_what_is_not_decode_attention(kw, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import onnx
+
+    monkeypatch.setenv("DSP_TRITON_ATTENTION", "1")
 
     from dsp_core.ir.onnx_export import to_onnx
 
@@ -539,7 +542,7 @@ def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() 
 def test_decode_attention_matches_the_reference_under_the_interpreter() -> None:
     """GQA ratios 1, 3, 4; valid lengths 1, 255, 257, L-1, L (tests/triton_interp/attention_graphs.py)."""
     script = Path(__file__).parent / "triton_interp" / "attention_graphs.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DSP_TRITON_ATTENTION": "1"}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
