@@ -171,6 +171,15 @@ OPTIONS: tuple[Option, ...] = (
         "until it splits the KV positions); off: the scores product, the softmax and the weighted sum.",
     ),
     Option(
+        "triton_kv_splits",
+        "DSP_TRITON_KV_SPLITS",
+        "int",
+        0,
+        "Ranges of KV positions dsp-triton's decode attention splits into (then combines); 0: enough "
+        "programs to fill the GPU (splits of at least 64 positions), 1: no split.",
+        minimum=0,
+    ),
+    Option(
         "cublas_tf32",
         "DSP_CUBLAS_TF32",
         "bool",

@@ -539,12 +539,45 @@ def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() 
 
 
 @pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
-def test_decode_attention_matches_the_reference_under_the_interpreter() -> None:
-    """GQA ratios 1, 3, 4; valid lengths 1, 255, 257, L-1, L (tests/triton_interp/attention_graphs.py)."""
+@pytest.mark.parametrize("splits", ["1", "4", "16"])
+def test_decode_attention_matches_the_reference_under_the_interpreter(splits: str) -> None:
+    """GQA ratios 1, 3, 4; valid lengths 1, 255, 257, L-1, L; one program per head, or KV split and combined."""
     script = Path(__file__).parent / "triton_interp" / "attention_graphs.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DSP_TRITON_ATTENTION": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DSP_TRITON_ATTENTION": "1", "DSP_TRITON_KV_SPLITS": splits}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [r for r in results if r["status"] != "ok"]
     assert sum(r["template"] == "decode_attention" for r in results) == 5
+
+
+def test_a_split_attention_is_partials_then_one_combine() -> None:
+    assert codegen.kv_split_count(12, 288, 132) == 4  # GPT-2 124M at batch 1: 12 heads, splits of >= 64 positions
+    assert codegen.kv_split_count(32, 4096, 132) == 4
+    assert codegen.kv_split_count(12, 4096, 132) == 8
+    assert codegen.kv_split_count(128, 4096, 132) == 1  # enough programs already
+    assert codegen.kv_split_count(12, 60, 132) == 1  # too few positions to share
+    n = codegen.NodeSpec
+    nodes = [
+        n("Transpose", (2,), (3,), {"perm": [0, 1, 3, 2]}),
+        n("MatMul", (1, 3), (4,)),
+        n("Softmax", (4,), (5,), {"axis": -1}, opset=13),
+        n("MatMul", (5, 6), (7,)),
+        n("Relu", (7,), (8,)),
+    ]
+    shapes = {
+        1: ((1, 4, 1, 16), "float16"),
+        2: ((1, 4, 300, 16), "float16"),
+        3: ((1, 4, 16, 300), "float16"),
+        4: ((1, 4, 1, 300), "float16"),
+        5: ((1, 4, 1, 300), "float16"),
+        6: ((1, 4, 300, 16), "float16"),
+        7: ((1, 4, 1, 16), "float16"),
+        8: ((1, 4, 1, 16), "float16"),
+    }
+    partial, combine = codegen.attention_split_specs(_spec("decode_attention", nodes, shapes, [1, 2, 6], [8]), 4)
+    first, second = codegen.generate(partial), codegen.generate(combine)
+    assert first.grid == (16, 1, 1) and first.name.startswith("dsp_attn_")
+    assert second.grid == (4, 1, 1) and second.name.startswith("dsp_attn_combine_")
+    assert "tl.maximum(" in second.source and second.source.count("tl.store(") == 1  # the Relu'd output
+    assert second.args[-1] == 8

@@ -155,12 +155,17 @@ def test_products_for_every_row_count(dtype: str) -> None:
 
 
 # -- decode attention (T4) ---------------------------------------------------------------------
+@pytest.mark.parametrize("splits", ["1", "4", "0"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GQA ratios 1, 3, 4 and valid lengths 1, 255, 257, L-1, L: one kernel, captured, replaying."""
+def test_decode_attention_is_one_kernel_matching_the_reference(
+    dtype: str, splits: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GQA ratios 1, 3, 4, valid lengths 1, 255, 257, L-1, L; one kernel per head, or KV split (4, or as
+    many as fill the SMs) then combined: captured, replaying."""
     import sys
 
     monkeypatch.setenv("DSP_TRITON_ATTENTION", "1")
+    monkeypatch.setenv("DSP_TRITON_KV_SPLITS", splits)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triton_interp"))
     import attention_graphs as ag
@@ -175,3 +180,5 @@ def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str, monke
         groups = [r for r in _reports(model) if r["template"] == "decode_attention"]
         assert len(groups) == 1 and groups[0]["status"] == "triton", groups
         assert groups[0]["kernel"].startswith("dsp_attn_")
+        if splits == "4":
+            assert "dsp_attn_combine_" in groups[0]["kernel"], groups

@@ -105,6 +105,8 @@ class GroupSpec:
     # product template: output -> (offset, width) along the product's last axis, for sibling
     # products merged into one (each output stored by its own lanes of the joined product)
     splits: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # decode attention split over the KV positions: {"kv_splits": S, "out": the weighted sum}
+    params: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -1125,13 +1127,23 @@ def _attention(
     cfg = config or attention_configs(spec)[0]
     bl, warps = int(cfg["block_l"]), int(cfg.get("num_warps", 4))
     bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
+    n_split = int(spec.params.get("kv_splits", 1))
+    chunk = -(-length // n_split)
+    bl = min(bl, max(16, _pow2(chunk)))
+    chunk = -(-chunk // bl) * bl  # whole loop steps per split
     em = gen.em
     em.lines.append("    pid = tl.program_id(0)")
+    head_flat = "pid"
+    if n_split > 1:
+        em.lines.append(f"    sk = pid % {n_split}")
+        em.lines.append(f"    bh = pid // {n_split}")
+        head_flat = "bh"
     bidx = (
-        gen.unflatten("pid", batch, lane=False)
+        gen.unflatten(head_flat, batch, lane=False)
         if math.prod(batch) > 1
         else Idx(tuple("0" for _ in batch), tuple(False for _ in batch))
     )
+    hi = f"tl.minimum(sk * {chunk} + {chunk}, {length})" if n_split > 1 else str(length)
 
     def at(x: int, pair: tuple[str, str]) -> Idx:
         shape = spec.values[x].shape
@@ -1143,21 +1155,22 @@ def _attention(
     em.lines.append(f"    rv = tl.arange(0, {bd2})")
     gen.mask = f"rd < {d}"
     xq, _ = gen.value(q, at(q, ("0", "rd")))
+    em.lines.append(f"    att_hi = {hi}")
     em.lines.append("    att_m = tl.full([], float('-inf'), tl.float32)")
     em.lines.append("    att_l = tl.full([], 0.0, tl.float32)")
     em.lines.append(f"    att_acc = tl.zeros([{bd2}], dtype=tl.float32)")
     outer = (gen.em, gen.memo, gen.mask)
     loop = _Emitter(tag="k", indent="        ")
     gen.em, gen.memo = loop, {}
-    gen.mask = f"(rl[:, None] < {length}) & (rd[None, :] < {d})"
+    gen.mask = f"(rl[:, None] < att_hi) & (rd[None, :] < {d})"
     xk, _ = gen.value(k, at(k, ("rd[None, :]", "rl[:, None]")))
     loop.lines.append(f"        att_s = tl.sum({xq}[None, :].to(tl.float32) * {xk}.to(tl.float32), axis=1)")
     lane_l = at(scores, ("0", "rl"))
     gen.lane_values[scores] = (loop.let(f"att_s.to({_tl(sv.dtype)})", True, "p"), lane_l.dims)
-    gen.mask = f"rl < {length}"
+    gen.mask = "rl < att_hi"
     xs, _ = gen.value(x_in, lane_l)
     loop.lines += [
-        f"        att_x = tl.where(rl < {length}, {xs}.to(tl.float32), float('-inf'))",
+        f"        att_x = tl.where(rl < att_hi, {xs}.to(tl.float32), float('-inf'))",
         "        att_mnew = tl.maximum(att_m, tl.max(att_x, axis=0))",
         "        att_muse = tl.where(att_mnew == float('-inf'), 0.0, att_mnew)",
         "        att_alpha = tl.exp(att_m - att_muse)",
@@ -1166,20 +1179,30 @@ def _attention(
     ]
     gen.lane_values[probs] = ("att_p", at(probs, ("0", "rl")).dims)
     xa, _ = gen.value(a, at(a, ("0", "rl")))
-    gen.mask = f"(rl[:, None] < {length}) & (rv[None, :] < {d2})"
+    gen.mask = f"(rl[:, None] < att_hi) & (rv[None, :] < {d2})"
     xv, _ = gen.value(v, at(v, ("rl[:, None]", "rv[None, :]")))
     loop.lines += [
         f"        att_acc = att_acc * att_alpha + tl.sum({xa}[:, None].to(tl.float32) * {xv}.to(tl.float32), axis=0)",
         "        att_m = att_mnew",
     ]
     gen.em, gen.memo, gen.mask = outer
-    em.lines.append(f"    for l0 in range(0, {length}, {bl}):")
-    em.lines.append(f"        rl = l0 + tl.arange(0, {bl})")
+    span = chunk if n_split > 1 else length
+    em.lines.append(f"    for l0 in range(0, {span}, {bl}):")
+    start = f"sk * {chunk} + " if n_split > 1 else ""
+    em.lines.append(f"        rl = {start}l0 + tl.arange(0, {bl})")
     em.lines.extend(loop.lines)
     em.lines.append(f"    mask = rv < {d2}")
-    lane = at(out, ("0", "rv"))
     gen.lane_values.pop(scores, None)
     gen.lane_values.pop(probs, None)
+    if n_split > 1:  # partial results of this split: the combine kernel merges them
+        part = Idx(("bh", "sk"), (False, False))
+        gen.lane_values[ATT_M] = ("att_m", part.dims)
+        gen.lane_values[ATT_L] = ("att_l", part.dims)
+        gen.lane_values[ATT_ACC] = ("att_acc", ("bh", "sk", "rv"))
+        gen.store_masks[ATT_M] = gen.store_masks[ATT_L] = ""  # one scalar per program
+        stores_p = [(ATT_M, part), (ATT_L, part), (ATT_ACC, Idx(("bh", "sk", "rv"), (False, False, True)))]
+        return stores_p, (max(1, math.prod(batch)) * n_split, 1, 1), bl, warps
+    lane = at(out, ("0", "rv"))
     gen.lane_values[out] = (em.let(f"(att_acc / att_l).to({_tl(ov.dtype)})", True, "p"), lane.dims)
     stores: list[tuple[int, Idx]] = []
     for o in spec.outputs:
@@ -1188,6 +1211,98 @@ def _attention(
             raise Unsupported(f"an output of {list(oshape)} in an attention group of {list(ov.shape)}")
         stores.append((o, gen.reshape(lane, ov.shape, oshape)))
     return stores, (max(1, math.prod(batch)), 1, 1), bl, warps
+
+
+ATT_M, ATT_L, ATT_ACC = -2001, -2002, -2003  # a split attention's partial max, sum and weighted sum
+
+
+def kv_split_count(batch_heads: int, length: int, sms: int, min_positions: int = 64) -> int:
+    """KV splits for decode attention: enough programs to fill the SMs (FlashAttention-2 splits when
+    batch x heads < 0.8 SMs), at least ``min_positions`` positions each; a power of two."""
+    if batch_heads <= 0 or batch_heads >= 0.8 * sms:
+        return 1
+    want = min(-(-sms // batch_heads), max(1, length // min_positions))
+    return 1 << max(0, want.bit_length() - 1)
+
+
+def attention_split_specs(spec: GroupSpec, n_split: int) -> list[GroupSpec]:
+    """A decode attention split over ``n_split`` ranges of KV positions: partials, then their combine."""
+    p1, _, p2 = attention_nodes(spec)
+    out = p2.outputs[0]
+    assert out is not None
+    batch = tuple(spec.values[out].shape[:-2])
+    bh, d2 = max(1, math.prod(batch)), spec.values[out].shape[-1]
+    values = dict(spec.values)
+    values[ATT_M] = TensorSpec((bh, n_split), "float32", (n_split, 1))
+    values[ATT_L] = TensorSpec((bh, n_split), "float32", (n_split, 1))
+    values[ATT_ACC] = TensorSpec((bh, n_split, d2), "float32", (n_split * d2, d2, 1))
+    partial = GroupSpec(
+        "decode_attention",
+        spec.nodes,
+        values,
+        list(spec.inputs),
+        [ATT_M, ATT_L, ATT_ACC],
+        spec.constants,
+        params={"kv_splits": n_split},
+    )
+    i_p2 = spec.nodes.index(p2)
+    epilogue = spec.nodes[i_p2 + 1 :]
+    made = {v for n in spec.nodes[: i_p2 + 1] for v in n.outputs if v is not None}
+    reads = [r for n in epilogue for r in n.inputs if r is not None and r in spec.inputs and r not in made]
+    combine = GroupSpec(
+        "decode_attention_combine",
+        epilogue,
+        values,
+        [ATT_M, ATT_L, ATT_ACC, *dict.fromkeys(reads)],
+        list(spec.outputs),
+        spec.constants,
+        params={"kv_splits": n_split, "out": out},
+    )
+    return [partial, combine]
+
+
+def _attention_combine(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
+    """One program per (batch, head): the splits' partial results merged, then the epilogue."""
+    n_split, out = int(spec.params["kv_splits"]), int(spec.params["out"])
+    ov = spec.values[out]
+    batch, d2 = tuple(ov.shape[:-2]), ov.shape[-1]
+    sp, bd2 = max(2, _pow2(n_split)), max(16, _pow2(d2))
+    em = gen.em
+    em.lines += [
+        "    pid = tl.program_id(0)",
+        f"    rs = tl.arange(0, {sp})",
+        f"    rv = tl.arange(0, {bd2})",
+    ]
+    args = {}
+    for name, v in (("m", ATT_M), ("l", ATT_L), ("acc", ATT_ACC)):
+        if v not in gen.args:
+            gen.args.append(v)
+        args[name] = f"in{gen.args.index(v)}"
+    em.lines += [
+        f"    cm = tl.load({args['m']} + pid * {n_split} + rs, mask=rs < {n_split}, other=float('-inf'))",
+        f"    cl = tl.load({args['l']} + pid * {n_split} + rs, mask=rs < {n_split}, other=0.0)",
+        f"    ca = tl.load({args['acc']} + pid * {n_split * d2} + rs[:, None] * {d2} + rv[None, :],"
+        f" mask=(rs[:, None] < {n_split}) & (rv[None, :] < {d2}), other=0.0)",
+        "    cmax = tl.max(cm, axis=0)",
+        "    cw = tl.where(cm == float('-inf'), 0.0, tl.exp(cm - tl.where(cmax == float('-inf'), 0.0, cmax)))",
+        "    csum = tl.sum(cw * cl, axis=0)",
+        "    cacc = tl.sum(cw[:, None] * ca, axis=0)",
+        f"    mask = rv < {d2}",
+    ]
+    bidx = (
+        gen.unflatten("pid", batch, lane=False)
+        if math.prod(batch) > 1
+        else Idx(tuple("0" for _ in batch), tuple(False for _ in batch))
+    )
+    lane = Idx((*bidx.dims, "0", "rv"), (*bidx.lane, False, True))
+    gen.lane_values[out] = (em.let(f"(cacc / csum).to({_tl(ov.dtype)})", True, "p"), lane.dims)
+    stores: list[tuple[int, Idx]] = []
+    for o in spec.outputs:
+        oshape = spec.values[o].shape
+        if math.prod(oshape) != math.prod(ov.shape):
+            raise Unsupported(f"an output of {list(oshape)} in an attention group of {list(ov.shape)}")
+        stores.append((o, gen.reshape(lane, ov.shape, oshape)))
+    return stores, (max(1, math.prod(batch)), 1, 1), bd2, 4
 
 
 def _warps(n: int) -> int:
@@ -1219,6 +1334,8 @@ def generate(
         stores, grid, block_size, warps = _product(gen, spec, config)
     elif spec.template == "decode_attention":
         stores, grid, block_size, warps = _attention(gen, spec, config)
+    elif spec.template == "decode_attention_combine":
+        stores, grid, block_size, warps = _attention_combine(gen, spec)
     elif spec.template == "row_reduction":
         reductions = [n for n in spec.nodes if n.op in _ROW_VALUED]
         src = reductions[0].inputs[0] if reductions else None
@@ -1274,11 +1391,12 @@ def generate(
     n_in = len(gen.args)
     body = list(gen.em.lines)
     for k, (expr, varies, off, off_varies, tl_dtype, store_mask) in enumerate(stored):
-        if spec.template in ("product", "decode_attention") and not varies:
+        if spec.template in ("product", "decode_attention") and not varies and not spec.params.get("kv_splits"):
             raise Unsupported("a product group's output that does not depend on the product")
         if off_varies or varies:
             val = f"{expr}.to({tl_dtype})" if varies else f"tl.full([{block_size}], {expr}, {tl_dtype})"
-            body.append(f"    tl.store(out{k} + ({off}), {val}, mask={store_mask})")
+            masked = f", mask={store_mask}" if store_mask else ""
+            body.append(f"    tl.store(out{k} + ({off}), {val}{masked})")
         else:
             body.append(f"    tl.store(out{k} + ({off}), {expr}.to({tl_dtype}))")
     params = [f"in{j}" for j in range(n_in)] + [f"out{k}" for k in range(len(stored))]
@@ -1300,6 +1418,8 @@ def generate(
     args = (*gen.args, *(v for v, _ in stores))
     tag = hashlib.blake2b(source.encode(), digest_size=5).hexdigest()
     prefix = {"row_reduction": "row", "product": "mm", "decode_attention": "attn"}.get(spec.template, "pw")
+    if spec.template == "decode_attention_combine":
+        prefix = "attn_combine"
     name = f"dsp_{prefix}_{tag}"
     source = source.replace("def KERNEL(", f"def {name}(", 1)
     return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template)
@@ -1378,6 +1498,8 @@ __all__ = [
     "attention_configs",
     "attention_nodes",
     "attention_parts",
+    "attention_split_specs",
+    "kv_split_count",
     "data_inputs",
     "generate",
     "kv_store",

@@ -370,6 +370,9 @@ class FusedGroup:
         if spec.template == "decode_attention":
             try:
                 codegen.generate(spec)
+                splits = self._kv_splits(spec)
+                if splits > 1:
+                    return [(piece, [], {}) for piece in codegen.attention_split_specs(spec, splits)]
                 return [(spec, [], {})]
             except codegen.Unsupported as exc:
                 if "query rows" not in str(exc) and "(parts)" not in str(exc):
@@ -384,6 +387,24 @@ class FusedGroup:
         if spec.template == "product":
             return [self._product_spec(spec, local, self.steps)]
         return [(spec, [], {})]
+
+    def _kv_splits(self, spec: codegen.GroupSpec) -> int:
+        """KV splits of a decode attention: DSP_TRITON_KV_SPLITS, or enough programs to fill the SMs."""
+        from dsp_core import config
+
+        forced = int(config.get("triton_kv_splits"))
+        p1, _, p2 = codegen.attention_nodes(spec)
+        scores, out = p1.outputs[0], p2.outputs[0]
+        assert scores is not None and out is not None
+        length = spec.values[scores].shape[-1]
+        if forced:
+            return max(1, min(forced, length))
+        heads = max(1, math.prod(spec.values[out].shape[:-2]))
+        try:
+            sms = int(self.cp.cuda.Device().attributes["MultiProcessorCount"])
+        except Exception:  # noqa: BLE001
+            sms = 1
+        return codegen.kv_split_count(heads, length, sms)
 
     def _product_spec(
         self, spec: codegen.GroupSpec, local: dict[int, Any], steps: list[Step]
@@ -517,7 +538,7 @@ class FusedGroup:
         shapes: dict[int, tuple[tuple[int, ...], Any]],
     ) -> _Compiled:
         """A small config set, timed; the winner cached by source and device (row kernels: none)."""
-        if spec.template == "row_reduction":
+        if spec.template in ("row_reduction", "decode_attention_combine"):
             return first
         import triton
 
