@@ -35,6 +35,7 @@ def compile(  # noqa: A001  (the public name the API promises)
     force_recompile: bool | None = None,
     outputs_on_device: bool = False,
     base_dir: str | os.PathLike[str] | None = None,
+    placement: Any = None,
 ) -> CompiledModel:
     """Compile a model (path, bytes, onnx.ModelProto or dsp Graph) for ``mode``.
 
@@ -48,17 +49,28 @@ def compile(  # noqa: A001  (the public name the API promises)
     instead of numpy (``model.outputs_on_device`` can be changed later).
     ``base_dir`` is the directory a model given as bytes or a proto reads its external
     data from (a path's own directory is used for a path; bytes have none).
+    ``placement`` spreads the plan over devices (docs/devices.md): "single_device",
+    "memory_fit", "pipeline_parallel", or a map {name_pattern: device}; None reads
+    DSP_PLACEMENT when it is set, else one device without a placement pass.
     """
+    if placement is None and config.source("placement") == "environment":
+        placement = config.get("placement")
     parsed: GraphExecutionMode = config.get("mode", mode)
     strict = bool(config.get("strict", strict))
     if isinstance(model, Graph):
         model.validate()
         check_types(model)
-        compiled = CompiledModel(model, parsed, strict=strict)
+        compiled = CompiledModel(model, parsed, strict=strict, placement=placement)
     else:
         force = config.get("force_recompile", force_recompile)
         compiled = compile_cached(
-            _as_source(model), parsed, strict, __version__, force_recompile=force, base_dir=base_dir
+            _as_source(model),
+            parsed,
+            strict,
+            __version__,
+            force_recompile=force,
+            base_dir=base_dir,
+            placement=placement,
         )
     compiled.outputs_on_device = outputs_on_device
     return compiled

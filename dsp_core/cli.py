@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     dot.add_argument("model")
     dot.add_argument("--mode", default=None, help="execution mode (default: DSP_MODE, else auto)")
     _add_runs(dot, 3, "so the plan freezes and its units exist")
+    _add_devices(dot)
     dot.set_defaults(func=cmd_plan_dot)
     expl = plan.add_parser("explain", help="per segment: the winning backend, bids and every decline; merged products")
     expl.add_argument("model")
@@ -99,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     expl.add_argument("--strict", action="store_true", default=None, help="fail instead of falling back (DSP_STRICT)")
     expl.add_argument("--json", action="store_true")
     _add_runs(expl, 0, "then show the frozen plan's islands and gaps (with each gap's reason) and the timed trials")
+    _add_devices(expl)
+    expl.add_argument(
+        "--devices", action="store_true", help="show the placement: slots, weight bytes and budget per device, the cuts"
+    )
     expl.set_defaults(func=cmd_plan_explain)
     fuse = plan.add_parser(
         "fuse", help="merged products, then fusion groups: each group's template and slots, kernels vs slots per step"
@@ -718,27 +723,117 @@ def _print_lifecycle(life: dict[str, Any]) -> None:
     _print_table(rows)
 
 
+def _add_devices(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--placement",
+        default=None,
+        help="place the plan over the devices: single_device, memory_fit, pipeline_parallel (default: DSP_PLACEMENT)",
+    )
+    cmd.add_argument(
+        "--stub-devices",
+        default=None,
+        metavar="SPEC",
+        help="simulated devices: NxSIZE (4x1G, all peers; 4x1G:nopeer, none) or a JSON list of "
+        '{"memory": bytes, "peers": [...]} (docs/devices.md)',
+    )
+
+
+def stub_specs(spec: str) -> list[dict[str, Any]]:
+    """Stub devices from ``4x1G`` (peers), ``4x1G:nopeer`` or a JSON list of device dicts."""
+    from dsp_core import config
+
+    text = spec.strip()
+    if text.startswith("["):
+        try:
+            devices = json.loads(text)
+        except ValueError as exc:
+            raise DSPError(f"--stub-devices: not a JSON list of devices: {exc}") from exc
+        if not isinstance(devices, list):
+            raise DSPError('--stub-devices: a JSON list of device dicts, e.g. [{"memory": 1073741824}]')
+        return devices
+    body, _, flag = text.partition(":")
+    count, sep, size = body.partition("x")
+    if not sep or not count.strip().isdigit() or flag not in ("", "peer", "nopeer"):
+        raise DSPError(f"--stub-devices {spec!r}: expected NxSIZE[:nopeer] (4x1G) or a JSON list")
+    n = int(count)
+    try:
+        memory = config.parse_size(size)
+    except ValueError:
+        raise DSPError(f"--stub-devices {spec!r}: {size!r} is not a size (4096, 512M, 1G)") from None
+    peers = flag != "nopeer"
+    return [{"memory": memory, "peers": [j for j in range(n) if j != i] if peers else []} for i in range(n)]
+
+
+def _devices_scope(args: argparse.Namespace) -> Any:
+    """The stub topology the command asked for, or nothing to enter."""
+    import contextlib
+
+    from dsp_core.devices import stub_topology
+
+    spec = getattr(args, "stub_devices", None)
+    return stub_topology(stub_specs(spec)) if spec else contextlib.nullcontext()
+
+
 def cmd_plan_dot(args: argparse.Namespace) -> int:
-    """`dsp plan dot MODEL [--runs N]`: Graphviz source on stdout."""
+    """`dsp plan dot MODEL [--runs N] [--placement P --stub-devices SPEC]`: Graphviz source on stdout."""
     import dsp_core
 
-    model = dsp_core.compile(args.model, mode=args.mode)
-    if model.declined is not None:
-        raise DSPError(f"plan declined: {model.declined}; the graph runs on the legacy interpreter (no plan to draw)")
-    _exercise(model, max(1, args.runs), args.dim)
-    print(model.dsp.to_dot(), end="")
+    with _devices_scope(args):
+        model = dsp_core.compile(args.model, mode=args.mode, placement=args.placement)
+        if model.declined is not None:
+            raise DSPError(
+                f"plan declined: {model.declined}; the graph runs on the legacy interpreter (no plan to draw)"
+            )
+        _exercise(model, max(1, args.runs), args.dim)
+        print(model.dsp.to_dot(), end="")
     return 0
+
+
+def devices_report(model: Any) -> dict[str, Any]:
+    """The placement of the default plan, and the transfers recorded so far (what --devices prints)."""
+    plan = model.plan()
+    report: dict[str, Any] = model.dsp.placement.as_dict(plan)
+    report["transfers"] = model.dsp.transfer_summary()
+    return report
+
+
+def _print_devices(rep: dict[str, Any]) -> None:
+    topo = rep["topology"]
+    print(f"\nplacement {rep['strategy']} on {len(topo['devices'])} {topo['kind']} device(s)")
+    rows = [["device", "key", "slots", "weight bytes", "budget bytes", "peers"]]
+    for d, t in zip(rep["devices"], topo["devices"]):
+        span = f"{d['slots'][0]}..{d['slots'][1]} ({d['n_slots']})" if d["slots"] else "-"
+        key = "/".join(x for x in d["key"] if x) or "-"
+        rows.append([str(d["device"]), key, span, str(d["weight_bytes"]), str(d["budget_bytes"]), str(t["peers"])])
+    _print_table(rows)
+    for c in rep["cuts"]:
+        print(
+            f"cut after slot {c['after_slot']}: device {c['src']} -> {c['dst']}, {c['bytes']} bytes per step "
+            f"(symbolic dims as 1): {_trunc(', '.join(c['values']), 80)}"
+        )
+    print(f"replicated constants: {rep['replicated_bytes']} bytes (copied once)")
+    t = rep["transfers"]
+    if t["steps"]:
+        per = ", ".join(f"{k} {v} B" for k, v in t["bytes"].items()) or "none"
+        print(f"transfers over {t['steps']} step(s): {per}; {t['switches']} device switches")
 
 
 def cmd_plan_explain(args: argparse.Namespace) -> int:
     """`dsp plan explain MODEL`."""
+    with _devices_scope(args):
+        return _plan_explain(args)
+
+
+def _plan_explain(args: argparse.Namespace) -> int:
     import dsp_core
 
-    model = dsp_core.compile(args.model, mode=args.mode, strict=args.strict)
+    model = dsp_core.compile(args.model, mode=args.mode, strict=args.strict, placement=args.placement)
     runs = getattr(args, "runs", 0)
     if runs and model.declined is None:
         _exercise(model, runs, getattr(args, "dim", []))
     report = model.explain()
+    if args.devices and model.declined is None:
+        report["devices"] = devices_report(model)
     if runs and model.declined is None:
         report["units"] = [
             {k: v for k, v in u.as_dict().items() if k in ("index", "kind", "phase", "slots", "n_slots", "reason")}
@@ -775,6 +870,8 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
             print(f"    gap slot {gap['slot']} {gap['op']}: {gap['reason']}")
     print_merges(report["merges"])
     print(f"fraction of slots on the reference after fallback: {report['fallback_fraction']:.1%}")
+    if "devices" in report:
+        _print_devices(report["devices"])
     if "units" in report:
         print(f"after {runs} run(s): plan phase {report['phase']}")
         for u in report["units"]:

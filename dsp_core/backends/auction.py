@@ -428,12 +428,15 @@ SEGMENT_ENDING = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW
 
 
 def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
-    """Maximal runs of slots with one owner, cut after every segment-ending slot."""
+    """Maximal runs of slots with one owner (and one device), cut after every segment-ending slot."""
     segments: list[Segment] = []
     start = 0
+    # A placed plan's segments never straddle two devices (dsp_core/devices/execution.py).
+    devices = plan.placement.placement.slots if plan.placement is not None else None
     for i in range(1, len(owners) + 1):
         ends = plan.slots[i - 1].traits & SEGMENT_ENDING
-        if i == len(owners) or owners[i] is not owners[start] or ends:
+        moves = devices is not None and i < len(owners) and devices[i] != devices[start]
+        if i == len(owners) or owners[i] is not owners[start] or ends or moves:
             b = owners[start]
             segments.append(Segment(len(segments), b.name, b.mode.name, tuple(range(start, i))))
             start = i

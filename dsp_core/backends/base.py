@@ -285,7 +285,13 @@ class Backend:
         start = time.perf_counter()
         segment = self._grouped(plan, segment)
         try:
-            compiled = self._compile(plan, segment)
+            if plan.placement is None:
+                compiled = self._compile(plan, segment)
+            else:  # a plan over several devices: compiled on the segment's device, run there
+                from dsp_core.devices.execution import device_context
+
+                with device_context(plan, segment):
+                    compiled = self._compile(plan, segment)
         except BackendError:
             raise
         except KeyboardInterrupt:
@@ -300,6 +306,10 @@ class Backend:
                 f"backend {self.name}._compile returned {type(compiled).__name__}, not a CompiledSegment"
             )
         compiled.compile_seconds = time.perf_counter() - start  # type: ignore[attr-defined]
+        if plan.placement is not None:
+            from dsp_core.devices.execution import wrap
+
+            return wrap(plan, compiled)
         return compiled
 
     def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:

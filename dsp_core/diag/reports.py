@@ -47,11 +47,27 @@ def build_report(state: dict[str, Any], plan_ids: Iterable[int] | None = None) -
             **{k: codes.get(f"CACHE.{k}", 0) for k in ("build", "hit", "miss", "evict")},
             "miss_explanations": _messages(events, "CACHE", "miss"),
         },
+        "transfers": _transfers(events, codes),
         "errors": _messages(events, "EXECUTE", "error"),
         "terminal": [t for t in state["terminal"] if wanted is None or t["plan"] in wanted],
         "top_ops": top_ops(state.get("ops", {})),
         **({"error": state["error"]["type"] + ": " + state["error"]["message"]} if "error" in state else {}),
     }
+
+
+# The reasons of cross-device copies (dsp_core.devices.transfers.Reason), as TRANSFER codes.
+TRANSFER_REASONS = ("activation", "constant_replication", "kv_cache", "input_migration", "output_return")
+
+
+def _transfers(events: list[dict[str, Any]], codes: dict[str, int]) -> dict[str, Any]:
+    """Cross-device copies per reason (count: exact; bytes: over the kept events) and device switches."""
+    by_reason = {}
+    for reason in TRANSFER_REASONS:
+        count = codes.get(f"TRANSFER.{reason}", 0)
+        if count:
+            kept = [e["payload"] for e in events if e["category"] == "TRANSFER" and e["code"] == reason]
+            by_reason[reason.upper()] = {"copies": count, "bytes_kept": int(sum(kept)), "copies_kept": len(kept)}
+    return {"by_reason": by_reason, "device_switches": codes.get("MULTI_DEVICE.switch", 0)}
 
 
 def _messages(events: list[dict[str, Any]], category: str, code: str) -> list[dict[str, Any]]:
@@ -77,6 +93,13 @@ def render_report(rep: dict[str, Any]) -> str:
     c = rep["cache"]
     lines.append(f"plan cache: {c['build']} builds, {c['hit']} hits, {c['miss']} misses, {c['evict']} evictions")
     lines += [f"  miss x{m['count']}: {m['message']}" for m in c["miss_explanations"]]
+    t = rep.get("transfers", {})
+    if t.get("by_reason") or t.get("device_switches"):
+        lines.append(f"cross-device: {t['device_switches']} device switches")
+        for reason, r in t["by_reason"].items():
+            lines.append(
+                f"  {reason:<21} {r['copies']:>7} copies, {r['bytes_kept']} bytes in the {r['copies_kept']} kept"
+            )
     lines.append(f"fallbacks: {rep['fallbacks']['count']}")
     lines += [f"  x{m['count']}: {m['message']}" for m in rep["fallbacks"]["detail"]]
     lines += [f"error x{m['count']}: {m['message']}" for m in rep["errors"]]

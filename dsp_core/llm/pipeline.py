@@ -48,6 +48,7 @@ import numpy as np
 
 from dsp_core import progress
 from dsp_core.cache.memory import CacheStats
+from dsp_core.devices.execution import input_devices, on_device
 from dsp_core.errors import DSPError, InputError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph
@@ -129,7 +130,12 @@ class DecodeState:
         batch, length = fk.batch, fk.max_length
         self.xp = xp
         self.max_length = length
-        self.buffers = {n: xp.zeros(s, dtype=dtypes.to_numpy(fk.buffer_dtypes[n])) for n, s in fk.buffer_shapes.items()}
+        # On a placed plan each KV buffer is allocated on the device of the slots that read it.
+        homes = input_devices(decoder.model)
+        self.buffers = {
+            n: on_device(xp, homes.get(n, 0), lambda n=n, s=s: xp.zeros(s, dtype=dtypes.to_numpy(fk.buffer_dtypes[n])))
+            for n, s in fk.buffer_shapes.items()
+        }
         self.input_ids = xp.zeros((batch, 1), dtype=decoder.dtype_of("input_ids"))
         self.position_ids = xp.zeros((batch, 1), dtype=decoder.dtype_of("position_ids"))
         self.attention_mask = xp.zeros((batch, length), dtype=decoder.dtype_of("attention_mask"))
@@ -521,6 +527,7 @@ class GenerationPipeline:
         block_size: int = 8,
         strict: bool | None = None,
         block_capture: bool | None = None,
+        placement: Any = None,
     ) -> None:
         import dsp_core as dsp
 
@@ -530,11 +537,20 @@ class GenerationPipeline:
         source: Any = None
         with self.phase("prefill plan"):
             if isinstance(model, CompiledModel):
-                self.prefill_model = model if mode is None else dsp.compile(model.graph, mode=mode, strict=strict)
+                placement = model.placement_request if placement is None else placement
+                again = mode is not None or placement != model.placement_request
+                self.prefill_model = (
+                    dsp.compile(model.graph, mode=mode or model.mode.name, strict=strict, placement=placement)
+                    if again
+                    else model
+                )
             else:
                 source = str(model) if isinstance(model, Path) else model
-                self.prefill_model = dsp.compile(source, mode=mode, strict=strict)  # None: DSP_MODE, DSP_STRICT
+                # None: DSP_MODE, DSP_STRICT, DSP_PLACEMENT
+                self.prefill_model = dsp.compile(source, mode=mode, strict=strict, placement=placement)
         self.mode = self.prefill_model.mode
+        # Every plan the pipeline makes (prefill, decode, blocks) is placed alike (docs/devices.md).
+        self.placement = self.prefill_model.placement_request
         # Only a model given by its content has a disk-cache key (a Graph or CompiledModel has none).
         self.store = PlanStore(None if isinstance(model, (CompiledModel, Graph)) else source)
         self.store.share(self.prefill_model.plan())
@@ -623,7 +639,7 @@ class GenerationPipeline:
     def new_model(self, graph: Graph) -> CompiledModel:
         """A plan of a rewritten graph (decode, block), compiled here (a cold start, or a miss)."""
         with self.phase("compile plan"):
-            model = CompiledModel(graph, self.mode, registry=self.prefill_model.registry)
+            model = CompiledModel(graph, self.mode, registry=self.prefill_model.registry, placement=self.placement)
         return model
 
     def cached_model(
@@ -654,6 +670,7 @@ class GenerationPipeline:
                     plan=plan,
                     load_graph=load_graph,
                     stats=CacheStats(disk_hits=1),
+                    placement=self.placement,
                 )
             found = check(info, model) if check is not None else None
         except DSPError:

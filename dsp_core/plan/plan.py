@@ -101,6 +101,10 @@ class Plan:
     # for slots whose capture failed on that backend; they run as eager gaps between its
     # islands (dsp_core/runtime/islands.py). Kept in DSP1 so a disk-cached plan knows them.
     capture_gaps: dict[str, dict[int, str]] = field(default_factory=dict)
+    # Set by the placement pass when the plan runs on more than one device: a
+    # dsp_core.devices.execution.Placed (the Placement, the mover, the transfer recorder).
+    # Not part of the content hash nor of DSP1: a model places its plan when it starts.
+    placement: Any = None
 
     def digest_of(self, k: int) -> bytes:
         """The digest of constant ``k`` (computed on first use)."""

@@ -15,6 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dsp_core.devices.placement import Placement, Strategy, place
+from dsp_core.devices.topology import host_topology
+from dsp_core.devices.transfers import StepTransfers, TransferRecorder
 from dsp_core.errors import DSPError, InputError
 from dsp_core.runtime.lifecycle import PlanPhase, SegmentPhase, SlotPhase
 from dsp_core.runtime.units import Unit, UnitKind
@@ -134,6 +137,31 @@ class DspHandle:
             out += [{"machine": f"segment {unit.index}", **t.__dict__} for t in unit.machine.history]
         return sorted(out, key=lambda t: t["at"])
 
+    # -- devices (dsp_core.devices, docs/devices.md) --------------------------------------
+    @property
+    def placement(self) -> Placement:
+        """Slot index -> device index of the default plan (all on device 0 when not placed)."""
+        model = self._model
+        plan = model.plan()
+        if plan is None:
+            raise DSPError(f"the graph was declined ({model.declined}): it runs on the legacy interpreter, unplaced")
+        placed = model.placements.get(plan.output_names)
+        if placed is None:
+            placed = place(plan, Strategy.SINGLE_DEVICE, host_topology())
+        return placed
+
+    def transfers(self) -> list[StepTransfers]:
+        """Per-step records of every cross-device copy and device switch (the last KEEP_STEPS steps)."""
+        plan = self._model.plan()
+        return plan.placement.recorder.records() if plan is not None and plan.placement is not None else []
+
+    def transfer_summary(self) -> dict[str, Any]:
+        """Totals over every step: copies, bytes and modelled seconds per reason, device switches."""
+        plan = self._model.plan()
+        if plan is None or plan.placement is None:
+            return TransferRecorder().summary()
+        return plan.placement.recorder.summary()
+
     # -- steering ----------------------------------------------------------------------
     def freeze(self) -> None:
         """Freeze the live plan now; before any run, the first plan built freezes at once."""
@@ -180,6 +208,7 @@ class DspHandle:
             "flags": list(runtime.flags),
             "transitions": [{k: v for k, v in t.items() if k != "at"} for t in self.transitions],
             "cache": self._model.stats.as_dict(),
+            "devices": {**self.placement.as_dict(runtime.plan), "transfers": self.transfer_summary()},
         }
 
     def diag_report(self) -> dict[str, Any]:
@@ -198,6 +227,9 @@ class DspHandle:
         seg_of = {s: seg.index for seg in runtime.executor.partition.segments for s in seg.slots}
         lines = ["digraph plan {", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fontname="Helvetica"];']
         producer = {v: slot.index for slot in plan.slots for v in slot.outputs if v is not None}
+        devices = self.placement
+        placed = devices.multi_device
+        crossing = {(c.src, c.dst): c.nbytes for c in devices.cuts}
         for k, ext in enumerate(plan.externals):
             if ext.cls.value != "constant":
                 lines.append(
@@ -211,12 +243,21 @@ class DspHandle:
                 fill, where = colours[unit.index % len(colours)], f"{unit.kind.value} {unit.index}"
             else:
                 fill, where = colours[seg_of.get(slot.index, 0) % len(colours)], f"segment {seg_of.get(slot.index)}"
+            if placed:
+                where += f"\\ndevice {devices[slot.index]}"
             lines.append(f'  s{slot.index} [label="{slot.index}: {_esc(slot.op)}\\n{where}", fillcolor="{fill}"];')
             for r in slot.inputs:
                 if r is None:
                     continue
                 if r >= 0:
-                    lines.append(f"  s{producer[r]} -> s{slot.index};")
+                    src, dst = devices[producer[r]], devices[slot.index]
+                    if placed and src != dst:  # a value crossing devices: red, with the cut's modelled bytes
+                        label = f"{src}->{dst} {crossing.get((src, dst), 0)} B"
+                        lines.append(
+                            f'  s{producer[r]} -> s{slot.index} [color="#d62728", penwidth=2, label="{label}"];'
+                        )
+                    else:
+                        lines.append(f"  s{producer[r]} -> s{slot.index};")
                 elif plan.externals[-r - 1].cls.value != "constant":
                     lines.append(f"  e{-r - 1} -> s{slot.index};")
         lines.append("}")

@@ -225,20 +225,21 @@ def compile_cached(
     version: str,
     force_recompile: bool = False,
     base_dir: str | os.PathLike[str] | None = None,
+    placement: Any = None,
 ) -> CompiledModel:
-    """Compile ``source`` for ``mode``, through the disk cache when it is on."""
+    """Compile ``source`` for ``mode``, through the disk cache when it is on (``placement``: dsp_core.devices)."""
     cache = DiskCache.from_config()
     diag.watch_disk_cache(cache)  # diag: quarantines, read/write errors -> CACHE events
     stats = CacheStats()
     key = model_key(source, version, base_dir, cache) if cache.enabled else None
     if key is not None and not force_recompile:
-        model = _warm(cache, key, source, mode, strict, stats, base_dir)
+        model = _warm(cache, key, source, mode, strict, stats, base_dir, placement)
         if model is not None:
             _store_when_learned(cache, key, model, stats)
             return model
     graph = import_model(source, base_dir=base_dir)
     with progress.step("compile plan"):
-        model = CompiledModel(graph, mode, strict, stats=stats)
+        model = CompiledModel(graph, mode, strict, stats=stats, placement=placement)
     del graph
     if key is not None and _store(cache, key, model, stats):
         _store_when_learned(cache, key, model, stats)
@@ -258,6 +259,7 @@ def _warm(
     strict: bool,
     stats: CacheStats,
     base_dir: str | os.PathLike[str] | None = None,
+    placement: Any = None,
 ) -> CompiledModel | None:
     payload = cache.get(key)
     stats.quarantines = cache.stats.quarantines
@@ -280,7 +282,9 @@ def _warm(
         return None
     try:
         with progress.step("start cached plan"):
-            model = CompiledModel(None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats)
+            model = CompiledModel(
+                None, mode, strict, plan=plan, load_graph=initializers.graph, stats=stats, placement=placement
+            )
     except DSPError:
         # The mode, strict or the installed backends said no (a mode nobody installed, a
         # strict failure): the plan is whole and a cold compile would say the same; keep it.
@@ -289,7 +293,7 @@ def _warm(
         # Not DSP's kind of "no": perhaps the entry, perhaps a backend. A cold compile
         # decides; only if it succeeds where the cached plan failed is the entry rejected.
         log.warning("DSP disk cache: the cached plan of %s failed to start (%r); compiling it", _describe(source), exc)
-        cold = CompiledModel(initializers.graph(), mode, strict, stats=stats)
+        cold = CompiledModel(initializers.graph(), mode, strict, stats=stats, placement=placement)
         _reject(cache, key, source, stats, exc)
         _store(cache, key, cold, stats)
         return cold

@@ -22,6 +22,10 @@ from dsp_core.backends.discovery import discover
 from dsp_core.backends.guard import BackendFault, describe
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.cache.memory import CacheStats, LivePlan, PlanCache, ShapeSignature, available_host_bytes
+from dsp_core.devices.execution import Placed
+from dsp_core.devices.placement import Placement, place
+from dsp_core.devices.placement import parse as parse_placement
+from dsp_core.devices.topology import Topology, current_topology
 from dsp_core.diag import Category, Level, flight
 from dsp_core.errors import InputError
 from dsp_core.ir import dtypes
@@ -163,10 +167,19 @@ class CompiledModel:
         load_graph: Callable[[], Graph] | None = None,
         cache_capacity: int | None = None,
         stats: CacheStats | None = None,
+        placement: Any = None,
     ) -> None:
         if graph is None and (plan is None or load_graph is None):
             raise ValueError("CompiledModel needs a graph, or a plan and a way to load the graph")
         diag.configure_from_env()  # diag: DSP_DIAGNOSTICS* are read once per process
+        # Placement across devices (dsp_core.devices): None = one device, no pass at all.
+        self.placement_request = placement
+        self.topology: Topology | None = None
+        if placement is not None:
+            parse_placement(placement)  # a malformed request fails here, before any compiling
+            self.topology = current_topology()
+        self.placements: dict[tuple[str, ...], Placement] = {}
+        self.variables: set[str] = set()  # inputs marked variable (mark_variable); one set, shared
         self._graph = graph
         self._load_graph = load_graph
         self.mode = mode
@@ -184,7 +197,6 @@ class CompiledModel:
             self._default_outputs = tuple(graph.output_names)
             self._feeds = _feed_specs(graph)
             self._prepare(self._default_outputs)  # compile eagerly: errors surface at compile()
-        self.variables: set[str] = set()
         self.last_live: LivePlan | None = None
         self.freeze_on_build = False
         # False: outputs are numpy (device arrays are copied to the host); True: a GPU
@@ -391,6 +403,10 @@ class CompiledModel:
         return check_outputs(self.graph, outputs)
 
     def _executor(self, plan: Plan) -> Executor:
+        if self.placement_request is not None:
+            placed = place(plan, self.placement_request, self.topology)
+            self.placements[plan.output_names] = placed
+            plan.placement = Placed(plan, placed, self.variables) if placed.multi_device else None
         part, compiled = assign(plan, self.registry, self.mode, self.strict)
         return Executor(plan, part, compiled)
 
