@@ -20,6 +20,7 @@ from dsp_core.devices.topology import (
     current_topology,
     host_topology,
     stub_topology,
+    use_topology,
 )
 from dsp_core.devices.transfers import Copy, Reason, StepTransfers, Switch, TransferRecorder
 
@@ -41,4 +42,5 @@ __all__ = [
     "host_topology",
     "place",
     "stub_topology",
+    "use_topology",
 ]

@@ -75,7 +75,8 @@ class CupyMover:
         self.cp = cupy
         self.topology = topology
         self.events: dict[int, Any] = {}
-        self.staging: dict[tuple[int, int], Any] = {}  # (id of dst buffer) -> pinned host buffer
+        self.staging: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id of dst buffer, bytes) -> (pinned, done event)
+        self.keep: dict[int, Any] = {}  # id of a dst buffer -> the contiguous source copy its copy reads
         self._enable_peers()
         self._cap_pools()
 
@@ -123,10 +124,11 @@ class CupyMover:
             if into is None or into.shape != array.shape or into.dtype != array.dtype:
                 into = cp.empty(array.shape, array.dtype)
             stream = cp.cuda.Stream.null
-        src_array = array if array.flags.c_contiguous else None
-        if src_array is None:
+        src_array = array
+        if not array.flags.c_contiguous:
             with cp.cuda.Device(src):
                 src_array = cp.ascontiguousarray(array)
+            self.keep[id(into)] = src_array  # alive until this buffer's next copy: the copy is asynchronous
         event = self._event(src)
         with cp.cuda.Device(src):
             event.record(cp.cuda.Stream.null)
@@ -143,18 +145,23 @@ class CupyMover:
         """Device -> pinned host on ``src``'s stream, then host -> device on ``dst``'s, ordered by an event."""
         cp = self.cp
         key = (id(into), nbytes)
-        pinned = self.staging.get(key)
-        if pinned is None:
-            pinned = cp.cuda.alloc_pinned_memory(nbytes)
-            self.staging[key] = pinned
+        staged = self.staging.get(key)
+        if staged is None:
+            with cp.cuda.Device(dst):
+                done = cp.cuda.Event(disable_timing=True)
+                done.record(cp.cuda.Stream.null)
+            staged = self.staging[key] = (cp.cuda.alloc_pinned_memory(nbytes), done)
+        pinned, done = staged
         kind_d2h, kind_h2d = cp.cuda.runtime.memcpyDeviceToHost, cp.cuda.runtime.memcpyHostToDevice
         with cp.cuda.Device(src):
+            cp.cuda.Stream.null.wait_event(done)  # the previous step's host -> device read of ``pinned`` is over
             cp.cuda.runtime.memcpyAsync(pinned.ptr, src_array.data.ptr, nbytes, kind_d2h, cp.cuda.Stream.null.ptr)
             event = self._event(src)
             event.record(cp.cuda.Stream.null)
         with cp.cuda.Device(dst):
             cp.cuda.Stream.null.wait_event(event)
             cp.cuda.runtime.memcpyAsync(into.data.ptr, pinned.ptr, nbytes, kind_h2d, cp.cuda.Stream.null.ptr)
+            done.record(cp.cuda.Stream.null)
 
     def sync_back(self, copy: Any, original: Any) -> None:
         """Write a copy written in place back into the original (KV state read away from home)."""
@@ -401,3 +408,9 @@ def on_device(xp: Any, device: int, make: Any) -> Any:
         return make()
     with xp.cuda.Device(device):
         return make()
+
+
+def device_of(array: Any) -> AbstractContextManager[Any]:
+    """The device context of a CuPy array (its ``device``); nothing to enter for a host array."""
+    dev = getattr(array, "device", None)
+    return dev if dev is not None and hasattr(dev, "__enter__") and hasattr(dev, "id") else nullcontext()  # type: ignore[no-any-return]

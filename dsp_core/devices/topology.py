@@ -8,14 +8,16 @@ A Topology is the set of devices a plan may be placed on. It comes from one of:
   capability);
 - ``host_topology()``: one device, the host (what a machine without either has).
 
-``current_topology()`` answers with the innermost active stub, else CUDA when CuPy sees a
-device, else the host. Bandwidths model copy time: a copy of ``n`` bytes between devices
+``current_topology()`` answers with the innermost topology in use (``stub_topology`` or
+``use_topology``, e.g. the CUDA topology with peer access switched off), else CUDA when
+CuPy sees a device, else the host. Bandwidths model copy time: a copy of ``n`` bytes between devices
 with peer access takes ``n / peer_bandwidth``, through the host ``n / bandwidth``, from
 or to the host ``n / host_bandwidth`` (defaults 300, 12 and 16 GB/s).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -142,19 +144,12 @@ def _stub(specs: Sequence[Mapping[str, Any]]) -> Topology:
         )
     # Peer access is symmetric in the model: a peer named on either side links both.
     linked = [frozenset(d.peers | {e.index for e in devices if d.index in e.peers}) for d in devices]
-    return Topology(
-        tuple(
-            Device(d.index, d.platform, d.capability, d.memory, p, d.peer_bandwidth, d.bandwidth, d.host_bandwidth)
-            for d, p in zip(devices, linked)
-        ),
-        "stub",
-    )
+    return Topology(tuple(dataclasses.replace(d, peers=p) for d, p in zip(devices, linked)), "stub")
 
 
 @contextmanager
-def stub_topology(specs: Sequence[Mapping[str, Any]]) -> Iterator[Topology]:
-    """Declare fake devices for the ``with`` block (always restored, nests)."""
-    topology = _stub(specs)
+def use_topology(topology: Topology) -> Iterator[Topology]:
+    """Make ``topology`` the current one for the ``with`` block (always restored, nests)."""
     with _stack_lock:
         _stack.append(topology)
     try:
@@ -162,6 +157,13 @@ def stub_topology(specs: Sequence[Mapping[str, Any]]) -> Iterator[Topology]:
     finally:
         with _stack_lock:
             _stack.remove(topology)
+
+
+@contextmanager
+def stub_topology(specs: Sequence[Mapping[str, Any]]) -> Iterator[Topology]:
+    """Declare fake devices for the ``with`` block (always restored, nests)."""
+    with use_topology(_stub(specs)) as topology:
+        yield topology
 
 
 def host_topology() -> Topology:
@@ -185,16 +187,16 @@ def cuda_topology() -> Topology | None:
         return None
     devices = []
     for i in range(count):
-        with cupy.cuda.Device(i):
+        with cupy.cuda.Device(i) as dev:
             free, _total = cupy.cuda.runtime.memGetInfo()
-            major, minor = cupy.cuda.Device(i).compute_capability[:-1], cupy.cuda.Device(i).compute_capability[-1]
+            cc = str(dev.compute_capability)  # "90" for 9.0
         peers = frozenset(j for j in range(count) if j != i and cupy.cuda.runtime.deviceCanAccessPeer(i, j))
-        devices.append(Device(i, "cuda", f"{major}.{minor}", int(free), peers))
+        devices.append(Device(i, "cuda", f"{cc[:-1]}.{cc[-1]}", int(free), peers))
     return Topology(tuple(devices), "cuda")
 
 
 def current_topology() -> Topology:
-    """The innermost active stub topology, else the CUDA devices, else the host."""
+    """The innermost topology in use (``stub_topology``, ``use_topology``), else the CUDA devices, else the host."""
     with _stack_lock:
         if _stack:
             return _stack[-1]

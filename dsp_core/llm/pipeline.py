@@ -48,7 +48,7 @@ import numpy as np
 
 from dsp_core import progress
 from dsp_core.cache.memory import CacheStats
-from dsp_core.devices.execution import input_devices, on_device
+from dsp_core.devices.execution import device_of, input_devices, on_device
 from dsp_core.errors import DSPError, InputError
 from dsp_core.ir import dtypes
 from dsp_core.ir.graph import Graph
@@ -171,12 +171,17 @@ class DecodeState:
 
     def save(self, length: int) -> dict[str, Any]:
         """Copies of the KV buffers' first ``length`` positions (a session being swapped out)."""
-        return {name: buf[:, :, :length].copy() for name, buf in self.buffers.items()}
+        saved = {}
+        for name, buf in self.buffers.items():
+            with device_of(buf):  # a placed plan's buffer may live on another device
+                saved[name] = buf[:, :, :length].copy()
+        return saved
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Write ``save``'s copies back at the start of the buffers (in place)."""
         for name, part in saved.items():
-            self.buffers[name][:, :, : part.shape[2]] = part
+            with device_of(self.buffers[name]):
+                self.buffers[name][:, :, : part.shape[2]] = part
 
 
 class DecodeLoop:
@@ -378,7 +383,9 @@ class GenerationSession:
             outs = pipe.prefill_model.run(feeds)
         xp = self.state.xp
         for g in self.decoder.layout.growth:
-            self.state.buffers[g.past][:, :, p : p + n] = xp.asarray(outs[g.present][:, :, p : p + n])
+            buf = self.state.buffers[g.past]
+            with device_of(buf):  # a placed plan's buffer may live on another device
+                buf[:, :, p : p + n] = xp.asarray(outs[g.present][:, :, p : p + n])
         return to_host(outs[self.decoder.layout.logits][:, -1])
 
     # -- generating --------------------------------------------------------------------

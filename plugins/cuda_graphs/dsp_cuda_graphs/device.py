@@ -1,10 +1,13 @@
-"""The CUDA side: the availability probe, one stream and cuBLAS handle per process, the capture lock.
+"""The CUDA side: the availability probe, one stream and cuBLAS handle per device, the capture lock.
 
-Everything the backend does on the GPU runs on one non-blocking CuPy stream: eager gaps,
-staging copies, captures and replays, so they are ordered among themselves without
-synchronising. Work the caller issues on the legacy default stream is ordered against it
-with two events per segment call (``fence_in`` / ``fence_out``). Captures are serialised
-by a process-wide lock with a timeout (one capture at a time on the device).
+Everything the backend does on a GPU runs on that device's one non-blocking CuPy stream:
+eager gaps, staging copies, captures and replays, so they are ordered among themselves
+without synchronising. Work the caller issues on the device's legacy default stream is
+ordered against it with two events per segment call (``fence_in`` / ``fence_out``); a
+plan placed over several devices (dsp_core.devices) orders its cross-device copies on
+those legacy streams too. ``state`` answers for the current CuPy device (the core enters
+each segment's device before calling it). Captures are serialised by a process-wide lock
+with a timeout (one capture at a time).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 CAPTURE_LOCK_TIMEOUT_S = 120.0
 _capture_lock = threading.Lock()
-_state: dict[str, Any] = {}
+_states: dict[int, dict[str, Any]] = {}  # CUDA device id -> its stream, events, cuBLAS handle
 _state_lock = threading.Lock()
 
 
@@ -60,23 +63,26 @@ def cupy_module() -> Any:
 
 
 def state(tf32: bool) -> dict[str, Any]:
-    """The process's stream, events and cuBLAS handle (made once, outside any capture)."""
+    """The current device's stream, events and cuBLAS handle (made once per device, outside any capture)."""
+    cp = cupy_module()
+    device_id = int(cp.cuda.runtime.getDevice())
     with _state_lock:
-        if not _state:
-            cp = cupy_module()
+        st = _states.get(device_id)
+        if st is None:
             stream = cp.cuda.Stream(non_blocking=True)
             from dsp_cuda_graphs.cublas import WORKSPACE_BYTES, Cublas
 
             workspace = cp.cuda.alloc(WORKSPACE_BYTES)
-            _state.update(
-                cupy=cp,
-                stream=stream,
-                cublas=Cublas(stream.ptr, workspace, tf32),
-                ev_in=cp.cuda.Event(disable_timing=True),
-                ev_out=cp.cuda.Event(disable_timing=True),
-                null=cp.cuda.Stream.null,
-            )
-        return _state
+            st = _states[device_id] = {
+                "cupy": cp,
+                "device": device_id,
+                "stream": stream,
+                "cublas": Cublas(stream.ptr, workspace, tf32),
+                "ev_in": cp.cuda.Event(disable_timing=True),
+                "ev_out": cp.cuda.Event(disable_timing=True),
+                "null": cp.cuda.Stream.null,
+            }
+        return st
 
 
 def fence_in(st: dict[str, Any]) -> None:
