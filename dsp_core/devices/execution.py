@@ -315,7 +315,12 @@ class PlacedSegment(CompiledSegment):
     def __getattr__(self, name: str) -> Any:  # what a backend's own code reads of its segment
         return getattr(self.__dict__["inner"], name)
 
-    def _around(self, values: list[Any], call: Any, *args: Any) -> Any:
+    def _around(self, values: list[Any], call: Any, *args: Any, runs: bool = True) -> Any:
+        """``call(values, *args)`` on the segment's device with its inputs there; ``runs``: it computes outputs.
+
+        A call that runs the slots writes state back home and returns requested outputs to the
+        caller's device; ``prepare`` and ``capture`` only read the inputs' addresses.
+        """
         placed = self.placed
         index = self.segment.index
         with placed.mover.device_context(self.device):
@@ -323,8 +328,9 @@ class PlacedSegment(CompiledSegment):
             try:
                 result = call(values, *args)
             finally:
-                placed.restore(values, saved, self.written)
-            placed.return_outputs(values, self.outputs, self.device, index)
+                placed.restore(values, saved, self.written if runs else frozenset())
+            if runs:
+                placed.return_outputs(values, self.outputs, self.device, index)
         return result
 
     def run(self, values: list[Any]) -> None:
@@ -337,23 +343,11 @@ class PlacedSegment(CompiledSegment):
 
     def prepare(self, values: list[Any]) -> None:
         """Plan buffers on the segment's device (its inputs there, as the capture will read them)."""
-        placed = self.placed
-        with placed.mover.device_context(self.device):
-            saved = placed.stage(values, self.reads, self.device, self.segment.index)
-            try:
-                self.inner.prepare(values)
-            finally:
-                placed.restore(values, saved, frozenset())
+        self._around(values, self.inner.prepare, runs=False)
 
     def capture(self, values: list[Any]) -> None:
         """Capture on the segment's device, against the kept copies of its inputs."""
-        placed = self.placed
-        with placed.mover.device_context(self.device):
-            saved = placed.stage(values, self.reads, self.device, self.segment.index)
-            try:
-                self.inner.capture(values)
-            finally:
-                placed.restore(values, saved, frozenset())
+        self._around(values, self.inner.capture, runs=False)
 
     def replay(self, values: list[Any]) -> ReplayStatus:
         """Copy what crosses in, replay on the segment's device, return the outputs."""

@@ -15,8 +15,8 @@ class Category(enum.IntEnum):
     SEGMENT = 1  # a segment's or slot's lifecycle move
     GRAPH_REPLAY = 2  # plan phase moves, captures, recaptures, refreshes, drift
     STREAM_SYNC = 3  # host/device synchronisation (GPU backends)
-    MULTI_DEVICE = 4  # work split across devices (GPU backends)
-    TRANSFER = 5  # staging copies and bridges
+    MULTI_DEVICE = 4  # work split across devices: a placed plan's device switches (dsp_core.devices)
+    TRANSFER = 5  # staging copies, bridges, cross-device copies (with their reason)
     BACKEND = 6  # a backend's own notes
     MEMORY = 7  # buffer allocation and release
     TIMING = 8  # per-slot and per-segment spans (full level only)
