@@ -8,8 +8,11 @@ export of benchmarks/decode_gpu.py, fp16, random weights, seed 1234), three rows
 - ``one_device``: no placement (device 0);
 - ``pipeline_parallel``: two stages, the cut where the fewest bytes cross among the
   weight-balanced boundaries;
-- ``memory_fit_spill``: MEMORY_FIT under DSP_MAX_DEVICE_MEMORY = ``--spill-fraction`` (0.6)
-  of the model's resident bytes, so about 40% of the weights spill to device 1.
+- ``memory_fit_spill``: MEMORY_FIT with device 0's budget capped at ``--spill-fraction`` (0.6)
+  of the model's resident bytes, so about 40% of the weights spill to device 1. The cap is
+  device 0's modelled memory (``use_topology``), not DSP_MAX_DEVICE_MEMORY: that variable caps
+  CuPy's pool as well, and the prefill and decode plans each hold their own device copy of
+  the weights, so a cap low enough to force a spill would leave the allocator short.
 
 Reported per row (table on stdout, JSON under ``--out``): lateSteady tokens/s (median of
 ``--repeats`` runs of ``--new-tokens``), ms/token and its difference to one device, whether
@@ -34,11 +37,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import importlib.util
 import json
-import os
 import platform
 import statistics
 import sys
@@ -139,11 +142,12 @@ def measure_copy(nbytes: int, src: int, dst: int, peer: bool, reps: int) -> floa
 
 def run_row(row: str, path: str, args: argparse.Namespace, prompt: np.ndarray, cap: int) -> dict[str, Any]:
     """One row: a pipeline placed as ``row`` says, a warm-up, ``--repeats`` timed generations."""
+    from dsp_core.devices import current_topology, use_topology
     from dsp_core.llm import GenerationPipeline
 
     placement = {"one_device": None, "pipeline_parallel": "pipeline_parallel", "memory_fit_spill": "memory_fit"}[row]
-    env = {"DSP_MAX_DEVICE_MEMORY": str(cap)} if row == "memory_fit_spill" else {}
-    with _environ(env):
+    spill = row == "memory_fit_spill"
+    with use_topology(capped(current_topology(), cap)) if spill else contextlib.nullcontext():
         start = time.perf_counter()
         pipe = GenerationPipeline(
             path, max_length=prompt.shape[1] + args.new_tokens, mode=args.mode, placement=placement, block_capture=False
@@ -160,7 +164,7 @@ def run_row(row: str, path: str, args: argparse.Namespace, prompt: np.ndarray, c
     entry: dict[str, Any] = {
         "row": row,
         "placement": placement,
-        "cap_bytes": cap if env else None,
+        "cap_bytes": cap if spill else None,
         "setup_seconds": setup,
         "late_steady_tok_s": rate,
         "runs_tok_s": runs,
@@ -215,18 +219,13 @@ def transfer_fields(decode: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Any:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def capped(topology: Any, budget: int) -> Any:
+    """``topology`` with device 0's memory cut so that its placement budget is ``budget`` bytes."""
+    from dsp_core import config
+
+    reserve = float(config.get("device_memory_reserve"))
+    first = dataclasses.replace(topology[0], memory=int(budget / (1.0 - reserve)) + 1)
+    return dataclasses.replace(topology, devices=(first, *topology.devices[1:]))
 
 
 def bench_model(name: str, path: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -237,16 +237,16 @@ def test_memory_budget_failure_names_device_need_and_budget(monkeypatch: Any) ->
     with stub_topology(topology(4, 64 * MiB, True)):
         model = dsp.compile(graph, placement="memory_fit")
         placement = model.dsp.placement
-        assert placement.devices_used == (0, 1, 2) and max(placement.weights) <= 20 * 1024
+        assert placement.devices_used == (0, 1, 2) and max(placement.weights) <= 0.9 * 20 * 1024
         with pytest.raises(PlacementError) as err:
             dsp.compile(graph, placement="single_device")
     message = str(err.value)
-    assert re.search(r"device 0 \(stub\).*needs \d+ bytes.*budget is 20480 bytes.*DSP_MAX_DEVICE_MEMORY=20K", message)
+    assert re.search(r"device 0 \(stub\).*needs \d+ bytes.*budget is 18432 bytes.*DSP_MAX_DEVICE_MEMORY=20K", message)
     monkeypatch.setenv("DSP_MAX_DEVICE_MEMORY", "10K")  # one layer no longer fits anywhere
     with stub_topology(topology(4, 64 * MiB, True)):
-        with pytest.raises(PlacementError, match=r"device 0 \(stub\) cannot take slot 0 .*needs 16384 bytes.*10240"):
+        with pytest.raises(PlacementError, match=r"device 0 \(stub\) cannot take slot 0 .*needs 16384 bytes.*9216"):
             dsp.compile(graph, placement="memory_fit")
-    monkeypatch.setenv("DSP_MAX_DEVICE_MEMORY", "17K")  # one layer a device, but only two devices
+    monkeypatch.setenv("DSP_MAX_DEVICE_MEMORY", "19K")  # one layer a device, but only two devices
     with stub_topology(topology(2, 64 * MiB, True)):
         with pytest.raises(PlacementError, match="do not fit on the 2 device"):
             dsp.compile(graph, placement="memory_fit")
@@ -386,7 +386,7 @@ def test_cli_explain_devices_and_dot_show_placement_cuts_and_bytes(tmp_path: Any
         "3x1G:nopeer",
         "--runs",
         "3",
-        env={"DSP_MAX_DEVICE_MEMORY": "20K"},
+        env={"DSP_MAX_DEVICE_MEMORY": "24K"},
     )
     assert text.returncode == 0, text.stderr
     assert "placement memory_fit on 3 stub device(s)" in text.stdout and "cut after slot" in text.stdout

@@ -22,8 +22,9 @@ synchronisation per step; through pinned host memory where the devices have no p
 
 from __future__ import annotations
 
+import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import numpy as np
@@ -101,8 +102,13 @@ class CupyMover:
                     self.cp.get_default_memory_pool().set_limit(size=cap)
 
     def device_context(self, device: int) -> AbstractContextManager[Any]:
-        """CuPy's device context for ``device``: buffers, streams and kernels land there."""
-        return self.cp.cuda.Device(device)  # type: ignore[no-any-return]
+        """CuPy's device context for ``device`` (and torch's, once imported: Triton launches follow it)."""
+        stack = ExitStack()
+        stack.enter_context(self.cp.cuda.Device(device))
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            stack.enter_context(torch.cuda.device(device))
+        return stack
 
     def location(self, array: Any, modelled: int) -> int:
         """The device a CuPy array lies on; HOST for host arrays."""

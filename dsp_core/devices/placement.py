@@ -222,22 +222,24 @@ def _activation_crossings(plan: Plan, sealed: frozenset[int]) -> tuple[list[int]
 
 # -- budgets ----------------------------------------------------------------------------
 def budgets(topology: Topology) -> tuple[int, ...]:
-    """Per device: free memory minus the reserve, capped by DSP_MAX_DEVICE_MEMORY (0 = no cap)."""
+    """Per device: its free memory, capped by DSP_MAX_DEVICE_MEMORY (0 = no cap), minus the reserve.
+
+    The reserve is kept within the cap: the allocator is capped too (CuPy's pool, on CUDA),
+    and activations, KV buffers and workspaces need room beside the weights.
+    """
     reserve = float(config.get("device_memory_reserve"))
     cap = int(config.get("max_device_memory"))
-    out = []
-    for d in topology.devices:
-        budget = int(d.memory * (1.0 - reserve))
-        out.append(min(budget, cap) if cap else budget)
-    return tuple(out)
+    return tuple(int((min(d.memory, cap) if cap else d.memory) * (1.0 - reserve)) for d in topology.devices)
 
 
 def _budget_note(topology: Topology, device: int) -> str:
     cap = int(config.get("max_device_memory"))
     reserve = float(config.get("device_memory_reserve"))
     free = topology[device].memory
-    base = f"{_mb(free)} free minus the {reserve:.0%} reserve (DSP_DEVICE_MEMORY_RESERVE)"
-    return f"{base}, capped by DSP_MAX_DEVICE_MEMORY={config.format_size(cap)}" if cap else base
+    limit = f"{_mb(free)} free"
+    if cap:
+        limit = f"the lesser of {limit} and DSP_MAX_DEVICE_MEMORY={config.format_size(cap)}"
+    return f"{limit}, minus the {reserve:.0%} reserve (DSP_DEVICE_MEMORY_RESERVE)"
 
 
 def _mb(n: int) -> str:
