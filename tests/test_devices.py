@@ -17,25 +17,10 @@ from dsp_core.errors import InputError
 from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
 from dsp_core.llm.pipeline import GenerationPipeline
+from dsp_core.testing.models import mlp
 from tests.conftest import FIXTURES, run_cli
 
 MiB = 2**20
-
-
-def mlp(widths: list[int], seed: int = 0, tied: bool = False) -> Graph:
-    """x[batch, widths[0]] through Linear+Relu layers of the given widths; ``tied`` reuses layer 0's weight last."""
-    rng = np.random.default_rng(seed)
-    g = GraphBuilder()
-    h = g.placeholder("x", "float32", ["batch", widths[0]])
-    first = None
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
-        w = (rng.standard_normal((a, b)) / np.sqrt(a)).astype(np.float32)
-        wt = g.constant(w, name=f"w{i}") if not (tied and i == len(widths) - 2 and first is not None) else first
-        if i == 0:
-            first = wt
-        h = g.Relu(g.MatMul(h, wt) + g.constant(rng.standard_normal(b).astype(np.float32), name=f"b{i}"))
-    g.output(h, "y")
-    return g.build()
 
 
 def topology(n: int, memory: int, peers: bool) -> list[dict[str, Any]]:

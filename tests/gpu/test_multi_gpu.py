@@ -17,10 +17,10 @@ import pytest
 
 import dsp_core as dsp
 from dsp_core.devices import Reason, cuda_topology, use_topology
-from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
 from dsp_core.llm import GenerationPipeline
 from dsp_core.runtime.lifecycle import PlanPhase
+from dsp_core.testing import models
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -38,14 +38,8 @@ pytestmark = pytest.mark.skipif(_gpus() < 2, reason=f"needs 2 CUDA devices, this
 
 
 def mlp(width: int = 512, layers: int = 8) -> Graph:
-    rng = np.random.default_rng(0)
-    g = GraphBuilder()
-    h = g.placeholder("x", "float32", ["batch", width])
-    for i in range(layers):
-        w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
-        h = g.Relu(g.MatMul(h, g.constant(w, name=f"w{i}")))
-    g.output(h, "y")
-    return g.build()
+    """``layers`` square layers of ``width`` (1 MiB of float32 weights each at 512)."""
+    return models.mlp([width] * (layers + 1), bias=False)
 
 
 def _run(model: Any, feeds: dict[str, Any], steps: int = 8) -> dict[str, Any]:
