@@ -305,6 +305,13 @@ OPTIONS: tuple[Option, ...] = (
         choices=("single_device", "memory_fit", "pipeline_parallel"),
     ),
     Option(
+        "split_siblings",
+        "DSP_SPLIT_SIBLINGS",
+        "bool",
+        False,
+        "After placement, spread sibling products that read one input (Q/K/V, gate/up) over the devices.",
+    ),
+    Option(
         "max_device_memory",
         "DSP_MAX_DEVICE_MEMORY",
         "size",

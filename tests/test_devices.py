@@ -12,7 +12,7 @@ import pytest
 import dsp_core as dsp
 from dsp_core import diag
 from dsp_core.devices import HOST, PlacementError, Reason, Strategy, current_topology, place, stub_topology
-from dsp_core.devices.placement import BALANCE, _activation_crossings, _Bytes, nbytes_of
+from dsp_core.devices.placement import BALANCE, _activation_crossings, _Bytes, nbytes_of, sibling_products
 from dsp_core.errors import InputError
 from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
@@ -426,4 +426,42 @@ def test_a_1gb_mlp_over_stub_devices(n: int) -> None:
     placement = model.dsp.placement
     assert placement.weights == tuple([layers // n * width * width * 4] * n)
     assert all(c.nbytes == width * 4 for c in placement.cuts)
+    check_analytics(model)
+
+
+def qkv_graph() -> Graph:
+    """h = Relu(x @ w0); y = h @ wq + h @ wk + h @ wv: three sibling products of one input."""
+    rng = np.random.default_rng(3)
+    g = GraphBuilder()
+    x = g.placeholder("x", "float32", ["batch", 32])
+    h = g.Relu(g.MatMul(x, g.constant(rng.standard_normal((32, 32)).astype(np.float32), name="w0")))
+    q, k, v = (g.MatMul(h, g.constant(rng.standard_normal((32, 16)).astype(np.float32), name=n)) for n in "qkv")
+    g.output(q + k + v, "y")
+    return g.build()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sibling_products_spread_only_when_asked(n: int, monkeypatch: Any) -> None:
+    graph = qkv_graph()
+    x = np.random.default_rng(0).standard_normal((2, 32)).astype(np.float32)
+    want = dsp.compile(graph, mode="slot_by_slot").run({"x": x})["y"]
+    with stub_topology(topology(n, 64 * MiB, True)):
+        plain = dsp.compile(graph, placement="single_device")
+        assert plain.dsp.placement.devices_used == (0,)
+        plan = plain.plan()
+        (group,) = sibling_products(plan)
+        assert [plan.slots[s].op for s in group] == ["MatMul"] * 3
+        monkeypatch.setenv("DSP_SPLIT_SIBLINGS", "1")
+        model = dsp.compile(graph, placement="single_device")
+        got = run_steps(model, {"x": x})["y"]
+    assert np.array_equal(got, want)
+    placement = model.dsp.placement
+    assert [placement[s] for s in group] == [i % n for i in range(3)]
+    assert all(placement[s] == 0 for s in range(len(placement)) if s not in group)
+    last = model.dsp.transfers()[-1]
+    acts = [c for c in last.copies if c.reason is Reason.ACTIVATION]
+    # h goes to each other device once; each product computed elsewhere comes back
+    assert sorted((c.src, c.dst) for c in acts) == sorted(
+        [(0, d) for d in range(1, n)] + [(i % n, 0) for i in range(3) if i % n]
+    )
     check_analytics(model)

@@ -12,6 +12,9 @@ Strategies (``Strategy``):
   output names) to devices; the first pattern that matches wins; a slot no pattern
   matches stays on the device of the slot before it (device 0 for the first).
 
+Only when asked (``split_siblings=True`` or DSP_SPLIT_SIBLINGS=1), sibling products that
+read one input are then spread over the devices (``split_sibling_products``).
+
 Bytes: a constant's bytes are charged to the device of its first reader, and again to
 every other device that reads it (it is replicated there once). Values computed only
 from constants (sealed at freeze) count like constants. An activation's bytes come from
@@ -287,8 +290,14 @@ def parse(placement: Any) -> tuple[Strategy, Mapping[str, int] | None]:
     raise InputError(f"unknown placement {placement!r}: expected one of {names}, or a map {{name_pattern: device}}")
 
 
-def place(plan: Plan, placement: Any = None, topology: Topology | None = None) -> Placement:
-    """Run the placement pass over ``plan`` on ``topology`` (default: the current one)."""
+def place(
+    plan: Plan, placement: Any = None, topology: Topology | None = None, split_siblings: bool | None = None
+) -> Placement:
+    """Run the placement pass over ``plan`` on ``topology`` (default: the current one).
+
+    ``split_siblings`` (None: DSP_SPLIT_SIBLINGS, default off) then spreads sibling products
+    (``split_sibling_products``).
+    """
     from dsp_core.devices.topology import current_topology
 
     topo = topology if topology is not None else current_topology()
@@ -304,6 +313,8 @@ def place(plan: Plan, placement: Any = None, topology: Topology | None = None) -
     else:
         assert mapping is not None
         devices = _custom(plan, topo, mapping)
+    if config.get("split_siblings", split_siblings) and len(topo) > 1:
+        devices = split_sibling_products(plan, devices, len(topo), info.sealed)
     result = _finish(plan, topo, strategy, devices, info, limits)
     for d in range(len(topo)):
         if result.weights[d] > limits[d]:
@@ -311,6 +322,43 @@ def place(plan: Plan, placement: Any = None, topology: Topology | None = None) -
             what = f"its share of the weights ({strategy.value})"
             raise _over_budget(topo, d, result.weights[d], limits[d], what, spread)
     return result
+
+
+PRODUCTS = frozenset({"MatMul", "Gemm"})
+
+
+def sibling_products(plan: Plan, sealed: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Groups of two or more products (MatMul, Gemm) that read one computed input, each with a weight.
+
+    The seed's ``splitParallelGroups``: Q, K and V projections of one normalised input, the
+    gate and up projections of a gated MLP. Their weights are constants or sealed values.
+    """
+    resident = set(plan.flat(plan.external_ref(k)) for k in plan.constants)
+    resident |= {plan.flat(v) for s in sealed for v in plan.slots[s].outputs if v is not None}
+    groups: dict[int, list[int]] = {}
+    for slot in plan.slots:
+        if slot.op not in PRODUCTS or slot.domain not in ("", "ai.onnx") or slot.index in sealed:
+            continue
+        if len(slot.inputs) < 2 or slot.inputs[0] is None or slot.inputs[1] is None:
+            continue
+        if plan.flat(slot.inputs[1]) in resident and plan.flat(slot.inputs[0]) not in resident:
+            groups.setdefault(slot.inputs[0], []).append(slot.index)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def split_sibling_products(plan: Plan, devices: list[int], n: int, sealed: frozenset[int] = frozenset()) -> list[int]:
+    """``devices`` with each group of sibling products spread round-robin from its first product's device.
+
+    Only the products move (with their weights, which live where their reader runs): their
+    input is copied to the other devices and each result back to its readers, and on devices
+    that run asynchronously (CUDA) the products of one group overlap. Off unless asked for.
+    """
+    out = list(devices)
+    for group in sibling_products(plan, sealed):
+        base = devices[group[0]]
+        for i, s in enumerate(group):
+            out[s] = (base + i) % n
+    return out
 
 
 def _memory_fit(plan: Plan, topo: Topology, info: _Bytes, limits: tuple[int, ...]) -> list[int]:
