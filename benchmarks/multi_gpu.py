@@ -71,8 +71,8 @@ def decode_gpu() -> Any:
 
 
 def export(name: str, onnx_dir: Path, opset: int) -> Path:
-    """The model's ONNX export (kept in ``onnx_dir``: a second invocation reuses it)."""
-    path = onnx_dir / name / "model.onnx"
+    """The model's fp16 ONNX export, where decode_gpu.py keeps it too (a later invocation of either reuses it)."""
+    path = onnx_dir / f"{name}-fp16" / "model.onnx"
     if path.exists():
         return path
     import torch
