@@ -465,3 +465,25 @@ def test_sibling_products_spread_only_when_asked(n: int, monkeypatch: Any) -> No
         [(0, d) for d in range(1, n)] + [(i % n, 0) for i in range(3) if i % n]
     )
     check_analytics(model)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2_eager"])
+def test_recordings_on_stub_devices_replay_without_drift(name: str) -> None:
+    """EMULATED_REPLAY bakes its inputs' addresses in: copies into a recording go through kept buffers."""
+    if name == "mlp":
+        source: Any = mlp(MLP_WIDTHS)
+        feeds = {"x": np.random.default_rng(2).standard_normal((2, MLP_WIDTHS[0])).astype(np.float32)}
+    else:
+        source, feeds = str(FIXTURES / f"{name}.onnx"), fixture_feeds(name)
+    want = dsp.compile(source, mode="slot_by_slot").run(feeds)
+    with stub_topology(topology(3, 2**30, True)):
+        model = dsp.compile(source, mode="emulated_replay", placement="pipeline_parallel")
+        for _ in range(8):
+            got = model.run(feeds)
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
+    counters = model.dsp.runtime.counters()
+    assert model.dsp.phase.name == "REPLAYING", model.dsp.json_report()["segments"]
+    assert counters["recaptures"] == 0 and counters["stale_redispatches"] == 0, counters
+    assert model.dsp.placement.multi_device
+    check_analytics(model)

@@ -51,11 +51,16 @@ class StubMover:
 
     def move(self, array: Any, src: int, dst: int, into: Any | None) -> tuple[Any, float | None]:
         """A copy of ``array`` on ``dst`` (into ``into`` when it fits), and the seconds it took."""
-        # Always a fresh array: the CPU reference keys nothing on addresses, and a view of a
-        # reused buffer could reach the caller as an output that a later step overwrites.
+        # The copy keeps the source's strides (order "K"): numpy then takes the same kernel
+        # paths, so outputs are bit-equal to one device. ``into`` (a kept buffer, for a
+        # recording that baked its address) is written in place when its shape and dtype match.
         start = time.perf_counter()
-        out = np.copy(array, order="K") if isinstance(array, np.ndarray) else array  # sequences, scalars: as they are
-        return out, time.perf_counter() - start
+        if not isinstance(array, np.ndarray):
+            return array, time.perf_counter() - start  # sequences, scalars: as they are
+        if into is not None and into.shape == array.shape and into.dtype == array.dtype:
+            np.copyto(into, array)
+            return into, time.perf_counter() - start
+        return np.copy(array, order="K"), time.perf_counter() - start
 
     def location(self, array: Any, modelled: int) -> int:
         """Where ``array`` lies: on stub devices, where the model says."""
@@ -193,7 +198,8 @@ class Placed:
         self._step_values: list[Any] | None = None
         self._activations: dict[tuple[int, int], tuple[Any, Any]] = {}  # (flat, dst) -> (source, copy), this step
         self._replicas: dict[tuple[int, int], tuple[Any, Any]] = {}  # (flat, dst) -> (source, copy), kept
-        self._buffers: dict[tuple[int, int], Any] = {}  # (flat, dst) -> the last copy (its buffer is reused)
+        # (flat, dst, shape, dtype) -> the kept copy a recording reads (one per shape: live plans differ)
+        self._buffers: dict[tuple[int, int, tuple[int, ...], str], Any] = {}
         n_ext = len(plan.externals)
         self.n_ext = n_ext
         self.output_flats = frozenset(plan.flat(r) for r in plan.outputs)
@@ -234,8 +240,15 @@ class Placed:
             self._activations.clear()
             self.recorder.begin_step()
 
-    def stage(self, values: list[Any], reads: tuple[int, ...], device: int, segment: int) -> list[tuple[int, Any]]:
-        """Put every value ``reads`` names on ``device``; returns (flat, original) to restore."""
+    def stage(
+        self, values: list[Any], reads: tuple[int, ...], device: int, segment: int, keep: bool
+    ) -> list[tuple[int, Any]]:
+        """Put every value ``reads`` names on ``device``; returns (flat, original) to restore.
+
+        ``keep``: copy into the buffers kept per (value, device, shape, dtype), as a recording
+        (prepare, capture, replay) needs: it reads the addresses it baked in. An eager run gets
+        fresh copies, so no view of a kept buffer can leave in an output a later step overwrites.
+        """
         self._new_step(values)
         self.recorder.enter(device, segment)
         saved: list[tuple[int, Any]] = []
@@ -254,16 +267,17 @@ class Placed:
             if hit is not None and hit[0] is array:
                 copy = hit[1]
             else:
-                copy = self._copy(array, flat, src if src != HOST else home, device, reason, segment)
+                copy = self._copy(array, flat, src if src != HOST else home, device, reason, segment, keep)
                 cache[(flat, device)] = (array, copy)
             saved.append((flat, array))
             values[flat] = copy
         return saved
 
-    def _copy(self, array: Any, flat: int, src: int, dst: int, reason: Reason, segment: int, reuse: bool = True) -> Any:
-        copy, seconds = self.mover.move(array, src, dst, self._buffers.get((flat, dst)) if reuse else None)
-        if reuse:
-            self._buffers[(flat, dst)] = copy
+    def _copy(self, array: Any, flat: int, src: int, dst: int, reason: Reason, segment: int, keep: bool) -> Any:
+        key = (flat, dst, tuple(getattr(array, "shape", ())), str(getattr(array, "dtype", "")))
+        copy, seconds = self.mover.move(array, src, dst, self._buffers.get(key) if keep else None)
+        if keep:
+            self._buffers[key] = copy
         nbytes = int(getattr(array, "nbytes", 0))
         modelled = self.topology.modelled_seconds(src, dst, nbytes)
         name = self.names.get(flat, f"flat {flat}")
@@ -279,13 +293,17 @@ class Placed:
             values[flat] = original
 
     def return_outputs(self, values: list[Any], outputs: tuple[int, ...], device: int, segment: int) -> None:
-        """Requested outputs computed on a device other than the caller's come back to it."""
+        """Requested outputs ``outputs`` (read by no other segment) computed away from the caller's device come back.
+
+        A fresh copy each step: it goes to the caller, and no other segment reads it (so no
+        recording bakes its address).
+        """
         if device == CALLER:
             return
         for flat in outputs:
             array = values[flat]
-            if array is not None and flat in self.output_flats:
-                values[flat] = self._copy(array, flat, device, CALLER, Reason.OUTPUT_RETURN, segment, reuse=False)
+            if array is not None:
+                values[flat] = self._copy(array, flat, device, CALLER, Reason.OUTPUT_RETURN, segment, keep=False)
 
 
 class PlacedSegment(CompiledSegment):
@@ -307,7 +325,12 @@ class PlacedSegment(CompiledSegment):
             if r is not None
         ]
         self.reads = tuple(dict.fromkeys(f for f in reads if f not in made and f != 0))
-        self.outputs = tuple(sorted(made))
+        # Requested outputs it computes that no other slot reads: they return to the caller's
+        # device right after it runs (an output another segment reads stays where it is made).
+        read_elsewhere = {
+            plan.flat(r) for slot in plan.slots if slot.index not in mine for r in slot.inputs if r is not None
+        }
+        self.returned = tuple(sorted(f for f in made if f in placed.output_flats and f not in read_elsewhere))
         # Inputs written in place (dsp::KVScatter's first input): copied back home after a run.
         self.written = frozenset(
             plan.flat(plan.slots[s].inputs[0])
@@ -321,31 +344,32 @@ class PlacedSegment(CompiledSegment):
     def __getattr__(self, name: str) -> Any:  # what a backend's own code reads of its segment
         return getattr(self.__dict__["inner"], name)
 
-    def _around(self, values: list[Any], call: Any, *args: Any, runs: bool = True) -> Any:
-        """``call(values, *args)`` on the segment's device with its inputs there; ``runs``: it computes outputs.
+    def _around(self, values: list[Any], call: Any, *args: Any, runs: bool = True, keep: bool = True) -> Any:
+        """``call(values, *args)`` on the segment's device with its inputs there.
 
-        A call that runs the slots writes state back home and returns requested outputs to the
-        caller's device; ``prepare`` and ``capture`` only read the inputs' addresses.
+        ``runs``: the call computes the slots, so state written in place goes back home and
+        requested outputs return to the caller's device (``prepare`` and ``capture`` only read
+        the inputs' addresses). ``keep``: the inputs go through the kept buffers (a recording).
         """
         placed = self.placed
         index = self.segment.index
         with placed.mover.device_context(self.device):
-            saved = placed.stage(values, self.reads, self.device, index)
+            saved = placed.stage(values, self.reads, self.device, index, keep)
             try:
                 result = call(values, *args)
             finally:
                 placed.restore(values, saved, self.written if runs else frozenset())
             if runs:
-                placed.return_outputs(values, self.outputs, self.device, index)
+                placed.return_outputs(values, self.returned, self.device, index)
         return result
 
     def run(self, values: list[Any]) -> None:
         """Run on the segment's device."""
-        self._around(values, self.inner.run)
+        self._around(values, self.inner.run, keep=False)
 
     def warm(self, values: list[Any]) -> None:
         """Warm up on the segment's device."""
-        self._around(values, self.inner.warm)
+        self._around(values, self.inner.warm, keep=False)
 
     def prepare(self, values: list[Any]) -> None:
         """Plan buffers on the segment's device (its inputs there, as the capture will read them)."""
@@ -356,7 +380,7 @@ class PlacedSegment(CompiledSegment):
         self._around(values, self.inner.capture, runs=False)
 
     def replay(self, values: list[Any]) -> ReplayStatus:
-        """Copy what crosses in, replay on the segment's device, return the outputs."""
+        """Copy what crosses in (into the kept buffers), replay on the segment's device, return the outputs."""
         status: ReplayStatus = self._around(values, self.inner.replay)
         return status
 
