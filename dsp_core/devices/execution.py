@@ -230,6 +230,15 @@ class Placed:
                 if v is not None:
                     self.homes[plan.flat(v)] = (placement.slots[slot.index], reason, sealed)
 
+    def feed_devices(self, flats: frozenset[int]) -> dict[int, Any]:
+        """For staged feeds away from the caller's device: flat -> a factory of its home device's context."""
+        out = {}
+        for flat in flats:
+            home = self.homes.get(flat, (CALLER, Reason.INPUT_MIGRATION, False))[0]
+            if home != CALLER:
+                out[flat] = lambda home=home: self.mover.device_context(home)
+        return out
+
     def device_of(self, segment: Segment) -> int:
         """The device of a segment's slots (they share one: segments never straddle devices)."""
         return self.placement.slots[segment.slots[0]] if segment.slots else CALLER

@@ -213,6 +213,8 @@ class PlanRuntime:
         self.bridge_targets = frozenset(o for u in self.units for o in u.outputs if o in readers)
         self.snapshot = ConstantSnapshot(plan.constants, plan.constant_digests)
         self.staging.placement = placement(self.units, self._staged_flats)  # device backends stage their feeds
+        if plan.placement is not None:  # several devices: each feed is staged on its first reader's device
+            self.staging.devices = plan.placement.feed_devices(self._staged_flats)
         self.__dict__.pop("_owned_cache", None)
         self.machine.move(PlanPhase.SHAPES_FROZEN, f"{len(sealed)} slots sealed", self.executions)
         if not any(u.kind is UnitKind.ISLAND for u in self.units):

@@ -11,6 +11,8 @@ on purpose, for tests: each raises a StagingError before any replay runs.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -45,9 +47,19 @@ class Staging:
         # flat index -> the backend that allocates and fills its buffer (a device backend
         # whose units are the only readers of that placeholder: see ``placement``)
         self.placement: dict[int, Any] = {}
+        # A plan placed over several devices: flat index -> the device context its buffer is
+        # made and filled in (the device of its first reader: a feed goes straight there).
+        self.devices: dict[int, Callable[[], AbstractContextManager[Any]]] = {}
 
     def stage(self, flat: int, value: Any) -> Any:
         """Copy ``value`` into the stable buffer for ``flat`` (allocated on first use)."""
+        device = self.devices.get(flat)
+        if device is not None:
+            with device():
+                return self._stage(flat, value)
+        return self._stage(flat, value)
+
+    def _stage(self, flat: int, value: Any) -> Any:
         fault = injected_fault()
         buf = self.buffers.get(flat)
         if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
