@@ -442,6 +442,7 @@ def qkv_graph() -> Graph:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_sibling_products_spread_only_when_asked(n: int, monkeypatch: Any) -> None:
+    monkeypatch.setenv("DSP_MERGE_PRODUCTS", "0")  # merged, the three would be one product (one slot)
     graph = qkv_graph()
     x = np.random.default_rng(0).standard_normal((2, 32)).astype(np.float32)
     want = dsp.compile(graph, mode="slot_by_slot").run({"x": x})["y"]

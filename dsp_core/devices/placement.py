@@ -332,6 +332,8 @@ def sibling_products(plan: Plan, sealed: frozenset[int] = frozenset()) -> list[l
 
     The seed's ``splitParallelGroups``: Q, K and V projections of one normalised input, the
     gate and up projections of a gated MLP. Their weights are constants or sealed values.
+    Products the compiler merged (``dsp::MergedMatMul``, DSP_MERGE_PRODUCTS) are one slot
+    and never a group here.
     """
     resident = set(plan.flat(plan.external_ref(k)) for k in plan.constants)
     resident |= {plan.flat(v) for s in sealed for v in plan.slots[s].outputs if v is not None}
