@@ -92,7 +92,7 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
 
             spec = codegen.GroupSpec(g.template, nodes, specs, list(dict.fromkeys(ins)), outs, constant)
             pieces = [spec]
-            if len(nodes) == 1 and nodes[0].op == "MergedMatMul":  # as kernels.py does: joined weights
+            if nodes and nodes[0].op == "MergedMatMul":  # as kernels.py does: joined weights
                 spec = _merged(codegen, spec, values, passed)
                 pieces = [spec]
             try:

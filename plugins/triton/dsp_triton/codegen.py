@@ -864,6 +864,17 @@ def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpe
             values[MERGED_C] = TensorSpec(bias_shape, spec.values[biases[0]].dtype, tuple(_row_major(bias_shape)))
             inputs = (a, MERGED_B, MERGED_C)
     product = NodeSpec(form, inputs, (MERGED_Y,), attrs, node.opset, "", node.name)
+    epilogue = spec.nodes[1:]
+    if epilogue:  # only two siblings of one width, each column of both in one program (gate and up)
+        if len(widths) != 2 or widths[0] != widths[1] or form != "MatMul":
+            raise Unsupported("an epilogue over merged products other than two MatMuls of one width")
+        y0, y1 = node.outputs
+        assert y0 is not None and y1 is not None
+        paired = {"paired": widths[0], "y0": y0, "y1": y1}
+        nodes = [product, *epilogue]
+        others = [r for r in spec.inputs if r not in (*weights, *biases, a)]  # what the epilogue reads
+        ins = [*inputs, *others]
+        return GroupSpec("product", nodes, values, ins, list(spec.outputs), spec.constants, params=paired)
     splits: dict[int, tuple[int, int]] = {}
     offset = 0
     for y, width in zip(node.outputs, widths):
@@ -912,7 +923,13 @@ def _product(
     cfg = config or product_configs(shape)[0]
     bn, bk, warps = int(cfg["block_n"]), int(cfg["block_k"]), int(cfg.get("num_warps", 4))
     em = gen.em
-    n_blocks = (shape.n + bn - 1) // bn
+    # Two merged siblings of one width whose epilogue reads both at one index (gate and up):
+    # each program computes the same columns of both parts, so the epilogue has them together.
+    paired = int(spec.params.get("paired", 0))
+    n_eff = paired or shape.n
+    if paired:
+        out_spec = TensorSpec((*out_spec.shape[:-1], paired), out_spec.dtype)
+    n_blocks = (n_eff + bn - 1) // bn
     batch_numel = math.prod(shape.batch)
     em.lines.append("    pid = tl.program_id(0)")
     if batch_numel > 1:
@@ -924,22 +941,23 @@ def _product(
         bidx = Idx(tuple("0" for _ in shape.batch), tuple(False for _ in shape.batch))
     em.lines.append(f"    rn = nb * {bn} + tl.arange(0, {bn})")
     body = shape.body
+    accs = ["acc", "acc2"] if paired else ["acc"]
     if body == "dot":
         em.lines.append(f"    rm = tl.arange(0, {MAX_PRODUCT_ROWS})")
-        em.lines.append(f"    acc = tl.zeros([{MAX_PRODUCT_ROWS}, {bn}], dtype=tl.float32)")
+        em.lines += [f"    {acc} = tl.zeros([{MAX_PRODUCT_ROWS}, {bn}], dtype=tl.float32)" for acc in accs]
         a_mk, b_kn = ("rm[:, None]", "rk[None, :]"), ("rk[:, None]", "rn[None, :]")
         a_mask = f"(rm[:, None] < {shape.m}) & (rk[None, :] < {shape.k})"
-        b_mask = f"(rk[:, None] < {shape.k}) & (rn[None, :] < {shape.n})"
+        b_mask = f"(rk[:, None] < {shape.k}) & (rn[None, :] < {n_eff})"
     elif body == "nk":
-        em.lines.append(f"    acc = tl.zeros([{bn}], dtype=tl.float32)")
+        em.lines += [f"    {acc} = tl.zeros([{bn}], dtype=tl.float32)" for acc in accs]
         a_mk, b_kn = ("0", "rk[None, :]"), ("rk[None, :]", "rn[:, None]")
         a_mask = f"rk[None, :] < {shape.k}"
-        b_mask = f"(rn[:, None] < {shape.n}) & (rk[None, :] < {shape.k})"
+        b_mask = f"(rn[:, None] < {n_eff}) & (rk[None, :] < {shape.k})"
     else:
-        em.lines.append(f"    acc = tl.zeros([{bn}], dtype=tl.float32)")
+        em.lines += [f"    {acc} = tl.zeros([{bn}], dtype=tl.float32)" for acc in accs]
         a_mk, b_kn = ("0", "rk[:, None]"), ("rk[:, None]", "rn[None, :]")
         a_mask = f"rk[:, None] < {shape.k}"
-        b_mask = f"(rk[:, None] < {shape.k}) & (rn[None, :] < {shape.n})"
+        b_mask = f"(rk[:, None] < {shape.k}) & (rn[None, :] < {n_eff})"
 
     def operand(v: int, pair: tuple[str, str], trans: bool) -> Idx:
         rank = len(spec.values[v].shape)
@@ -956,25 +974,34 @@ def _product(
     gen.mask = a_mask
     xa, _ = gen.value(a, operand(a, a_mk, shape.trans_a))
     gen.mask = b_mask
-    xb, _ = gen.value(b, operand(b, b_kn, shape.trans_b))
+    xbs = [gen.value(b, operand(b, b_kn, shape.trans_b))[0]]
+    if paired:  # the second part's same columns: rows paired further along the joined weights
+        shifted = (b_kn[0], b_kn[1].replace("rn[", f"({paired} + rn)["))
+        xbs.append(gen.value(b, operand(b, shifted, shape.trans_b))[0])
     loop = gen.em.lines
     gen.em, gen.memo, gen.mask = outer
     em.lines.append(f"    for k0 in range(0, {shape.k}, {bk}):")
     em.lines.append(f"        rk = k0 + tl.arange(0, {bk})")
     em.lines.extend(loop)
+    for acc, xb in zip(accs, xbs):
+        if body == "dot":
+            precision = ', input_precision="ieee"' if operand_dtype == "float32" else ""
+            em.lines.append(f"        {acc} = tl.dot({xa}, {xb}, {acc}{precision})")
+        else:
+            axis = 1 if body == "nk" else 0
+            em.lines.append(f"        {acc} += tl.sum({xa}.to(tl.float32) * {xb}.to(tl.float32), axis={axis})")
     if body == "dot":
-        precision = ', input_precision="ieee"' if operand_dtype == "float32" else ""
-        em.lines.append(f"        acc = tl.dot({xa}, {xb}, acc{precision})")
+        em.lines.append(f"    mask = (rm[:, None] < {shape.m}) & (rn[None, :] < {n_eff})")
+        lane_mn = ("rm[:, None]" if shape.m > 1 else "0", "rn[None, :]" if n_eff > 1 else "0")
     else:
-        axis = 1 if body == "nk" else 0
-        em.lines.append(f"        acc += tl.sum({xa}.to(tl.float32) * {xb}.to(tl.float32), axis={axis})")
-    if body == "dot":
-        em.lines.append(f"    mask = (rm[:, None] < {shape.m}) & (rn[None, :] < {shape.n})")
-        lane_mn = ("rm[:, None]" if shape.m > 1 else "0", "rn[None, :]" if shape.n > 1 else "0")
-    else:
-        em.lines.append(f"    mask = rn < {shape.n}")
-        lane_mn = ("0", "rn" if shape.n > 1 else "0")
+        em.lines.append(f"    mask = rn < {n_eff}")
+        lane_mn = ("0", "rn" if n_eff > 1 else "0")
     lane = Idx((*bidx.dims, *lane_mn), (*bidx.lane, *(d != "0" for d in lane_mn)))
+    if paired:
+        if node.op != "MatMul":
+            raise Unsupported("paired merged products of a Gemm")
+        for acc, y_part in zip(accs, (int(spec.params["y0"]), int(spec.params["y1"]))):
+            gen.lane_values[y_part] = (em.let(f"({acc}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
     y = "acc"
     if node.op == "Gemm":
         alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
@@ -985,11 +1012,12 @@ def _product(
             cv, c_varies = gen.value(c, gen.broadcast(lane, out_spec.shape, spec.values[c].shape))
             cf = gen._up((cv, spec.values[c].dtype, c_varies))
             y = f"{y} + {cf}" if beta == 1.0 else f"{y} + {beta} * {cf}"
-    gen.lane_values[out] = (em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
+    if not paired:
+        gen.lane_values[out] = (em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
     stores: list[tuple[int, Idx]] = []
     for v in spec.outputs:
         oshape = spec.values[v].shape
-        if v in spec.splits:  # a part of merged siblings: its lanes [offset, offset + width)
+        if v in spec.splits and not paired:  # a part of merged siblings: its lanes [offset, offset + width)
             offset, width = spec.splits[v]
             n_expr = "rn[None, :]" if body == "dot" else "rn"
             if tuple(oshape) != (*out_spec.shape[:-1], width) or spec.nodes[-1].outputs[0] != out:

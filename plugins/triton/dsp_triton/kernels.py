@@ -415,7 +415,7 @@ class FusedGroup:
         transposed once to [N, K] (each program then streams whole rows of K); the
         original stays for the reference kernels.
         """
-        if len(spec.nodes) == 1 and is_merged_node(spec.nodes[0]):
+        if spec.nodes and is_merged_node(spec.nodes[0]):
             merged, head, joined = self._merged_spec(spec, local)
             codegen.product_shape(merged)  # more than 16 rows: its reference steps (cuBLAS per part)
             return merged, head, joined

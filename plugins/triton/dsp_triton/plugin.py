@@ -202,8 +202,11 @@ class TritonPolicy(ReferencePolicy):
         self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
-        if any(is_merged(plan.slots[m]) for m in group.slots):
-            return "a merged product stores each part by its own lanes: no epilogue is fused (not built yet)"
+        merged = [m for m in group.slots if is_merged(plan.slots[m])]
+        if merged:
+            why = _paired(plan, merged[0])
+            if why is not None:
+                return why
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
@@ -213,6 +216,9 @@ class TritonPolicy(ReferencePolicy):
         if anchor is None:
             anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
         product = group.patterns[anchor].shape
+        if merged:  # lanes are one part's columns
+            part = plan.ref_info(plan.slots[merged[0]].outputs[0])[1]
+            product = tuple(part) if part is not None else None
         # Same last axis: lanes stay the product's columns (a reshape that splits heads would not).
         if pattern.shape is None or product is None or not pattern.shape or pattern.shape[-1] != product[-1]:
             return (
@@ -234,6 +240,18 @@ class TritonPolicy(ReferencePolicy):
         if template == "view" or all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in slots):
             return 0  # views on the reference kernels (segment.unfused_reason)
         return 1
+
+
+def _paired(plan: Plan, s: int) -> str | None:
+    """Why merged product slot ``s`` takes no epilogue (None: two MatMuls of one width, computed pairwise)."""
+    slot = plan.slots[s]
+    outs = [v for v in slot.outputs if v is not None]
+    if len(outs) != 2 or str(slot.attrs.get("form", "MatMul")) != "MatMul":
+        return "an epilogue fuses only into two merged MatMuls (gate and up), each column of both in one program"
+    widths = [(plan.ref_info(v)[1] or (None,))[-1] for v in outs]
+    if widths[0] is None or widths[0] != widths[1]:
+        return "merged products of different widths take no epilogue"
+    return None
 
 
 def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
