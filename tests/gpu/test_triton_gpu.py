@@ -182,3 +182,27 @@ def test_decode_attention_is_one_kernel_matching_the_reference(
         assert groups[0]["kernel"].startswith("dsp_attn_")
         if splits == "4":
             assert "dsp_attn_combine_" in groups[0]["kernel"], groups
+
+
+def test_a_generator_bug_costs_the_group_its_kernel_never_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception other than Unsupported in the generator: a warning, the reference kernels, right outputs."""
+    from dsp_triton import codegen
+
+    real = codegen.generate
+
+    def broken(spec, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if spec.template == "row_reduction":
+            raise KeyError("a generator bug")
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(codegen, "generate", broken)
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    ref = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
+    model = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="triton", strict=True)
+    feeds = {n: golden[f"step0.{n}"] for n in model.input_names}
+    want = ref.run(feeds)
+    with pytest.warns(UserWarning, match="the generator failed"):
+        for _ in range(6):
+            _close(model.run(feeds), want, "generator bug")
+    failed = [r for r in _reports(model) if "the generator failed" in r["reason"]]
+    assert failed and all(r["status"] == "reference" for r in failed)

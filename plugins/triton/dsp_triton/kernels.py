@@ -298,10 +298,23 @@ class FusedGroup:
         self._baked: dict[int, np.ndarray] = {}
         try:
             spec, ref_outs, local = self._spec(inputs)
+        except codegen.Unsupported as exc:
+            self._settle("reference", str(exc))
+            return None
+        try:
             pieces = self._pieces(spec, local)
             kernels = [codegen.generate(piece) for piece, _, _ in pieces]
         except codegen.Unsupported as exc:
             self._settle("reference", str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001  (a generator bug costs the group its kernel, never the model)
+            self._settle("reference", f"the generator failed: {type(exc).__name__}: {str(exc)[:300]}")
+            message = (
+                f"DSP TRITON: fusion group {self.report.index} ({self.report.template}, slots "
+                f"{list(self.report.slots)}) runs its reference kernels: {self.report.reason} (a DSP bug: report it)"
+            )
+            warnings.warn(message, stacklevel=2)
+            log.warning(message)
             return None
         built: list[_Compiled] = []
         try:
