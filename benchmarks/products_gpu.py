@@ -29,26 +29,6 @@ SHAPES = {
 LAUNCHES = 20
 
 
-def _graph_time(cp: Any, fn: Any, runs: int = 10) -> float:
-    """Microseconds per call of ``fn(stream)``, from a replayed graph of LAUNCHES calls."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(LAUNCHES):
-            fn()
-        graph = stream.end_capture()
-    graph.launch(stream)
-    begin, end = cp.cuda.Event(), cp.cuda.Event()
-    begin.record(stream)
-    for _ in range(runs):
-        graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
-    return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / (runs * LAUNCHES)
-
-
 def copy_bandwidth() -> float:
     """Read + write bytes per second of a 1 GiB device-to-device copy (as decode_gpu.py's floor)."""
     import torch
