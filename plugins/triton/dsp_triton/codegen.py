@@ -264,6 +264,22 @@ class _Gen:
                 raise Unsupported(f"shapes {list(in_shape)} and {list(out_shape)} do not broadcast")
         return Idx(tuple(dims), tuple(lane))
 
+    def batch_index(self, flat: str, batch: Sequence[int]) -> Idx:
+        """The index of a program's batch point ``flat`` (a program scalar) in ``batch``."""
+        if math.prod(batch) > 1:
+            return self.unflatten(flat, batch, lane=False)
+        return Idx(tuple("0" for _ in batch), tuple(False for _ in batch))
+
+    def lane_stores(self, outputs: Sequence[int], lane: Idx, shape: Sequence[int], what: str) -> list[tuple[int, Idx]]:
+        """Each output stored at ``lane`` (an index into ``shape``), reshaped to its own shape."""
+        stores: list[tuple[int, Idx]] = []
+        for o in outputs:
+            oshape = self.spec.values[o].shape
+            if math.prod(oshape) != math.prod(shape):
+                raise Unsupported(f"an output of {list(oshape)} in {what} of {list(shape)}")
+            stores.append((o, self.reshape(lane, shape, oshape)))
+        return stores
+
     # -- values ---------------------------------------------------------------------------
     def value(self, v: int, idx: Idx) -> tuple[str, bool]:
         """Expression name of value ``v`` at ``idx``, and whether it varies across lanes."""
@@ -935,10 +951,9 @@ def _product(
     if batch_numel > 1:
         em.lines.append(f"    nb = pid % {n_blocks}")
         em.lines.append(f"    bi = pid // {n_blocks}")
-        bidx = gen.unflatten("bi", shape.batch, lane=False)
     else:
         em.lines.append("    nb = pid")
-        bidx = Idx(tuple("0" for _ in shape.batch), tuple(False for _ in shape.batch))
+    bidx = gen.batch_index("bi", shape.batch)
     em.lines.append(f"    rn = nb * {bn} + tl.arange(0, {bn})")
     body = shape.body
     accs = ["acc", "acc2"] if paired else ["acc"]
@@ -1016,20 +1031,17 @@ def _product(
         gen.lane_values[out] = (em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
     stores: list[tuple[int, Idx]] = []
     for v in spec.outputs:
-        oshape = spec.values[v].shape
-        if v in spec.splits and not paired:  # a part of merged siblings: its lanes [offset, offset + width)
-            offset, width = spec.splits[v]
-            n_expr = "rn[None, :]" if body == "dot" else "rn"
-            if tuple(oshape) != (*out_spec.shape[:-1], width) or spec.nodes[-1].outputs[0] != out:
-                raise Unsupported("a merged product's part of another shape, or with an epilogue")
-            dims = (*lane.dims[:-1], gen.em.let(f"({n_expr} - {offset})", True, "i"))
-            gen.store_masks[v] = f"mask & ({n_expr} >= {offset}) & ({n_expr} < {offset + width})"
-            gen.lane_values[v] = (gen.lane_values[out][0], dims)
-            stores.append((v, Idx(dims, (*lane.lane[:-1], True))))
+        if v not in spec.splits or paired:
+            stores += gen.lane_stores([v], lane, out_spec.shape, "a product group")
             continue
-        if math.prod(oshape) != math.prod(out_spec.shape):
-            raise Unsupported(f"an output of {list(oshape)} in a product group of {list(out_spec.shape)}")
-        stores.append((v, gen.reshape(lane, out_spec.shape, oshape)))
+        offset, width = spec.splits[v]  # a part of merged siblings: its lanes [offset, offset + width)
+        n_expr = "rn[None, :]" if body == "dot" else "rn"
+        if tuple(spec.values[v].shape) != (*out_spec.shape[:-1], width) or spec.nodes[-1].outputs[0] != out:
+            raise Unsupported("a merged product's part of another shape, or with an epilogue")
+        dims = (*lane.dims[:-1], gen.em.let(f"({n_expr} - {offset})", True, "i"))
+        gen.store_masks[v] = f"mask & ({n_expr} >= {offset}) & ({n_expr} < {offset + width})"
+        gen.lane_values[v] = (gen.lane_values[out][0], dims)
+        stores.append((v, Idx(dims, (*lane.lane[:-1], True))))
     grid = (max(1, batch_numel) * n_blocks, 1, 1)
     return stores, grid, bn, warps
 
@@ -1166,11 +1178,7 @@ def _attention(
         em.lines.append(f"    sk = pid % {n_split}")
         em.lines.append(f"    bh = pid // {n_split}")
         head_flat = "bh"
-    bidx = (
-        gen.unflatten(head_flat, batch, lane=False)
-        if math.prod(batch) > 1
-        else Idx(tuple("0" for _ in batch), tuple(False for _ in batch))
-    )
+    bidx = gen.batch_index(head_flat, batch)
     hi = f"tl.minimum(sk * {chunk} + {chunk}, {length})" if n_split > 1 else str(length)
 
     def at(x: int, pair: tuple[str, str]) -> Idx:
@@ -1232,12 +1240,7 @@ def _attention(
         return stores_p, (max(1, math.prod(batch)) * n_split, 1, 1), bl, warps
     lane = at(out, ("0", "rv"))
     gen.lane_values[out] = (em.let(f"(att_acc / att_l).to({_tl(ov.dtype)})", True, "p"), lane.dims)
-    stores: list[tuple[int, Idx]] = []
-    for o in spec.outputs:
-        oshape = spec.values[o].shape
-        if math.prod(oshape) != math.prod(ov.shape):
-            raise Unsupported(f"an output of {list(oshape)} in an attention group of {list(ov.shape)}")
-        stores.append((o, gen.reshape(lane, ov.shape, oshape)))
+    stores = gen.lane_stores(spec.outputs, lane, ov.shape, "an attention group")
     return stores, (max(1, math.prod(batch)), 1, 1), bl, warps
 
 
@@ -1317,19 +1320,10 @@ def _attention_combine(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]
         "    cacc = tl.sum(cw[:, None] * ca, axis=0)",
         f"    mask = rv < {d2}",
     ]
-    bidx = (
-        gen.unflatten("pid", batch, lane=False)
-        if math.prod(batch) > 1
-        else Idx(tuple("0" for _ in batch), tuple(False for _ in batch))
-    )
+    bidx = gen.batch_index("pid", batch)
     lane = Idx((*bidx.dims, "0", "rv"), (*bidx.lane, False, True))
     gen.lane_values[out] = (em.let(f"(cacc / csum).to({_tl(ov.dtype)})", True, "p"), lane.dims)
-    stores: list[tuple[int, Idx]] = []
-    for o in spec.outputs:
-        oshape = spec.values[o].shape
-        if math.prod(oshape) != math.prod(ov.shape):
-            raise Unsupported(f"an output of {list(oshape)} in an attention group of {list(ov.shape)}")
-        stores.append((o, gen.reshape(lane, ov.shape, oshape)))
+    stores = gen.lane_stores(spec.outputs, lane, ov.shape, "an attention group")
     return stores, (max(1, math.prod(batch)), 1, 1), bd2, 4
 
 
