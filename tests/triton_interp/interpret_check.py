@@ -144,13 +144,7 @@ def _run_piece(
         kernel = codegen.generate(spec)
     except codegen.Unsupported as exc:
         return "unsupported", str(exc)
-    path = tmp / f"{kernel.name}.py"
-    path.write_text(kernel.source)
-    mod_spec = importlib.util.spec_from_file_location(kernel.name, path)
-    assert mod_spec is not None and mod_spec.loader is not None
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    fn = getattr(module, kernel.name)
+    fn = load_kernel(tmp, kernel)
     args = []
     for v in kernel.args[: kernel.n_inputs]:
         args.append(_torch_view(torch, passed[v] if v in passed else _passable(np.asarray(values[v]))))
@@ -167,6 +161,17 @@ def _run_piece(
         return "ok", ""
     bad = mismatch([got[o] for o in outs], [np.asarray(values[o]) for o in outs], tolerance, _NumpyAsCupy)
     return ("ok", "") if bad is None else ("mismatch", bad)
+
+
+def load_kernel(tmp: Path, kernel: Any) -> Any:
+    """The ``@triton.jit`` function of a generated kernel, its source written under ``tmp`` and imported."""
+    path = tmp / f"{kernel.name}.py"
+    path.write_text(kernel.source)
+    mod_spec = importlib.util.spec_from_file_location(kernel.name, path)
+    assert mod_spec is not None and mod_spec.loader is not None
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return getattr(module, kernel.name)
 
 
 def _torch_view(torch: Any, x: np.ndarray) -> Any:

@@ -9,7 +9,6 @@ line: a list of ``{case, config, status, detail}``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -123,7 +122,7 @@ def run() -> list[dict[str, Any]]:
     from dsp_triton.kernels import _mismatch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from interpret_check import _NumpyAsCupy, _torch_view
+    from interpret_check import _NumpyAsCupy, _torch_view, load_kernel
 
     tmp = Path(tempfile.mkdtemp(prefix="dsp-triton-product-"))
     results = []
@@ -134,18 +133,13 @@ def run() -> list[dict[str, Any]]:
             entry = {"case": case["name"], "body": shape.body, "config": config}
             try:
                 kernel = codegen.generate(spec, config=config)
-                path = tmp / f"{kernel.name}.py"
-                path.write_text(kernel.source)
-                mod_spec = importlib.util.spec_from_file_location(kernel.name, path)
-                assert mod_spec is not None and mod_spec.loader is not None
-                module = importlib.util.module_from_spec(mod_spec)
-                mod_spec.loader.exec_module(module)
+                fn = load_kernel(tmp, kernel)
                 args = [_torch_view(torch, arrays[v]) for v in kernel.args[: kernel.n_inputs]]
                 outs = [
                     np.zeros(spec.values[v].shape, dtype=spec.values[v].dtype) for v in kernel.args[kernel.n_inputs :]
                 ]
                 args += [torch.from_numpy(o) for o in outs]
-                getattr(module, kernel.name)[kernel.grid](*args, num_warps=kernel.num_warps)
+                fn[kernel.grid](*args, num_warps=kernel.num_warps)
                 got = dict(zip(kernel.args[kernel.n_inputs :], outs))
                 bad = _mismatch([got[v] for v in want], list(want.values()), 5e-3, _NumpyAsCupy)
                 entry.update(status="ok" if bad is None else "mismatch", detail=bad or "")
