@@ -505,7 +505,8 @@ def test_what_is_not_decode_attention(kw, why: str, tmp_path: Path, monkeypatch:
     assert not [g for g in groups if g.template == "decode_attention"], why
 
 
-def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() -> None:
+def _attention_group(rows: int = 1, relu: bool = False) -> tuple[list, dict]:
+    """A 4-head attention over 300 KV positions (K transposed in the group), optionally a Relu after."""
     n = codegen.NodeSpec
     nodes = [
         n("Transpose", (2,), (3,), {"perm": [0, 1, 3, 2]}),
@@ -514,23 +515,28 @@ def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() 
         n("MatMul", (5, 6), (7,)),
     ]
     shapes = {
-        1: ((1, 4, 1, 16), "float16"),
+        1: ((1, 4, rows, 16), "float16"),
         2: ((1, 4, 300, 16), "float16"),
         3: ((1, 4, 16, 300), "float16"),
-        4: ((1, 4, 1, 300), "float16"),
-        5: ((1, 4, 1, 300), "float16"),
+        4: ((1, 4, rows, 300), "float16"),
+        5: ((1, 4, rows, 300), "float16"),
         6: ((1, 4, 300, 16), "float16"),
-        7: ((1, 4, 1, 16), "float16"),
+        7: ((1, 4, rows, 16), "float16"),
     }
+    if relu:
+        nodes.append(n("Relu", (7,), (8,)))
+        shapes[8] = ((1, 4, rows, 16), "float16")
+    return nodes, shapes
+
+
+def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() -> None:
+    nodes, shapes = _attention_group()
     spec = _spec("decode_attention", nodes, shapes, [1, 2, 6], [7])
     kernel = codegen.generate(spec)
     assert kernel.name.startswith("dsp_attn_") and kernel.grid == (4, 1, 1)
     assert "for l0 in range(0, 300," in kernel.source and "att_alpha" in kernel.source
     assert kernel.source.count("tl.store(") == 1  # scores and probabilities never leave the kernel
-    prefill = dict(shapes)
-    prefill.update({1: ((1, 4, 7, 16), "float16"), 4: ((1, 4, 7, 300), "float16")})
-    prefill.update({5: ((1, 4, 7, 300), "float16"), 7: ((1, 4, 7, 16), "float16")})
-    spec7 = _spec("decode_attention", nodes, prefill, [1, 2, 6], [7])
+    spec7 = _spec("decode_attention", *_attention_group(rows=7), [1, 2, 6], [7])
     with pytest.raises(codegen.Unsupported, match="query rows"):
         codegen.generate(spec7)
     parts = codegen.attention_parts(spec7)
@@ -558,25 +564,8 @@ def test_a_split_attention_is_partials_then_one_combine() -> None:
     assert codegen.kv_split_count(12, 4096, 132) == 8
     assert codegen.kv_split_count(128, 4096, 132) == 1  # enough programs already
     assert codegen.kv_split_count(12, 60, 132) == 1  # too few positions to share
-    n = codegen.NodeSpec
-    nodes = [
-        n("Transpose", (2,), (3,), {"perm": [0, 1, 3, 2]}),
-        n("MatMul", (1, 3), (4,)),
-        n("Softmax", (4,), (5,), {"axis": -1}, opset=13),
-        n("MatMul", (5, 6), (7,)),
-        n("Relu", (7,), (8,)),
-    ]
-    shapes = {
-        1: ((1, 4, 1, 16), "float16"),
-        2: ((1, 4, 300, 16), "float16"),
-        3: ((1, 4, 16, 300), "float16"),
-        4: ((1, 4, 1, 300), "float16"),
-        5: ((1, 4, 1, 300), "float16"),
-        6: ((1, 4, 300, 16), "float16"),
-        7: ((1, 4, 1, 16), "float16"),
-        8: ((1, 4, 1, 16), "float16"),
-    }
-    partial, combine = codegen.attention_split_specs(_spec("decode_attention", nodes, shapes, [1, 2, 6], [8]), 4)
+    spec = _spec("decode_attention", *_attention_group(relu=True), [1, 2, 6], [8])
+    partial, combine = codegen.attention_split_specs(spec, 4)
     first, second = codegen.generate(partial), codegen.generate(combine)
     assert first.grid == (16, 1, 1) and first.name.startswith("dsp_attn_")
     assert second.grid == (4, 1, 1) and second.name.startswith("dsp_attn_combine_")

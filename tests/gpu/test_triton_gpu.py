@@ -90,20 +90,26 @@ def test_generation_gives_torchs_greedy_tokens(name: str) -> None:
     assert again.tokens[0].tolist() == want
 
 
+def _gpt2_warned(match: str) -> dsp.CompiledModel:
+    """The GPT-2 fixture on TRITON: warns ``match`` while its first runs compile, gives the reference's outputs."""
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    ref = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
+    model = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="triton", strict=True)
+    feeds = {n: golden[f"step0.{n}"] for n in model.input_names}
+    want = ref.run(feeds)
+    with pytest.warns(UserWarning, match=match):
+        for _ in range(6):
+            _close(model.run(feeds), want, match)
+    return model
+
+
 def test_a_group_that_disagrees_is_demoted_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     """A generated kernel that computes the wrong thing: the group falls back to its reference kernels."""
     from dsp_triton import codegen
 
     real = codegen._UNARY["Tanh"]
     monkeypatch.setitem(codegen._UNARY, "Tanh", lambda x, a: f"({real(x, a)} + 1.0)")
-    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
-    ref = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
-    model = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="triton", strict=True)
-    feeds = {n: golden[f"step0.{n}"] for n in model.input_names}
-    want = ref.run(feeds)
-    with pytest.warns(UserWarning, match="demoted to its reference kernels"):
-        for _ in range(6):
-            _close(model.run(feeds), want, "demoted")
+    model = _gpt2_warned("demoted to its reference kernels")
     demoted = [r for r in _reports(model) if r["status"] == "demoted"]
     assert demoted and "disagreed" in demoted[0]["reason"]
 
@@ -196,13 +202,6 @@ def test_a_generator_bug_costs_the_group_its_kernel_never_the_model(monkeypatch:
         return real(spec, *args, **kwargs)
 
     monkeypatch.setattr(codegen, "generate", broken)
-    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
-    ref = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
-    model = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="triton", strict=True)
-    feeds = {n: golden[f"step0.{n}"] for n in model.input_names}
-    want = ref.run(feeds)
-    with pytest.warns(UserWarning, match="the generator failed"):
-        for _ in range(6):
-            _close(model.run(feeds), want, "generator bug")
+    model = _gpt2_warned("the generator failed")
     failed = [r for r in _reports(model) if "the generator failed" in r["reason"]]
     assert failed and all(r["status"] == "reference" for r in failed)
