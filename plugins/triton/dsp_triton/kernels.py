@@ -19,6 +19,7 @@ fails that capture (CaptureFailed) rather than compiling inside it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -456,7 +457,7 @@ class FusedGroup:
             local[b] = substitutes[b].array
             values = dict(spec.values)
             values[b] = codegen.TensorSpec(values[b].shape, values[b].dtype, (1, int(weight.shape[0])))
-            spec = codegen.GroupSpec(spec.template, spec.nodes, values, spec.inputs, spec.outputs, spec.constants)
+            spec = dataclasses.replace(spec, values=values)
         return spec, [], substitutes
 
     def _merged_spec(
