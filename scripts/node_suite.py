@@ -234,6 +234,11 @@ def select(args: argparse.Namespace) -> tuple[list[Any], int]:
     return cases, total
 
 
+def _first_lines(text: str, n: int = 3) -> str:
+    """The first ``n`` non-blank lines of an error (numpy's assertion messages start with a blank one)."""
+    return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][:n])
+
+
 def run_mode(cases: list[Any], mode: str, runs: int, exclusions: bool = True, verbose: bool = False) -> dict[str, Any]:
     """Run ``cases`` in ``mode``; the report: counts per status and, per case, status and reason."""
     from conformance.exclusions import EXCLUDED
@@ -251,7 +256,7 @@ def run_mode(cases: list[Any], mode: str, runs: int, exclusions: bool = True, ve
                 model = run_case(case, mode, runs)
                 status, reason = capture_state(model)
             except WrongOutput as exc:
-                status, reason = "wrong", str(exc).splitlines()[0] if str(exc) else ""
+                status, reason = "wrong", _first_lines(str(exc))
             except Exception as exc:  # noqa: BLE001  (a report: every failure counts)
                 status, reason = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             report[case.name] = {"status": status, "reason": reason}

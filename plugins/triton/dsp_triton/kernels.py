@@ -328,6 +328,9 @@ class FusedGroup:
                 one = self._tune(piece, self._build(kernel, local, shapes), local, shapes)
                 one.head, one.substitutes = head, substitutes
                 built.append(one)
+                for v, (shape, dtype) in shapes.items():  # a later piece reads this one's scratch
+                    if v not in local:
+                        local[v] = self.cp.empty(shape, dtype=dtype)
         except Exception as exc:  # noqa: BLE001  (a compiler error: this group runs its reference kernels)
             self._settle("reference", f"Triton failed to compile it: {type(exc).__name__}: {str(exc)[:300]}")
             log.warning("DSP TRITON: group %d (%s): %s", self.report.index, self.report.template, self.report.reason)
