@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-exclusions", action="store_true", help="run excluded cases too")
     parser.add_argument("--mode", help="compile every case for this mode and report what was captured")
     parser.add_argument("--runs", type=int, default=5, help="runs per data set with --mode (default 5)")
+    parser.add_argument("--shard", help="K/N: run only every N-th case, starting at the K-th (0-based)")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="with --mode: split the cases over this many processes, one report"
+    )
     args = parser.parse_args(argv)
     if args.mode:
         return main_mode(args)
@@ -231,7 +235,21 @@ def select(args: argparse.Namespace) -> tuple[list[Any], int]:
     if args.pattern:
         rx = re.compile(args.pattern)
         cases = [c for c in cases if rx.search(c.name)]
+    if args.shard:
+        k, n = _shard(args.shard)
+        cases = cases[k::n]
     return cases, total
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """``K/N`` as (K, N), with 0 <= K < N; a clear error otherwise."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard wants K/N (two integers), got {text!r}") from None
+    if not 0 <= k < n:
+        raise SystemExit(f"--shard {text}: K must be in 0..N-1")
+    return k, n
 
 
 def _first_lines(text: str, n: int = 3) -> str:
@@ -239,18 +257,31 @@ def _first_lines(text: str, n: int = 3) -> str:
     return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][:n])
 
 
+def _on_device(mode: str) -> bool:
+    """True when ``mode``'s first backend here runs on a device (not on the CPU)."""
+    from dsp_core.backends.auction import candidates
+    from dsp_core.backends.discovery import discover
+    from dsp_core.backends.modes import GraphExecutionMode
+
+    with warnings.catch_warnings():  # a mode remapped here says so when its cases run
+        warnings.simplefilter("ignore")
+        chain, _ = candidates(discover(), GraphExecutionMode.parse(mode))
+    return bool(chain) and chain[0].platform != "cpu"
+
+
 def run_mode(cases: list[Any], mode: str, runs: int, exclusions: bool = True, verbose: bool = False) -> dict[str, Any]:
     """Run ``cases`` in ``mode``; the report: counts per status and, per case, status and reason."""
-    from conformance.exclusions import EXCLUDED
+    from conformance.exclusions import DEVICE_EXCLUDED, EXCLUDED
 
     from dsp_core import progress
 
+    excluded = {**EXCLUDED, **(DEVICE_EXCLUDED if _on_device(mode) else {})}
     report: dict[str, dict[str, str]] = {}
     with progress.step(f"node cases ({mode})", len(cases)) as bar:
         for case in cases:
             bar.advance(1)
-            if case.name in EXCLUDED and exclusions:
-                report[case.name] = {"status": "excluded", "reason": EXCLUDED[case.name]}
+            if case.name in excluded and exclusions:
+                report[case.name] = {"status": "excluded", "reason": excluded[case.name]}
                 continue
             try:
                 model = run_case(case, mode, runs)
@@ -267,11 +298,45 @@ def run_mode(cases: list[Any], mode: str, runs: int, exclusions: bool = True, ve
     return {"mode": mode, "runs": runs, "selected": len(cases), "counts": counts, "cases": report}
 
 
+def _run_jobs(args: argparse.Namespace, selected: int) -> dict[str, Any]:
+    """``--jobs N``: N processes, each a ``--shard k/N`` of the selection; their reports as one."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for k in range(args.jobs):
+            cmd = [sys.executable, __file__, "--mode", args.mode, "--runs", str(args.runs)]
+            cmd += ["--shard", f"{k}/{args.jobs}", "--json", f"{tmp}/{k}.json"]
+            for flag in ("ops", "pattern"):
+                if getattr(args, flag):
+                    cmd += [f"--{flag}", getattr(args, flag)]
+            cmd += ["--no-exclusions"] * args.no_exclusions + ["--verbose"] * args.verbose
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL if not args.verbose else None))
+        codes = [p.wait() for p in procs]
+        parts = []
+        for k, code in enumerate(codes):
+            path = Path(f"{tmp}/{k}.json")
+            if not path.exists():
+                raise SystemExit(f"node_suite: shard {k}/{args.jobs} wrote no report (exit status {code})")
+            parts.append(json.loads(path.read_text()))
+    cases: dict[str, dict[str, str]] = {}
+    for part in parts:
+        cases.update(part["cases"])
+    counts = {k: sum(1 for r in cases.values() if r["status"] == k) for k in CAPTURE_STATUSES}
+    counts["correct"] = counts["captured"] + counts["partly_captured"] + counts["eager"]
+    assert len(cases) == selected, (len(cases), selected)
+    return {"mode": args.mode, "runs": args.runs, "selected": selected, "counts": counts, "cases": cases}
+
+
 def main_mode(args: argparse.Namespace) -> int:
     """``--mode``: per case captured / partly captured / eager (with reasons) / wrong / failed."""
     cases, total = select(args)
     start = time.perf_counter()
-    report = run_mode(cases, args.mode, args.runs, not args.no_exclusions, args.verbose)
+    if args.jobs > 1:
+        report = _run_jobs(args, len(cases))
+    else:
+        report = run_mode(cases, args.mode, args.runs, not args.no_exclusions, args.verbose)
     report["total"] = total
     report["seconds"] = round(time.perf_counter() - start, 1)
     c = report["counts"]

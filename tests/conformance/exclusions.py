@@ -61,3 +61,17 @@ EXCLUDED: dict[str, str] = {
     "test_strnormalizer_export_monday_insensintive_upper_twodim": "string tensors are not supported",
     "test_strnormalizer_nostopwords_nochangecase": "string tensors are not supported",
 }
+
+_FFT_NOISE = (
+    "the stored output carries numpy's single-precision FFT rounding: even the exactly rounded "
+    "result (computed in double, then cast) differs from it in 10 of 200 elements by up to 1.9e-6 "
+    "(max |y| 54), above the case's atol of 1e-7, which is below float32's resolution at that scale. "
+    "cpu_ref runs that same numpy FFT and matches it bit for bit; a device FFT (cuFFT) cannot"
+)
+
+# Cases excluded only where the op runs on a device (scripts/node_suite.py --mode with a
+# device mode): the reference's own host arithmetic is part of the stored data.
+DEVICE_EXCLUDED: dict[str, str] = {
+    "test_dft_inverse": _FFT_NOISE,
+    "test_dft_inverse_opset19": _FFT_NOISE,
+}
