@@ -938,6 +938,45 @@ def compare_rows(record: dict[str, Any]) -> None:
             entry["first_mismatch_vs_hf"] = next((i for i, ok in enumerate(same) if not ok), None)
 
 
+def explain_mismatches(torch: Any, model: Any, prompt: Any, record: dict[str, Any]) -> None:
+    """Where a row's greedy tokens first leave HF's, what the same weights in fp32 prefer there.
+
+    One teacher-forced fp32 forward over the prompt and HF's tokens (the rows agree with HF
+    up to their first mismatch, so this is each row's context there): the top two fp32
+    logits' gap, and whether fp32's choice is the row's token or HF's. A gap far below the
+    fp16 noise says the two tokens are a tie that either computation may break. Runs last:
+    it turns the model to fp32.
+    """
+    rows = record["peers"]
+    ref = rows.get(REFERENCE, {}).get("tokens")
+    pending = {p: e for p, e in rows.items() if e.get("first_mismatch_vs_hf") is not None and "tokens" in e}
+    if not ref or not pending:
+        return
+    model = model.to(dtype=torch.float32)
+    ids = torch.cat([prompt, torch.tensor([ref], device=prompt.device, dtype=prompt.dtype)], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    start = prompt.shape[1] - 1  # logits[start + s] choose token s
+    picks = logits[start : start + len(ref)].argmax(-1).tolist()
+    check: dict[str, Any] = {
+        "hf_tokens_equal_fp32_choice": sum(a == b for a, b in zip(picks, ref)) / len(ref),
+        "rows": {},
+    }
+    for peer, entry in pending.items():
+        step = entry["first_mismatch_vs_hf"]
+        row = logits[start + step]
+        top = torch.topk(row, 2)
+        mine, theirs = entry["tokens"][step], ref[step]
+        choice = int(top.indices[0])
+        check["rows"][peer] = {
+            "step": step,
+            "fp32_top2_gap": float(top.values[0] - top.values[1]),
+            "fp32_logit_row_token_minus_hf_token": float(row[mine] - row[theirs]),
+            "fp32_choice": "row" if choice == mine else "hf" if choice == theirs else "neither",
+        }
+    record["mismatch_check"] = check
+
+
 def bench_model(
     args: argparse.Namespace, name: str, out_dir: Path, saved: Callable[[dict[str, Any]], None]
 ) -> dict[str, Any]:
@@ -1028,6 +1067,10 @@ def bench_model(
         saved(record)
     record["floor"] = floor(torch, model, device)
     compare_rows(record)
+    try:
+        explain_mismatches(torch, model, prompt, record)
+    except Exception as exc:  # noqa: BLE001  (a diagnostic: it never costs the rows)
+        record["mismatch_check"] = {"error": f"{type(exc).__name__}: {exc}"}
     record["wall_seconds"]["model"] = time.perf_counter() - t_model
     return record  # the models go with this frame (the next model has the GPU's memory)
 
@@ -1068,6 +1111,16 @@ def print_table(record: dict[str, Any]) -> None:
         )
     fl = record.get("floor", {}).get("tokens_per_s")
     print(f"{'floor (weights/bandwidth)':<26}" + _cell(fl, ".1f", 11))
+    check = record.get("mismatch_check", {})
+    for peer, m in check.get("rows", {}).items():
+        print(
+            f"{peer}: first token unlike HF's at step {m['step']}; the fp32 model's top-2 gap there is "
+            f"{m['fp32_top2_gap']:.4f}, its choice: {m['fp32_choice']} (row - HF logit "
+            f"{m['fp32_logit_row_token_minus_hf_token']:+.4f})"
+        )
+    if "hf_tokens_equal_fp32_choice" in check:
+        share = check["hf_tokens_equal_fp32_choice"]
+        print(f"HF's tokens equal the fp32 model's teacher-forced choice at {share:.2%} of steps")
     if "reference_distinct_tokens" in record:
         print(f"{REFERENCE} produced {record['reference_distinct_tokens']} distinct tokens")
     reasons = {e.get("kernels_reason") for e in record["peers"].values() if e.get("kernels_reason")}
