@@ -877,13 +877,16 @@ def grid_sample(ctx, x, grid, *, align_corners=0, mode="linear", padding_mode="z
     n, c, sp = x.shape[0], x.shape[1], x.shape[2:]
     nd = len(sp)
     g = grid.astype(np.float64).reshape(n, -1, nd)[..., ::-1]  # grid holds (x, y, ...) = reversed axes
-    sizes = xp.asarray(sp, dtype=np.float64)
-    coords = (g + 1) / 2 * (sizes - 1) if align_corners else ((g + 1) * sizes - 1) / 2
+    # per axis, with the sizes as Python numbers: an array of them would be a host-to-device copy
+    scaled = [
+        (g[..., d] + 1) / 2 * (s - 1) if align_corners else ((g[..., d] + 1) * s - 1) / 2 for d, s in enumerate(sp)
+    ]
+    coords = xp.stack(scaled, axis=-1)
     borders = [(0.0, s - 1.0) if align_corners else (-0.5, s - 0.5) for s in sp]
     if mode == "nearest":
         coords = xp.rint(coords)
     if padding_mode == "border":
-        coords = xp.clip(coords, 0, sizes - 1)
+        coords = xp.stack([xp.clip(coords[..., d], 0, s - 1) for d, s in enumerate(sp)], axis=-1)
     elif padding_mode == "reflection":
         coords = xp.stack([_reflect(xp, coords[..., d], *borders[d]) for d in range(nd)], axis=-1)
     acc = _acc_dtype(x.dtype)

@@ -205,3 +205,33 @@ def test_the_node_cases_fixed_for_cuda_are_correct() -> None:
     assert bad == {}, bad
     mods = {n: r for n, r in report["cases"].items() if n.startswith("test_mod_float_edge")}
     assert all(r["status"] == "captured" for r in mods.values()), mods
+
+
+def test_shape_of_a_computed_value_and_constant_axes_capture() -> None:
+    """Shape of a computed value feeding a device op, Trilu/CumSum with constant k/axis, GridSample, Dropout
+    with a constant ratio: captured whole (no host copy inside the capture), equal to slot_by_slot."""
+    g = dsp.GraphBuilder("device_paths")
+    x = g.placeholder("x", "float32", [2, 3, 5, 5])
+    grid = g.placeholder("grid", "float32", [2, 4, 4, 2])
+    t = g.op("Relu", x)
+    shape = g.op("Cast", g.op("Shape", t), to=TensorProto.FLOAT)
+    tri = g.op("Trilu", t, g.constant(np.array(1, np.int64)), upper=0)
+    cum = g.op("CumSum", tri, g.constant(np.array(2, np.int64)))
+    drop, _ = g.op("Dropout", cum, g.constant(np.array(0.5, np.float32)), outputs=2)
+    sampled = g.op("GridSample", drop, grid, align_corners=1, padding_mode="border")
+    g.output(g.op("Add", g.op("ReduceSum", sampled, keepdims=0), g.op("ReduceSum", shape, keepdims=0)), "y")
+    built = g.build()
+    rng = np.random.default_rng(3)
+    feeds = [
+        {
+            "x": rng.standard_normal((2, 3, 5, 5)).astype(np.float32),
+            "grid": rng.uniform(-1.1, 1.1, (2, 4, 4, 2)).astype(np.float32),
+        }
+        for _ in range(RUNS)
+    ]
+    want = dsp.compile(built, mode="slot_by_slot")
+    model = dsp.compile(built, mode="cuda_graphs")
+    for f in feeds:
+        np.testing.assert_allclose(np.asarray(model.run(f)["y"]), want.run(f)["y"], rtol=1e-4, atol=1e-4)
+    assert model.dsp.phase is PlanPhase.REPLAYING, _report(model)
+    assert "gap" not in _report(model), _report(model)

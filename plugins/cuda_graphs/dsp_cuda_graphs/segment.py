@@ -78,6 +78,11 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "Col2Im": (1, 2),
     "CenterCropPad": (1,),
     "AffineGrid": (1,),
+    "Trilu": (1,),
+    "CumSum": (1,),
+    "CumProd": (1,),
+    "Range": (0, 1, 2),
+    "Dropout": (1, 2),
 }
 
 
@@ -111,6 +116,29 @@ class _HostArgs:
             if pos < len(given):
                 given[pos] = self.segment.host_value(flat, given[pos])
         return self.kernel(*given)
+
+
+class _ShapeOf:
+    """Shape or Size on the device: one device array per input shape, made outside the plan's memory.
+
+    The value is the input's shape, fixed for a plan's input signature, but making it is a
+    host-to-device copy, which a capture refuses: the array made on the first run (eager or
+    warm-up) is handed out again, allocated from CuPy's default pool so the warm-up's
+    allocation trace (replayed by the capture) never includes it.
+    """
+
+    def __init__(self, kernel: Any, cupy: Any) -> None:
+        self.kernel = kernel
+        self.cp = cupy
+        self.memo: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, x: Any) -> Any:
+        key = tuple(x.shape)
+        got = self.memo.get(key)
+        if got is None:
+            with self.cp.cuda.using_allocator(self.cp.get_default_memory_pool().malloc):
+                got = self.memo[key] = self.kernel(x)
+        return got
 
 
 class CudaGraphSegment(CompiledSegment):
@@ -191,6 +219,8 @@ class CudaGraphSegment(CompiledSegment):
                     kernel = layer_norm_kernel(st, kernel, 1 if only_y else len(slot.outputs), **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "Softmax":
                     kernel = softmax_kernel(st, kernel, slot.opset, **slot.attrs)
+                elif slot.domain in ("", "ai.onnx") and slot.op in ("Shape", "Size"):
+                    kernel = _ShapeOf(kernel, st["cupy"])
                 host = HOST_INPUTS.get(slot.op, ()) if slot.domain in ("", "ai.onnx") else ()
                 positions = tuple((p, ins[p]) for p in host if p < len(ins) and slot.inputs[p] is not None)
                 if positions:
