@@ -20,6 +20,8 @@ from dsp_core.ops.registry import KernelContext, op
 
 Array = Any
 Activation = Callable[[Array], Array]
+# Products go through xp.matmul (never the @ operator), so a device backend's own matmul runs
+# them (CUDA_GRAPHS: the owned cuBLAS binding, which a capture accepts).
 # A cell maps (direction index, x_t @ W^T + Wb, states) to the new states; h comes first.
 Cell = Callable[[int, Array, tuple[Array, ...]], tuple[Array, ...]]
 
@@ -238,7 +240,7 @@ def _recurrence(
     for d in range(n_dirs):
         reverse = spec.direction == "reverse" or d == 1
         xd = _reverse_within(xp, x, lens) if reverse else x
-        xw = xd @ w[d].T + wb[d]
+        xw = xp.matmul(xd, w[d].T) + wb[d]
         y, final = _scan(xp, xw, lens, tuple(s[d] for s in states0), partial(cell, d))
         ys.append(_reverse_within(xp, y, lens) if reverse else y)
         finals.append(final)
@@ -285,7 +287,7 @@ def lstm(
     def cell(d: int, xw: Array, states: tuple[Array, ...]) -> tuple[Array, ...]:
         f, g, h = spec.acts[d]
         h_prev, c_prev = states
-        gates = xw + h_prev @ spec.rt[d] + spec.rb[d]
+        gates = xw + ctx.xp.matmul(h_prev, spec.rt[d]) + spec.rb[d]
         pi, po, pf = (spec.gate(peep[d], k) for k in range(3))
         i = f(spec.clip(spec.gate(gates, 0) + pi * c_prev))
         forget = 1 - i if input_forget else f(spec.clip(spec.gate(gates, 2) + pf * c_prev))
@@ -324,13 +326,13 @@ def gru(
         f, g = spec.acts[d]
         (h_prev,) = states
         zr_ = slice(0, 2 * spec.hidden)  # the z and r gates, computed together
-        zr = f(spec.clip(xw[:, zr_] + h_prev @ spec.rt[d][:, zr_] + spec.rb[d][zr_]))
+        zr = f(spec.clip(xw[:, zr_] + ctx.xp.matmul(h_prev, spec.rt[d][:, zr_]) + spec.rb[d][zr_]))
         rt_h, rb_h = spec.gate(spec.rt[d], 2), spec.gate(spec.rb[d], 2)
         z, reset = spec.gate(zr, 0), spec.gate(zr, 1)
         if linear_before_reset:
-            recur = reset * (h_prev @ rt_h + rb_h)
+            recur = reset * (ctx.xp.matmul(h_prev, rt_h) + rb_h)
         else:
-            recur = (reset * h_prev) @ rt_h + rb_h
+            recur = ctx.xp.matmul(reset * h_prev, rt_h) + rb_h
         candidate = g(spec.clip(spec.gate(xw, 2) + recur))
         return ((1 - z) * candidate + z * h_prev,)
 
@@ -363,7 +365,7 @@ def rnn(
     def cell(d: int, xw: Array, states: tuple[Array, ...]) -> tuple[Array, ...]:
         (f,) = spec.acts[d]
         (h_prev,) = states
-        return (f(spec.clip(xw + h_prev @ spec.rt[d] + spec.rb[d])),)
+        return (f(spec.clip(xw + ctx.xp.matmul(h_prev, spec.rt[d]) + spec.rb[d])),)
 
     y, y_h = _recurrence(ctx, spec, x, w, b, sequence_lens, [initial_h], cell)
     return y, y_h

@@ -235,3 +235,26 @@ def test_shape_of_a_computed_value_and_constant_axes_capture() -> None:
         np.testing.assert_allclose(np.asarray(model.run(f)["y"]), want.run(f)["y"], rtol=1e-4, atol=1e-4)
     assert model.dsp.phase is PlanPhase.REPLAYING, _report(model)
     assert "gap" not in _report(model), _report(model)
+
+
+CAPTURE_SAFE = r"^test_(lstm|gru|rnn|simple_rnn|tril|triu|cumsum|cumprod|gridsample|dropout)"
+
+
+def test_recurrent_scan_and_sampling_cases_never_copy_to_the_host_inside_a_capture() -> None:
+    """Their products go through the owned cuBLAS, their scalar inputs are read on the host:
+    a case may still run eagerly for a real reason (an input fed every step), never for a
+    host copy or a CuPy cuBLAS call inside the capture."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from node_suite import load_cases, run_mode
+
+    cases = [c for c in load_cases() if re.search(CAPTURE_SAFE, c.name)]
+    assert len(cases) >= 60
+    report = run_mode(cases, "cuda_graphs", runs=5)
+    bad = {n: r for n, r in report["cases"].items() if r["status"] in ("wrong", "failed")}
+    assert bad == {}, bad
+    host = {
+        n: r["reason"]
+        for n, r in report["cases"].items()
+        if re.search("transfers are disallowed|cuBLAS API", r["reason"])
+    }
+    assert host == {}, host
