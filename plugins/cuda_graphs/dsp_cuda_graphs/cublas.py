@@ -109,24 +109,30 @@ def batch_stride(shape: tuple[int, ...], strides: tuple[int, ...], batch: tuple[
 # -- the library -------------------------------------------------------------------------
 
 
-def _candidates() -> list[str]:
-    """Where libcublas may lie: the CUDA wheels (nvidia/cu13/lib, nvidia/cublas/lib), then the system."""
+def library_candidates(name: str, wheel_dirs: tuple[str, ...]) -> list[str]:
+    """Where lib``name`` may lie: NVIDIA's CUDA wheels (``nvidia/<wheel_dir>``), the toolkit, the system."""
     paths: list[str] = []
     try:
         import nvidia  # the namespace package of NVIDIA's CUDA wheels
 
         for root in list(getattr(nvidia, "__path__", [])):
-            for sub in ("cu13/lib", "cublas/lib", "cu12/lib"):
-                paths += sorted(glob.glob(os.path.join(root, sub, "libcublas.so*")), reverse=True)
+            for sub in wheel_dirs:
+                paths += sorted(glob.glob(os.path.join(root, sub, f"lib{name}.so*")), reverse=True)
     except ImportError:
         pass
     for home in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if home:
-            paths += sorted(glob.glob(os.path.join(home, "lib64", "libcublas.so*")), reverse=True)
-    paths += ["libcublas.so.13", "libcublas.so.12"]
-    found = ctypes.util.find_library("cublas")
+            paths += sorted(glob.glob(os.path.join(home, "lib64", f"lib{name}.so*")), reverse=True)
+    found = ctypes.util.find_library(name)
     if found:
         paths.append(found)
+    return paths
+
+
+def _candidates() -> list[str]:
+    """Where libcublas may lie (nvidia/cu13/lib, nvidia/cublas/lib, ..., then the system); never cublasLt."""
+    paths = library_candidates("cublas", ("cu13/lib", "cublas/lib", "cu12/lib"))
+    paths += ["libcublas.so.13", "libcublas.so.12"]
     return [p for p in paths if "Lt" not in os.path.basename(p)]
 
 

@@ -147,6 +147,65 @@ def merged_matmul_kernel(
     return kernel
 
 
+def _cudnn(st: dict[str, Any]) -> Any:
+    """The device's cuDNN handle, made on first use (outside a capture); None where cuDNN is missing."""
+    if "cudnn" not in st:
+        from dsp_cuda_graphs.cudnn import Cudnn, CudnnError
+
+        tf32 = bool(st["cublas"].tf32)
+        try:
+            st["cudnn"] = Cudnn(st["stream"].ptr, tf32, deterministic=not tf32)
+        except (OSError, CudnnError) as exc:
+            st["cudnn"], st["cudnn_error"] = None, f"{type(exc).__name__}: {exc}"
+    return st["cudnn"]
+
+
+def conv_kernel(st: dict[str, Any], reference: Any, **attrs: Any) -> Any:
+    """The Conv slot kernel: one cuDNN convolution (algorithm chosen once per layout, before
+    capture) plus the bias added in place; the reference kernel where cuDNN does not take it
+    (asymmetric padding, mixed dtypes, no cuDNN here, a layout first met inside a capture)."""
+    from dsp_cuda_graphs.cudnn import Unsupported, conv_geometry
+
+    cp = st["cupy"]
+    geometries: dict[tuple[Any, ...], Any] = {}
+
+    def kernel(x: Any, w: Any, b: Any = None) -> Any:
+        dtype = str(x.dtype)
+        args = (x, w) if b is None else (x, w, b)
+        if str(w.dtype) != dtype or (b is not None and str(b.dtype) != dtype) or not hasattr(w, "data"):
+            return reference(*args)
+        key = (tuple(x.shape), tuple(w.shape), dtype)
+        geometry = geometries.get(key)
+        if geometry is None:
+            try:
+                geometry = conv_geometry(key[0], key[1], dtype, **attrs)
+            except Unsupported as exc:
+                geometry = exc
+            geometries[key] = geometry
+        if isinstance(geometry, Unsupported):
+            return reference(*args)
+        dnn = _cudnn(st)
+        if dnn is None:
+            return reference(*args)
+        capturing = bool(cp.cuda.runtime.streamIsCapturing(st["stream"].ptr))
+        if capturing and key not in dnn.layouts:
+            return reference(*args)
+        xc = cp.ascontiguousarray(x).reshape(geometry.x_shape)
+        wc = cp.ascontiguousarray(w).reshape(geometry.w_shape)
+        y = cp.empty(geometry.y_shape, dtype=x.dtype)
+        try:
+            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # never the plan's memory
+                conv = dnn.layout(key, geometry, dtype, cp, xc, wc, y)
+        except Unsupported:
+            return reference(*args)
+        conv.forward(dnn.handle, xc, wc, y)
+        if b is not None:
+            y += b.reshape((1, -1) + (1,) * (y.ndim - 2))
+        return y.reshape(y.shape[:2] + y.shape[3:]) if geometry.lifted else y
+
+    return kernel
+
+
 class CublasXP:
     """cupy, with ``matmul`` going through the owned cuBLAS binding (capturable)."""
 

@@ -48,7 +48,7 @@ from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.buffers import PlannedAllocator, TracingAllocator
 from dsp_cuda_graphs.fused import layer_norm_kernel, softmax_kernel
-from dsp_cuda_graphs.kernels import CublasXP, gemm_kernel, matmul_kernel, merged_matmul_kernel
+from dsp_cuda_graphs.kernels import CublasXP, conv_kernel, gemm_kernel, matmul_kernel, merged_matmul_kernel
 
 # Inputs (by position) that the reference kernels read as Python ints/floats on the host.
 HOST_INPUTS: dict[str, tuple[int, ...]] = {
@@ -219,6 +219,8 @@ class CudaGraphSegment(CompiledSegment):
                     kernel = layer_norm_kernel(st, kernel, 1 if only_y else len(slot.outputs), **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "Softmax":
                     kernel = softmax_kernel(st, kernel, slot.opset, **slot.attrs)
+                elif slot.domain in ("", "ai.onnx") and slot.op == "Conv":
+                    kernel = conv_kernel(st, kernel, **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op in ("Shape", "Size"):
                     kernel = _ShapeOf(kernel, st["cupy"])
                 host = HOST_INPUTS.get(slot.op, ()) if slot.domain in ("", "ai.onnx") else ()

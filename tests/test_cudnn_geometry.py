@@ -1,0 +1,75 @@
+"""The cuDNN binding's pure-Python part: ONNX Conv attributes as cuDNN arguments (CPU, no cuDNN needed).
+
+The output shape it computes must be the reference convolution's for every accepted case;
+what cuDNN cannot take (asymmetric padding, other ranks and dtypes) is refused with a reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from dsp_cuda_graphs.cudnn import Unsupported, conv_geometry, packed_strides
+
+import dsp_core as dsp
+
+
+def _reference_shape(x_shape: tuple[int, ...], w_shape: tuple[int, ...], **attrs: object) -> tuple[int, ...]:
+    g = dsp.GraphBuilder("conv")
+    x = g.placeholder("x", "float32", list(x_shape))
+    w = g.constant(np.ones(w_shape, np.float32))
+    g.output(g.op("Conv", x, w, **{k: v for k, v in attrs.items() if v is not None}), "y")
+    y = dsp.compile(g.build(), mode="slot_by_slot").run({"x": np.ones(x_shape, np.float32)})["y"]
+    return tuple(y.shape)
+
+
+CASES = [
+    ((1, 3, 9, 9), (4, 3, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((2, 4, 10, 7), (6, 2, 3, 2), {"group": 2, "strides": [2, 1], "pads": [1, 0, 1, 0]}),
+    ((1, 8, 11, 11), (8, 1, 3, 3), {"group": 8, "dilations": [2, 2], "pads": [2, 2, 2, 2]}),
+    ((1, 3, 9, 9), (4, 3, 3, 3), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+    ((1, 3, 8, 8), (4, 3, 3, 3), {"auto_pad": "VALID"}),
+    ((2, 5, 17), (3, 5, 4), {"strides": [3], "pads": [2, 2]}),
+    ((1, 2, 5, 6, 7), (3, 2, 3, 3, 3), {"pads": [1, 1, 1, 1, 1, 1], "strides": [1, 2, 1]}),
+]
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "attrs"), CASES)
+def test_the_output_shape_is_the_reference_convolutions(x_shape, w_shape, attrs) -> None:  # type: ignore[no-untyped-def]
+    geo = conv_geometry(x_shape, w_shape, "float32", **attrs)
+    want = _reference_shape(x_shape, w_shape, **attrs)
+    got = geo.y_shape[:2] + geo.y_shape[3:] if geo.lifted else geo.y_shape
+    assert got == want
+    assert len(geo.pads) == len(geo.strides) == len(geo.dilations) == len(geo.x_shape) - 2 >= 2
+
+
+def test_a_1d_convolution_is_lifted_to_2d_with_unit_height() -> None:
+    geo = conv_geometry((2, 5, 17), (3, 5, 4), "float16", strides=[3], pads=[2, 2], dilations=[2])
+    assert geo.lifted and geo.x_shape == (2, 5, 1, 17) and geo.w_shape == (3, 5, 1, 4)
+    assert geo.pads == (0, 2) and geo.strides == (1, 3) and geo.dilations == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"pads": [0, 0, 1, 1]}, "asymmetric padding"),
+        ({"auto_pad": "SAME_UPPER"}, "asymmetric padding"),  # an even kernel: one more after than before
+        ({"group": 3}, "channels"),
+    ],
+)
+def test_what_cudnn_cannot_take_is_refused_with_its_reason(kw: dict, why: str) -> None:
+    with pytest.raises(Unsupported, match=why):
+        conv_geometry((1, 4, 8, 8), (4, 4, 2, 2), "float32", **kw)
+
+
+def test_other_dtypes_and_ranks_are_refused() -> None:
+    with pytest.raises(Unsupported, match="dtype int8"):
+        conv_geometry((1, 4, 8, 8), (4, 4, 3, 3), "int8")
+    with pytest.raises(Unsupported, match="4-D convolution"):
+        conv_geometry((1, 1, 4, 4, 4, 4), (1, 1, 1, 1, 1, 1), "float32")
+
+
+def test_packed_strides_are_row_major() -> None:
+    for shape in itertools.product((1, 3), (2, 5), (4,)):
+        assert packed_strides(shape) == tuple(s // 4 for s in np.empty(shape, np.float32).strides)
