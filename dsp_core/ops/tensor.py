@@ -23,6 +23,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from dsp_core.errors import UnsupportedOpError
 from dsp_core.ir import dtypes
 from dsp_core.ops.registry import KernelContext, TensorInfo, Trait, alias, op, same_as_first
@@ -184,8 +186,10 @@ def constant_of_shape(ctx: KernelContext, shape: Array, *, value: Any = None) ->
 def range_(ctx: KernelContext, start: Array, limit: Array, delta: Array) -> Array:
     """start, start+delta, ... up to (excluding) limit, in the inputs' dtype."""
     xp = ctx.xp
-    count = max(math.ceil((limit.item() - start.item()) / delta.item()), 0)
-    return start + xp.arange(count, dtype=start.dtype) * delta
+    first, step = start.item(), delta.item()  # scalars read on the host (a device backend hands host arrays)
+    count = max(math.ceil((limit.item() - first) / step), 0)
+    dtype = np.dtype(start.dtype)  # numpy scalars of it: kernel arguments on a device, no copy
+    return xp.arange(count, dtype=dtype) * dtype.type(step) + dtype.type(first)
 
 
 def _eye_like_rule(attrs: dict[str, Any], x: TensorInfo) -> list[TensorInfo]:
