@@ -6,6 +6,9 @@ the median seconds per step over ``--steps`` steps (after ``--warmup``). The bou
 ``(t(k stages) - t(1 stage)) / (k - 1)``: what one more actor hop adds per step, the bytes
 crossing each hop being the activation (batch x width x 4). The 1-stage row minus the
 in-process row is the fixed cost of going through Ray at all (driver -> actor -> driver).
+With ``--serve N`` (dsp-core[serve]), a RayServe deployment of N whole-model replicas is
+timed too: its latency per call through the deployment handle, and its throughput with
+``--serve-batch`` calls in flight at once, next to one process running them one after another.
 
     python benchmarks/ray_stages.py --out benchmarks/results/ray_stages.json
 """
@@ -36,6 +39,34 @@ def per_step(run: Any, feeds: dict[str, np.ndarray], warmup: int, steps: int) ->
     return statistics.median(times)
 
 
+def _serve_row(graph: Any, feeds: dict[str, np.ndarray], args: argparse.Namespace) -> dict[str, Any]:
+    """Latency per call through a RayServe handle, and throughput with many calls in flight."""
+    import dsp_core as dsp
+    from dsp_core.devices.distributed import RayServe
+
+    local = dsp.compile(graph, mode="slot_by_slot")
+    app = RayServe(graph, replicas=args.serve, mode="slot_by_slot")
+    try:
+        latency = per_step(app.run, feeds, args.warmup, args.steps)
+        batch = [feeds] * args.serve_batch
+        app.map(batch)  # warm every replica
+        start = time.perf_counter()
+        app.map(batch)
+        served = args.serve_batch / (time.perf_counter() - start)
+        start = time.perf_counter()
+        for f in batch:
+            local.run(f)
+        alone = args.serve_batch / (time.perf_counter() - start)
+    finally:
+        app.shutdown()
+    return {
+        "serve_replicas": args.serve,
+        "serve_s": latency,
+        "serve_calls_per_s": served,
+        "in_process_calls_per_s": alone,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--width", type=int, default=1024)
@@ -43,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="1,2,4")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--serve", type=int, default=0, help="also time a RayServe deployment of this many replicas")
+    p.add_argument("--serve-batch", type=int, default=32, help="calls in flight for the Serve throughput")
     p.add_argument("--out", default="benchmarks/results/ray_stages.json")
     args = p.parse_args(argv)
 
@@ -68,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"stages_{k}_s"] = per_step(pipe.run, feeds, args.warmup, args.steps)
                 finally:
                     pipe.shutdown()
+            if args.serve:
+                row.update(_serve_row(graph, feeds, args))
             one = row.get("stages_1_s")
             if one is not None:
                 row["ray_fixed_s"] = one - row["in_process_s"]
@@ -84,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{r[f'stages_{k}_s'] * 1e3:>8.3f} ms" for k in stage_counts)
         hops = ", ".join(f"{v * 1e3:.3f}" for v in r.get("per_boundary_s", {}).values())
         print(f"{r['batch']:>5} {r['activation_bytes']:>8} {r['in_process_s'] * 1e3:>8.3f} ms {cells}  {hops} ms")
+    for r in rows:
+        if "serve_s" in r:
+            print(
+                f"batch {r['batch']}: Serve ({args.serve} replicas) {r['serve_s'] * 1e3:.3f} ms per call; "
+                f"{r['serve_calls_per_s']:.1f} calls/s with {args.serve_batch} in flight "
+                f"vs {r['in_process_calls_per_s']:.1f} calls/s in one process"
+            )
     result = {
         "format": "dsp-ray-stages/1",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -11,8 +11,14 @@ replayed like any other. A step passes each stage's outputs to the next stages a
 object references (actor to actor; the driver fetches only the requested outputs).
 
 ``RayReplicas(model, replicas=N)`` starts N actors each holding the whole compiled model,
-for throughput: ``map`` spreads a batch of calls over them. (``ray.serve`` deployments are
-not built here: they need ``ray[serve]``'s web stack; a replica actor is what one would wrap.)
+for throughput: ``map`` spreads a batch of calls over them.
+
+``RayServe(model, replicas=N)`` (the extra ``dsp-core[serve]``) puts N replicas behind a
+Ray Serve deployment: Serve routes each request to a replica that is not busy and can
+scale the count; Python callers use ``run``/``map`` (its deployment handle), others POST
+JSON to ``url`` (``{"inputs": {name: nested lists}}``; each input takes the model's
+declared dtype, or ``"dtypes": {name: "float32"}`` says it), answered as
+``{"outputs": {name: nested lists}, "dtypes": {...}, "shapes": {...}}``.
 
 Ray is imported on first use; without it, the error says how to install it.
 """
@@ -232,4 +238,103 @@ class RayReplicas:
             self._ray.kill(actor)
 
 
-__all__ = ["RayPipeline", "RayReplicas", "Stage", "stages_of"]
+class _ServedModel:
+    """The body of a Serve replica: the whole model, compiled once when the replica starts."""
+
+    def __init__(self, model: Any, mode: str | None) -> None:
+        import dsp_core as dsp
+
+        self.model = dsp.compile(model, mode=mode)
+
+    def run(self, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        result: dict[str, np.ndarray] = self.model.run(feeds)
+        return result
+
+    def replica(self) -> int:
+        """The replica's process id (which replica answered)."""
+        import os
+
+        return os.getpid()
+
+    async def __call__(self, request: Any) -> dict[str, Any]:
+        """HTTP: ``{"inputs": {name: nested lists}, "dtypes": {name: str}}`` -> outputs as lists."""
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("inputs"), dict):
+            return {"error": 'the body must be JSON {"inputs": {name: nested lists}}'}
+        declared = self.model.input_dtypes
+        asked = body.get("dtypes") or {}
+        try:
+            feeds = {
+                name: np.asarray(value, dtype=asked.get(name) or declared.get(name))
+                for name, value in body["inputs"].items()
+            }
+            outs = self.model.run(feeds)
+        except (DSPError, TypeError, ValueError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        arrays = {k: np.asarray(v) for k, v in outs.items()}
+        return {
+            "outputs": {k: v.tolist() for k, v in arrays.items()},
+            "dtypes": {k: str(v.dtype) for k, v in arrays.items()},
+            "shapes": {k: list(v.shape) for k, v in arrays.items()},
+        }
+
+
+def _serve() -> Any:
+    _ray()
+    try:
+        from ray import serve
+    except ImportError:
+        raise DSPError(
+            "Ray Serve is not installed: pip install 'dsp-core[serve]' (or pip install 'ray[serve]')"
+        ) from None
+    return serve
+
+
+class RayServe:
+    """``replicas`` copies of the whole model behind one Ray Serve deployment (HTTP and a handle)."""
+
+    def __init__(
+        self,
+        model: Any,
+        replicas: int = 2,
+        *,
+        mode: str | None = None,
+        num_cpus: float = 1,
+        name: str = "dsp",
+        route_prefix: str = "/dsp",
+        http_port: int = 8000,
+    ) -> None:
+        if replicas < 1:
+            raise DSPError(f"RayServe needs at least one replica, got {replicas}")
+        serve = _serve()
+        if not isinstance(model, str | bytes) and hasattr(model, "SerializeToString"):
+            model = model.SerializeToString()  # an onnx.ModelProto travels as its bytes
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        deployment = serve.deployment(
+            _ServedModel, name=name, num_replicas=replicas, ray_actor_options={"num_cpus": num_cpus}
+        )
+        self.handle = serve.run(deployment.bind(model, mode), name=name, route_prefix=route_prefix)
+        self.url = f"http://127.0.0.1:{http_port}{route_prefix}"
+        self.name = name
+        self._serve = serve
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """One call, routed by Serve to a replica."""
+        result: dict[str, np.ndarray] = self.handle.run.remote(dict(feeds)).result()
+        return result
+
+    def map(self, batch: Sequence[Mapping[str, Any]]) -> list[dict[str, np.ndarray]]:
+        """Every call of ``batch`` in flight at once (Serve spreads them), results in order."""
+        responses = [self.handle.run.remote(dict(f)) for f in batch]
+        return [r.result() for r in responses]
+
+    def replicas_answering(self, calls: int = 16) -> set[int]:
+        """The process ids of the replicas that answered ``calls`` concurrent calls."""
+        return {r.result() for r in [self.handle.replica.remote() for _ in range(calls)]}
+
+    def shutdown(self) -> None:
+        """Delete the deployment (Serve itself stays up for others)."""
+        self._serve.delete(self.name)
+
+
+__all__ = ["RayPipeline", "RayReplicas", "RayServe", "Stage", "stages_of"]

@@ -238,6 +238,11 @@ class CompiledModel:
         return [s.name for s in self._feeds]
 
     @property
+    def input_dtypes(self) -> dict[str, np.dtype[Any] | None]:
+        """Each fed input's declared dtype (None where the graph leaves it open)."""
+        return {s.name: s.dtype for s in self._feeds}
+
+    @property
     def output_names(self) -> list[str]:
         """The graph's outputs (what ``run`` returns by default)."""
         return list(self._default_outputs)
