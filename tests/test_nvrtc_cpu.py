@@ -77,8 +77,11 @@ def test_backends_list_shows_both_in_the_cuda_chain() -> None:
         assert mode in line and "dsp-nvrtc" in line
         if _gpu_missing():
             assert " no: " in line
-    ranks = {ln.split()[0]: ln.split()[-1] for ln in out.splitlines() if ln.split() and ln.split()[0] in (
-        "triton", "nvrtc_jit", "ptx_jit", "cuda_graphs")}
+    ranks = {
+        ln.split()[0]: ln.split()[-1]
+        for ln in out.splitlines()
+        if ln.split() and ln.split()[0] in ("triton", "nvrtc_jit", "ptx_jit", "cuda_graphs")
+    }
     assert [ranks[n].strip("()") for n in ("triton", "nvrtc_jit", "ptx_jit", "cuda_graphs")] == ["1", "2", "3", "4"]
 
 
@@ -157,8 +160,14 @@ def _softmax_spec(dtype: str) -> codegen.GroupSpec:
     return _spec(
         "row_reduction",
         [n("Mul", (1, 2), (3,)), n("Add", (3, 4), (5,)), n("Softmax", (5,), (6,), {"axis": -1}, opset=13)],
-        {1: ((2, 3, 300), dtype), 2: ((), dtype), 3: ((2, 3, 300), dtype), 4: ((2, 1, 300), dtype),
-         5: ((2, 3, 300), dtype), 6: ((2, 3, 300), dtype)},
+        {
+            1: ((2, 3, 300), dtype),
+            2: ((), dtype),
+            3: ((2, 3, 300), dtype),
+            4: ((2, 1, 300), dtype),
+            5: ((2, 3, 300), dtype),
+            6: ((2, 3, 300), dtype),
+        },
         [1, 2, 4],
         [6],
         lambda v: np.asarray(0.125, dtype) if v == 2 else None,
@@ -166,7 +175,7 @@ def _softmax_spec(dtype: str) -> codegen.GroupSpec:
 
 
 def _softmax_want(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    z = (x.astype(np.float64) * 0.125 + mask)
+    z = x.astype(np.float64) * 0.125 + mask
     e = np.exp(z - z.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
 
@@ -182,7 +191,9 @@ def test_a_scaled_masked_softmax_is_one_row_kernel(dtype: str) -> None:
     x = rng.standard_normal((2, 3, 300)).astype(dtype)
     mask = np.where(rng.random((2, 1, 300)) < 0.2, -1e4, 0.0).astype(dtype)
     got = hostcheck.run_on_host(kernel, spec, {1: x, 4: mask})[6]
-    np.testing.assert_allclose(got.astype(np.float64), _softmax_want(x, mask), atol=2e-3 if dtype == "float16" else 1e-6)
+    np.testing.assert_allclose(
+        got.astype(np.float64), _softmax_want(x, mask), atol=2e-3 if dtype == "float16" else 1e-6
+    )
 
 
 @pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
@@ -215,9 +226,19 @@ def test_pointwise_broadcast_and_copy_index_arithmetic_on_the_host() -> None:
     spec = _spec(
         "copy",
         nodes,
-        {1: ((3, 4, 5), "float32"), 2: ((4, 5), "float32"), 3: ((3, 4, 5), "float32"), 4: ((3, 4, 5), "float32"),
-         5: ((3, 1, 5), "bool"), 6: ((3, 4, 5), "float32"), 7: ((3, 4, 3), "float32"), 8: ((3, 4, 8), "float32"),
-         10: ((1,), "int64"), 11: ((1,), "int64"), 12: ((1,), "int64")},
+        {
+            1: ((3, 4, 5), "float32"),
+            2: ((4, 5), "float32"),
+            3: ((3, 4, 5), "float32"),
+            4: ((3, 4, 5), "float32"),
+            5: ((3, 1, 5), "bool"),
+            6: ((3, 4, 5), "float32"),
+            7: ((3, 4, 3), "float32"),
+            8: ((3, 4, 8), "float32"),
+            10: ((1,), "int64"),
+            11: ((1,), "int64"),
+            12: ((1,), "int64"),
+        },
         [1, 2, 5, 10, 11, 12],
         [8],
         lambda v: consts.get(v),
@@ -286,8 +307,14 @@ def test_the_committed_ptx_is_what_its_source_compiles_to() -> None:
 
 # -- the segment cache ------------------------------------------------------------------------
 def _key(**kw) -> JitSegmentCacheKey:
-    fields = dict(group="ab" * 16, shapes=((2, 3),), dtypes=("float16",), capability="sm_90", options=("-x",),
-                  compiler="nvrtc 13.0")
+    fields = dict(
+        group="ab" * 16,
+        shapes=((2, 3),),
+        dtypes=("float16",),
+        capability="sm_90",
+        options=("-x",),
+        compiler="nvrtc 13.0",
+    )
     fields.update(kw)
     return JitSegmentCacheKey(**fields)
 
@@ -299,8 +326,14 @@ def test_cache_round_trip_and_every_key_field_misses(tmp_path: Path) -> None:
     path = cache.put(_key(), entry)
     assert path is not None and path.parent == tmp_path
     assert cache.get(_key()) == entry and cache.hits == 1
-    for field, other in (("shapes", ((2, 4),)), ("dtypes", ("float32",)), ("capability", "sm_80"),
-                         ("options", ()), ("compiler", "nvrtc 13.1"), ("group", "cd" * 16)):
+    for field, other in (
+        ("shapes", ((2, 4),)),
+        ("dtypes", ("float32",)),
+        ("capability", "sm_80"),
+        ("options", ()),
+        ("compiler", "nvrtc 13.1"),
+        ("group", "cd" * 16),
+    ):
         assert cache.get(_key(**{field: other})) is None
         assert _key(**{field: other}).differs(_key()) == [field]
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left

@@ -158,9 +158,7 @@ def _kernels_per_replay(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.run(feeds)
         torch.cuda.synchronize()
-    return sum(
-        1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))
-    )
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
 
 
 def test_fewer_kernels_per_replay_than_cuda_graphs() -> None:

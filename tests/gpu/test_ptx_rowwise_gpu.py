@@ -1,4 +1,4 @@
-"""PTX_JIT's LayerNormalization and Softmax kernels (committed PTX, loaded with cuModuleLoadData) against the reference kernels."""
+"""PTX_JIT's LayerNormalization and Softmax kernels (committed PTX) against the reference kernels."""
 
 from __future__ import annotations
 

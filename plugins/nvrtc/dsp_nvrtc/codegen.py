@@ -66,8 +66,16 @@ MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 # compiler running a kernel's blocks one after another, one thread per row block).
 DEVICE_PRELUDE = r"""
 #define DSP_INF __int_as_float(0x7f800000)
-__device__ __forceinline__ float dsp_h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ unsigned short dsp_f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float dsp_h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short dsp_f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
 __device__ __forceinline__ float dsp_bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 __device__ __forceinline__ unsigned short dsp_f2bf(float f) {
     unsigned int u = __float_as_uint(f);
@@ -117,14 +125,25 @@ struct dsp_dim3 { unsigned int x, y, z; };
 static dsp_dim3 threadIdx, blockIdx, blockDim;
 #define DSP_INF INFINITY
 static inline float dsp_h2f(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
-static inline unsigned short dsp_f2h(float f) { _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h; }
-static inline float dsp_bf2f(unsigned short h) { unsigned int u = ((unsigned int)h) << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned short dsp_f2h(float f) {
+    _Float16 x = (_Float16)f;
+    unsigned short h;
+    memcpy(&h, &x, 2);
+    return h;
+}
+static inline float dsp_bf2f(unsigned short h) {
+    unsigned int u = ((unsigned int)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 static inline unsigned short dsp_f2bf(float f) {
     unsigned int u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-static inline float dsp_block_reduce(float v, float* sh, int op) { (void)sh; (void)op; return v; }  // one thread a block
+// One thread a block: its own value is the block's.
+static inline float dsp_block_reduce(float v, float* sh, int op) { (void)sh; (void)op; return v; }
 """
 
 COMMON_PRELUDE = r"""
@@ -476,7 +495,9 @@ class _Gen:
         axis = int(node.attrs.get("axis", 0)) % len(d_shape)
         pos = self.value(ind, Idx(idx.dims[axis : axis + n_i]))
         size = d_shape[axis]
-        at = self.let(f"dsp_clamp((long long)({pos}) < 0 ? (long long)({pos}) + {size} : (long long)({pos}), {size - 1})")
+        at = self.let(
+            f"dsp_clamp((long long)({pos}) < 0 ? (long long)({pos}) + {size} : (long long)({pos}), {size - 1})"
+        )
         return self.value(data, Idx((*idx.dims[:axis], at, *idx.dims[axis + n_i :])))
 
     # -- elementwise ops ----------------------------------------------------------------------

@@ -38,7 +38,9 @@ class NvrtcError(RuntimeError):
         self.lines = [int(n) for n in re.findall(rf"{re.escape(name)}\.cu\((\d+)\)", log)]
         text = source.splitlines()
         quoted = [f"  line {n}: {text[n - 1].strip()}" for n in dict.fromkeys(self.lines) if 0 < n <= len(text)]
-        super().__init__(f"NVRTC could not compile {name}:\n{log.strip()}" + ("\n" + "\n".join(quoted) if quoted else ""))
+        super().__init__(
+            f"NVRTC could not compile {name}:\n{log.strip()}" + ("\n" + "\n".join(quoted) if quoted else "")
+        )
 
 
 def _load() -> ctypes.CDLL:
@@ -61,8 +63,8 @@ def _load() -> ctypes.CDLL:
             _declare(lib)
             _lib = lib
             return lib
-        _load_error = (
-            "libnvrtc not found (pip install nvidia-cuda-nvrtc, or dsp-nvrtc[nvrtc]); tried " + "; ".join(errors[:4])
+        _load_error = "libnvrtc not found (pip install nvidia-cuda-nvrtc, or dsp-nvrtc[nvrtc]); tried " + "; ".join(
+            errors[:4]
         )
         raise NvrtcUnavailable(_load_error)
 

@@ -5,7 +5,7 @@
 thread a block, so its block reduction is the thread's own sum). ``check_model`` does this
 for every fusion group of a model under the NVRTC policy, on the values of one slot-by-slot
 run, and compares each kernel's outputs with the reference's. Used by the CPU tests; handy
-when a generated kernel is suspected (``python -m dsp_nvrtc.hostcheck model.onnx``).
+when a generated kernel is suspected (``python -m dsp_nvrtc.hostcheck model.onnx feeds.npz``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def _build(kernel: codegen.Kernel, ctypes_of: list[str]) -> ctypes.CDLL:
         f"    blockDim.x = {threads};\n"
         f"    for (unsigned int b = 0; b < {kernel.grid}u; ++b) {{\n"
         "        blockIdx.x = b;\n"
-        f"        for (unsigned int t = 0; t < {threads}u; ++t) {{ threadIdx.x = t; {kernel.name}({', '.join(casts)}); }}\n"
+        f"        for (unsigned int t = 0; t < {threads}u; ++t) {{\n"
+        f"            threadIdx.x = t;\n            {kernel.name}({', '.join(casts)});\n        }}\n"
         "    }\n}\n"
     )
     source = kernel.host_source() + driver
@@ -68,11 +69,15 @@ def _build(kernel: codegen.Kernel, ctypes_of: list[str]) -> ctypes.CDLL:
     return lib
 
 
-def run_on_host(kernel: codegen.Kernel, spec: codegen.GroupSpec, arrays: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+def run_on_host(
+    kernel: codegen.Kernel, spec: codegen.GroupSpec, arrays: dict[int, np.ndarray]
+) -> dict[int, np.ndarray]:
     """Run ``kernel`` on the host over ``arrays`` (its inputs, with the strides ``spec`` gives); its outputs."""
     ins = kernel.args[: kernel.n_inputs]
     outs = {v: np.empty(spec.values[v].shape, dtype=_np_dtype(spec.values[v].dtype)) for v in kernel.args[len(ins) :]}
-    ctypes_of = [("const " if k < len(ins) else "") + codegen.C_TYPES[spec.values[v].dtype][0] for k, v in enumerate(kernel.args)]
+    ctypes_of = [
+        ("const " if k < len(ins) else "") + codegen.C_TYPES[spec.values[v].dtype][0] for k, v in enumerate(kernel.args)
+    ]
     lib = _build(kernel, ctypes_of)
     pointers = [arrays[v].__array_interface__["data"][0] for v in ins] + [
         a.__array_interface__["data"][0] for a in outs.values()
@@ -162,7 +167,9 @@ def group_specs(model: Any, feeds: dict[str, np.ndarray]) -> list[tuple[Any, Any
     return found
 
 
-def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-3, nvrtc: bool = True) -> list[GroupCheck]:
+def check_model(
+    model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-3, nvrtc: bool = True
+) -> list[GroupCheck]:
     """Every generated group of ``model`` compiled (NVRTC, when ``nvrtc``) and run on the host against the reference."""
     from dsp_cuda_graphs.fusion import mismatch
 
@@ -190,20 +197,18 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
 
 
 def main() -> int:
-    """``python -m dsp_nvrtc.hostcheck MODEL.onnx [FEEDS.npz]``: one line per group."""
+    """``python -m dsp_nvrtc.hostcheck MODEL.onnx FEEDS.npz``: one line per group; exit 1 on a bad kernel."""
     import sys
 
     import dsp_core as dsp
 
+    if len(sys.argv) != 3:
+        print("usage: python -m dsp_nvrtc.hostcheck MODEL.onnx FEEDS.npz (one array per input name)")
+        return 2
     model = dsp.compile(sys.argv[1], mode="slot_by_slot")
-    if len(sys.argv) > 2:
-        z = np.load(sys.argv[2])
-        feeds = {n: z[n] for n in model.input_names}
-    else:
-        rng = np.random.default_rng(0)
-        feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in model.input_shapes().items()}
+    z = np.load(sys.argv[2])
     bad = 0
-    for r in check_model(model, feeds):
+    for r in check_model(model, {n: z[n] for n in model.input_names}):
         bad += r.status in ("mismatch", "error")
         print(f"segment {r.segment} group {r.group} {r.template:13s} {r.status:11s} {'+'.join(r.ops)} {r.detail}")
     return 1 if bad else 0
