@@ -13,7 +13,8 @@ a kernel is built and launched for one layout (``_build``); the rest is here:
 - later calls launch the built kernel; a layout first met inside a capture fails the
   capture (``CaptureFailed``) rather than compiling in it.
 
-``fused_steps`` swaps each group's bound steps for one step, as a segment's ``_fuse`` hook needs.
+``fused_steps`` swaps each group's bound steps for one step, as a segment's ``_fuse`` hook needs;
+``unfused_reason`` says why a group keeps its reference steps.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core import progress
 from dsp_core.backends.base import CaptureFailed
 from dsp_core.plan.fusion import FusionResult, Group
 from dsp_core.plan.plan import Plan
@@ -214,6 +216,22 @@ class GroupStep:
         raise NotImplementedError
 
 
+def unfused_reason(plan: Plan, group: Group, templates: frozenset[str], views: frozenset[str]) -> str | None:
+    """Why ``group`` runs its reference kernels rather than a generated one (None: it is generated).
+
+    ``templates``: those the backend generates; ``views``: ops whose reference kernel is a
+    CuPy view (a group of only these costs no kernel as it is).
+    """
+    if group.template not in templates:
+        return f"a {group.template} group runs alone"
+    if not group.outputs:
+        return "nothing it computes is read"
+    if all(plan.slots[s].op in views for s in group.slots):
+        ops = "+".join(dict.fromkeys(plan.slots[s].op for s in group.slots))
+        return f"{ops} only: views on the reference kernels, no kernel to save"
+    return None
+
+
 def fused_steps(
     plan: Plan,
     bound: list[Step],
@@ -243,3 +261,23 @@ def fused_steps(
         steps.append((step, ins, outs if len(outs) > 1 else outs[0], releases))
         step_slots.append(g.slots)
     return steps, step_slots
+
+
+class BuildProgress:
+    """A progress step (dsp_core.progress) whose bar advances as each pending group step settles."""
+
+    def __init__(self, pending: Sequence[GroupStep], label: str) -> None:
+        self.pending = list(pending)
+        self.label = label
+        self._step: Any = None
+
+    def __enter__(self) -> None:
+        self._step = progress.step(self.label, total=len(self.pending), unit="kernels")
+        bar = self._step.__enter__()
+        for g in self.pending:
+            g.progress = bar
+
+    def __exit__(self, *exc: Any) -> None:
+        for g in self.pending:
+            g.progress = None
+        self._step.__exit__(*exc)

@@ -35,10 +35,12 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from dsp_core.plan.kernelspec import NodeSpec, TensorSpec, row_major
 
 # numpy dtype -> (C storage type, C compute type)
 C_TYPES: dict[str, tuple[str, str]] = {
@@ -156,32 +158,6 @@ class Unsupported(Exception):
     """A group the templates cannot generate; the message says why."""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A value of one step: shape, dtype (numpy name), element strides (inputs only)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    strides: tuple[int, ...] | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One slot of the group."""
-
-    op: str
-    inputs: tuple[int | None, ...]  # value ids
-    outputs: tuple[int | None, ...]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 17
-    domain: str = ""
-    name: str = ""
-
-
 @dataclass
 class GroupSpec:
     """What ``generate`` needs: the nodes in order, every value's spec, what is read and stored."""
@@ -220,15 +196,6 @@ def data_inputs(node: NodeSpec) -> tuple[int, ...]:
     if node.op in _SHAPE_ARGS:
         return (0,)
     return tuple(k for k, r in enumerate(node.inputs) if r is not None)
-
-
-def row_major(shape: Sequence[int]) -> list[int]:
-    """Element strides of a C-order array of ``shape``."""
-    st, acc = [0] * len(shape), 1
-    for k in range(len(shape) - 1, -1, -1):
-        st[k] = acc
-        acc *= shape[k]
-    return st
 
 
 @dataclass(frozen=True)
@@ -761,29 +728,6 @@ def _literal_of(x: Any, dtype: str) -> str:
 _CMP = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
 _LOGIC = {"And": "&&", "Or": "||", "Xor": "!="}
 _BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "PRelu": ""}
-_SHAPE_ARGS = frozenset(
-    {
-        "Reshape",
-        "Expand",
-        "Squeeze",
-        "Unsqueeze",
-        "Slice",
-        "Split",
-        "Transpose",
-        "Flatten",
-        "Identity",
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceSumSquare",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSumExp",
-        "Softmax",
-        "LogSoftmax",
-    }
-)
 _ROW_VALUED = frozenset(
     {
         "ReduceSum",
@@ -801,6 +745,10 @@ _ROW_VALUED = frozenset(
         "SimplifiedLayerNormalization",
     }
 )
+# Ops whose inputs after the first are shape-like (read on the host, never loaded).
+_SHAPE_ARGS = frozenset(
+    {"Reshape", "Expand", "Squeeze", "Unsqueeze", "Slice", "Split", "Transpose", "Flatten", "Identity"}
+) | (_ROW_VALUED - {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
 
 
 def _gelu(x: str, ct: str, attrs: dict[str, Any]) -> str:

@@ -108,23 +108,30 @@ def _cupy_nvrtc() -> Any | None:
     return nvrtc
 
 
+def _binding() -> tuple[ctypes.CDLL | None, Any]:
+    """(libnvrtc, None), or (None, CuPy's NVRTC binding) when only CuPy has NVRTC; NvrtcUnavailable: neither."""
+    try:
+        return _load(), None
+    except NvrtcUnavailable:
+        cnv = _cupy_nvrtc()
+        if cnv is None:
+            raise
+        return None, cnv
+
+
 def available() -> str | None:
     """None when libnvrtc loads (or CuPy's NVRTC does), else why not."""
     try:
-        _load()
+        _binding()
     except NvrtcUnavailable as exc:
-        return None if _cupy_nvrtc() is not None else str(exc)
+        return str(exc)
     return None
 
 
 def version() -> tuple[int, int]:
     """NVRTC's (major, minor)."""
-    try:
-        lib = _load()
-    except NvrtcUnavailable:
-        cnv = _cupy_nvrtc()
-        if cnv is None:
-            raise
+    lib, cnv = _binding()
+    if lib is None:
         major_minor = cnv.getVersion()
         return int(major_minor[0]), int(major_minor[1])
     major, minor = ctypes.c_int(), ctypes.c_int()
@@ -149,12 +156,8 @@ OPTIONS = ("--std=c++17", "-default-device")  # every kernel's; a caller adds --
 def compile_source(source: str, name: str, target: Target, options: Sequence[str] = ()) -> bytes:
     """``source`` compiled for ``target``: PTX text (NUL-terminated) or CUBIN bytes; NvrtcError on refusal."""
     opts = [f"--gpu-architecture={target.arch}", *OPTIONS, *options]
-    try:
-        lib = _load()
-    except NvrtcUnavailable:
-        cnv = _cupy_nvrtc()
-        if cnv is None:
-            raise
+    lib, cnv = _binding()
+    if lib is None:
         return _compile_with_cupy(cnv, source, name, target, opts)
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None))

@@ -108,36 +108,15 @@ class GroupCheck:
     kernel: str = ""
 
 
-def plan_values(model: Any, feeds: dict[str, np.ndarray]) -> tuple[Any, Any, list[Any]]:
-    """The plan of ``feeds``' signature and every value of one slot-by-slot run of it."""
-    from dsp_cpu_ref.slot_by_slot import bind_steps
-
-    model.run(feeds)
-    plan, part = model.plan(), model.partition()
-    values: list[Any] = [None] * plan.n_flat
-    for k, array in plan.constants.items():
-        values[plan.flat(plan.external_ref(k))] = array
-    for k, e in enumerate(plan.externals):
-        if e.name in feeds:
-            values[plan.flat(plan.external_ref(k))] = np.asarray(feeds[e.name])
-    for seg in part.segments:
-        for kernel, ins, outs, _ in bind_steps(plan, seg):
-            got = kernel(*[values[i] for i in ins])
-            if isinstance(outs, int):
-                values[outs] = got
-            else:
-                for o, x in zip(outs, got):
-                    values[o] = x
-    return plan, part, values
-
-
 def group_specs(model: Any, feeds: dict[str, np.ndarray]) -> list[tuple[Any, Any, codegen.GroupSpec, list[Any]]]:
     """(segment, group, its GroupSpec on the reference's values, the values) for every generated group."""
+    from dsp_cpu_ref.slot_by_slot import plan_values
     from dsp_cuda_graphs.segment import tainted_flats
 
     from dsp_core.plan.fusion import propose_groups
+    from dsp_core.plan.kernelspec import node_specs
     from dsp_nvrtc.plugin import NvrtcPolicy
-    from dsp_nvrtc.segment import node_specs, unfused_reason
+    from dsp_nvrtc.segment import unfused_reason
 
     plan, part, values = plan_values(model, feeds)
     tainted = tainted_flats(plan)

@@ -10,17 +10,17 @@ segment keeps every slot and runs LayerNormalization and Softmax on the committe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from dsp_cpu_ref.slot_by_slot import run_order
+from dsp_cuda_graphs import fusion
 from dsp_cuda_graphs.fusion import GroupReport, Step, fused_steps
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
-from dsp_core import progress
 from dsp_core.errors import KernelError
 from dsp_core.plan.fusion import Group, propose_groups
+from dsp_core.plan.kernelspec import node_specs
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen, rowwise
 from dsp_nvrtc.cache import SegmentCache
@@ -30,32 +30,9 @@ FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy"})  # the templ
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 
 
-def node_specs(plan: Plan, slots: Sequence[int]) -> list[codegen.NodeSpec]:
-    """The generator's view of a group's slots, wired by flat value indexes."""
-    return [
-        codegen.NodeSpec(
-            op=plan.slots[s].op,
-            inputs=tuple(plan.flat(r) if r is not None else None for r in plan.slots[s].inputs),
-            outputs=tuple(plan.flat(v) if v is not None else None for v in plan.slots[s].outputs),
-            attrs=dict(plan.slots[s].attrs),
-            opset=plan.slots[s].opset,
-            domain=plan.slots[s].domain,
-            name=plan.slots[s].name,
-        )
-        for s in slots
-    ]
-
-
 def unfused_reason(plan: Plan, group: Group) -> str | None:
     """Why a group runs its reference kernels rather than a generated one (None: it is generated)."""
-    if group.template not in FUSED_TEMPLATES:
-        return f"a {group.template} group runs alone"
-    if not group.outputs:
-        return "nothing it computes is read"
-    if all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in group.slots):
-        ops = "+".join(dict.fromkeys(plan.slots[s].op for s in group.slots))
-        return f"{ops} only: views on the reference kernels, no kernel to save"
-    return None
+    return fusion.unfused_reason(plan, group, FUSED_TEMPLATES, codegen.VIEW_ON_CUPY)
 
 
 class NvrtcSegment(CudaGraphSegment):
@@ -135,31 +112,11 @@ class NvrtcSegment(CudaGraphSegment):
         pending = [g for g in self.groups if g.report.status == "pending"]
         if not pending:
             return contextlib.nullcontext()
-        return _Compiling(pending, f"nvrtc: generate, compile and check {len(pending)} fused kernels")
+        return fusion.BuildProgress(pending, f"nvrtc: generate, compile and check {len(pending)} fused kernels")
 
     def fusion_report(self) -> list[dict[str, Any]]:
         """Per group: its CUDA C kernel, or why it runs its reference kernels."""
         return [r.as_dict() for r in self.reports]
-
-
-class _Compiling:
-    """A progress step whose bar advances as each pending group settles."""
-
-    def __init__(self, pending: list[NvrtcGroup], label: str) -> None:
-        self.pending = pending
-        self.label = label
-        self._step: Any = None
-
-    def __enter__(self) -> None:
-        self._step = progress.step(self.label, total=len(self.pending), unit="kernels")
-        bar = self._step.__enter__()
-        for g in self.pending:
-            g.progress = bar
-
-    def __exit__(self, *exc: Any) -> None:
-        for g in self.pending:
-            g.progress = None
-        self._step.__exit__(*exc)
 
 
 class PtxSegment(CudaGraphSegment):
