@@ -119,6 +119,18 @@ def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: 
         assert any(g.template == "row_reduction" and len(g.slots) > 1 for g in result.groups)
 
 
+def test_plan_explain_shows_each_groups_chain_ending_at_the_winners_kernel() -> None:
+    plain = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
+    grouped = CompiledModel(
+        plain.graph, dsp.GraphExecutionMode.SLOT_BY_SLOT, registry=Registry(backends=[NvrtcGroupedSlotBySlot()])
+    )
+    groups = [g for seg in grouped.explain()["segments"] for g in seg["fusion"]["groups"]]
+    verdicts = {g["template"]: g["chain"][-1]["verdict"] for g in groups}
+    assert verdicts["row_reduction"] == "one generated kernel"
+    assert verdicts["matmul"].startswith("its slots' own kernels (a matmul group runs alone")
+    assert all(g["chain"][-1]["backend"] == "slot_by_slot" for g in groups)
+
+
 def test_policy_keeps_ops_it_cannot_generate_alone() -> None:
     g = dsp.GraphBuilder()
     x = g.placeholder("x", "float32", [4, 8])

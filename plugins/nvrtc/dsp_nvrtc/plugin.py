@@ -11,7 +11,7 @@ from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
 from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.plan.fusion import VIEW_OPS, FusionLimits, GroupView, PatternKind, ReferencePolicy, SlotPattern
+from dsp_core.plan.fusion import VIEW_OPS, FusionLimits, Group, GroupView, PatternKind, ReferencePolicy, SlotPattern
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen, compiler
 
@@ -66,6 +66,11 @@ class NvrtcPolicy(ReferencePolicy):
         if template == "view" or all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in slots):
             return 0  # views on the reference kernels
         return 1
+
+    def unfused(self, plan: Plan, group: Group) -> str | None:
+        from dsp_nvrtc.segment import unfused_reason
+
+        return unfused_reason(plan, group)
 
 
 def _generated(plan: Plan, s: int) -> bool:
