@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,6 +157,50 @@ def test_every_generated_kernel_compiles_and_matches_the_reference_on_the_host(n
     assert not bad, bad[:3]
     ok = {r.template for r in results if r.status == "ok"}
     assert "pointwise" in ok and (name == "cnn" or {"row_reduction", "copy"} <= ok), results
+
+
+def _half_block() -> Any:
+    """A gather, LayerNorm, tanh-GELU chain, the exported RMSNorm chain, masked Softmax, transposes: in fp16."""
+    g = dsp.GraphBuilder("half_block")
+
+    def half(v: float) -> Any:
+        return g.constant(np.float16(v))
+
+    rng = np.random.default_rng(3)
+    x = g.placeholder("x", "float16", [2, 5, 96])
+    mask = g.placeholder("mask", "float16", [2, 1, 96])
+    ids = g.placeholder("ids", "int64", [2, 5])
+    table = g.constant(rng.standard_normal((10, 96)).astype(np.float16))
+    e = g.Gather(table, ids, axis=0) + x
+    scale = g.constant((rng.random(96) + 0.5).astype(np.float16))
+    bias = g.constant(rng.standard_normal(96).astype(np.float16))
+    ln = g.LayerNormalization(e, scale, bias, axis=-1, epsilon=1e-5)
+    t = ln * half(0.5) * (half(1.0) + g.Tanh(half(0.7978845608) * (ln + half(0.044715) * ln * ln * ln)))
+    axes = g.constant(np.array([-1], np.int64))
+    h = g.Cast(t, to=1)
+    inv = g.Reciprocal(
+        g.Sqrt(g.ReduceMean(g.Pow(h, g.constant(np.float32(2))), axes, keepdims=1) + g.constant(np.float32(1e-6)))
+    )
+    r = g.Cast(h * inv, to=10)
+    sm = g.Softmax(r * half(0.125) + mask, axis=-1)
+    y2 = g.Where(g.Less(g.Transpose(sm, perm=[0, 2, 1]), half(0.01)), half(0.0), g.Transpose(sm, perm=[0, 2, 1]))
+    g.output(sm, "sm")
+    g.output(y2, "y2")
+    return g.build()
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+def test_half_precision_groups_match_the_reference_on_the_host() -> None:
+    model = dsp.compile(_half_block(), mode="slot_by_slot")
+    rng = np.random.default_rng(4)
+    feeds = {
+        "x": rng.standard_normal((2, 5, 96)).astype(np.float16),
+        "mask": np.where(rng.random((2, 1, 96)) < 0.2, -1e4, 0).astype(np.float16),
+        "ids": np.array([[0, 3, -1, 9, 2], [-10, 5, 5, 1, 0]], np.int64),  # negative indexes count from the end
+    }
+    results = hostcheck.check_model(model, feeds)
+    assert [r.status for r in results] == ["ok"] * len(results) and len(results) >= 5, results
+    assert {r.template for r in results} == {"copy", "row_reduction"}
 
 
 def _spec(template, nodes, values, inputs, outputs, constants=None) -> codegen.GroupSpec:
@@ -392,3 +437,53 @@ def test_a_write_that_dies_leaves_the_old_entry_whole(tmp_path: Path, monkeypatc
     monkeypatch.undo()
     assert cache.get(_key()) == Entry("k", "old", b"old binary")
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_the_wheel_carries_the_ptx_and_its_source(tmp_path: Path) -> None:
+    import zipfile
+
+    plugin = Path(__file__).parents[1] / "plugins" / "nvrtc"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(plugin),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("dsp_nvrtc-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"dsp_nvrtc/ptx/rowwise.ptx", "dsp_nvrtc/ptx/rowwise.cu", "dsp_nvrtc/codegen.py"} <= names
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_bfloat16_is_held_as_bits_computed_in_float_and_rounded_per_op() -> None:
+    import math
+
+    import ml_dtypes
+
+    n, t = codegen.NodeSpec, codegen.TensorSpec
+    bf = "bfloat16"
+    values = {1: t((4, 33), bf, (33, 1)), 2: t((33,), bf, (1,)), 3: t((4, 33), bf), 4: t((4, 33), bf)}
+    values[5] = t((4, 33), "float32")
+    nodes = [n("Add", (1, 2), (3,)), n("Gelu", (3,), (4,)), n("Cast", (4,), (5,), {"to": 1})]
+    spec = codegen.GroupSpec("pointwise", nodes, values, [1, 2], [4, 5])
+    kernel = codegen.generate(spec)
+    assert "dsp_rbf(" in kernel.source and "unsigned short" in kernel.source
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 33)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(33).astype(ml_dtypes.bfloat16)
+    got = hostcheck.run_on_host(kernel, spec, {1: a, 2: b})
+    s = (a.astype(np.float32) + b.astype(np.float32)).astype(ml_dtypes.bfloat16).astype(np.float64)
+    want = 0.5 * s * (1 + np.vectorize(math.erf)(s / math.sqrt(2)))
+    assert got[4].dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(got[4].astype(np.float64), want, atol=2e-2, rtol=1e-2)
+    np.testing.assert_array_equal(got[5], got[4].astype(np.float32))  # the cast reads the rounded value
