@@ -680,30 +680,25 @@ def _fn(name: str, ct: str) -> str:
     return f"{name}f" if ct == "float" else name
 
 
+# Half dtypes: held as their bits, computed in float. dtype -> (round a float to it, bits to
+# float, float to bits), the prelude's helpers.
+_HALF_FNS = {"float16": ("dsp_rh", "dsp_h2f", "dsp_f2h"), "bfloat16": ("dsp_rbf", "dsp_bf2f", "dsp_f2bf")}
+
+
 def _round(expr: str, dtype: str) -> str:
     """``expr`` rounded to ``dtype`` where the compute type is wider (halves), as the reference rounds."""
-    if dtype == "float16":
-        return f"dsp_rh({expr})"
-    if dtype == "bfloat16":
-        return f"dsp_rbf({expr})"
-    return expr
+    return f"{_HALF_FNS[dtype][0]}({expr})" if dtype in _HALF_FNS else expr
 
 
 def _from_storage(raw: str, dtype: str) -> str:
-    if dtype == "float16":
-        return f"dsp_h2f({raw})"
-    if dtype == "bfloat16":
-        return f"dsp_bf2f({raw})"
-    if dtype == "bool":
-        return f"({raw} != 0)"
-    return raw
+    if dtype in _HALF_FNS:
+        return f"{_HALF_FNS[dtype][1]}({raw})"
+    return f"({raw} != 0)" if dtype == "bool" else raw
 
 
 def _to_storage(name: str, dtype: str) -> str:
-    if dtype == "float16":
-        return f"dsp_f2h({name})"
-    if dtype == "bfloat16":
-        return f"dsp_f2bf({name})"
+    if dtype in _HALF_FNS:
+        return f"{_HALF_FNS[dtype][2]}({name})"
     return f"({_c(dtype)[0]})({name})"
 
 
