@@ -21,8 +21,8 @@ from dsp_cuda_graphs.fusion import GroupReport, GroupStep, Step, Unfusable
 from dsp_nvrtc import codegen, compiler
 from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_digest
 
-# (source, target) -> loaded module, for the process: a graph holds the functions it launches.
-_MODULES: dict[tuple[str, str], Any] = {}
+# (source, target, device) -> loaded module, for the process: a graph holds the functions it launches.
+_MODULES: dict[tuple[str, str, int], Any] = {}
 _modules_lock = threading.Lock()
 OPTIONS: tuple[str, ...] = ()  # NVRTC options beyond compiler.OPTIONS (part of the cache key)
 
@@ -68,8 +68,8 @@ def compiled(
 
 
 def load(cp: Any, kernel: codegen.Kernel, binary: bytes, target: compiler.Target) -> Any:
-    """The kernel's function from its module, loaded once per process (cuModuleLoadData)."""
-    key = (kernel.device_source(), target.arch)
+    """The kernel's function from its module, loaded once per device and process (cuModuleLoadData)."""
+    key = (kernel.device_source(), target.arch, int(cp.cuda.runtime.getDevice()))
     with _modules_lock:
         module = _MODULES.get(key)
         if module is None:
