@@ -2,13 +2,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The core and the plugins (editable, with the test and dev extras).
+# The core and the plugins (editable, with the test and dev extras; dsp-nvrtc with NVRTC itself, so
+# the tests compile every generated kernel on a machine without a GPU).
 STAMP := $(VENV)/.installed
 # The test distributions (a null backend, fault backends, deliberately broken plugins):
 # installed for `make test` only. `make demo` removes them, so what a user sees after it
 # (`dsp backends list`) is what a user of the real distributions sees.
 TEST_STAMP := $(VENV)/.installed-test-dists
-PLUGINS := plugins/cpu_ref plugins/cuda_graphs plugins/triton plugins/openvino plugins/onnxruntime
+PLUGINS := plugins/cpu_ref plugins/cuda_graphs plugins/triton plugins/nvrtc plugins/openvino plugins/onnxruntime
 TEST_DISTS := tests/dists/dsp_test_backends
 TEST_DIST_NAMES := dsp-test-backends
 # `make dist` writes a wheel of every distribution this repository builds here.
@@ -19,7 +20,7 @@ DIST ?= dist
 $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test,dev]" $(addprefix -e ,$(PLUGINS))
+	$(BIN)/pip install -q -e ".[test,dev]" $(addprefix -e ,$(filter-out plugins/nvrtc,$(PLUGINS))) -e "plugins/nvrtc[nvrtc]"
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP) $(TEST_DISTS)/pyproject.toml
@@ -64,6 +65,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check dsp_core plugins tests benchmarks scripts examples
 	$(BIN)/mypy
 	$(BIN)/mypy plugins/triton/dsp_triton
+	$(BIN)/mypy plugins/nvrtc/dsp_nvrtc
 
 node-suite: $(STAMP)
 	$(BIN)/python scripts/node_suite.py

@@ -863,7 +863,10 @@ def _plan_explain(args: argparse.Namespace) -> int:
         if fusion:  # the winner's fusion policy grouped the segment
             print(f"    fusion ({fusion['policy']}): {fusion['slots']} slots -> {fusion['kernels']} kernels")
             for g in fusion["groups"]:
-                print(f"      group {g['index']} [{g['template']}]: slots {g['slots']}")
+                chain = " -> ".join(f"{c['backend']}: {c['verdict']}" for c in g.get("chain", []))
+                print(
+                    f"      group {g['index']} [{g['template']}]: slots {g['slots']}" + (f"; {chain}" if chain else "")
+                )
             for b in fusion["boundaries"]:
                 print(f"      boundary slot {b['producer']} -> {b['consumer']}: {b['reason']}")
         for gap in seg.get("gaps", []):

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: install DSP (scripts/gpu_setup.sh), run the GPU tests, the
-# conformance kit for CUDA_GRAPHS and TRITON, then the step benchmark. Logs and JSON go to $OUT.
+# conformance kit for CUDA_GRAPHS, TRITON, NVRTC_JIT and PTX_JIT, then the step benchmark. Logs and JSON go to $OUT.
 # STAGES (default "tests kit bench") picks what runs; BENCH_ARGS is passed to the benchmark.
 #   gputests: every GPU test (tests/gpu); tritoncpu: dsp-triton's CPU tests, whose generated
 #   kernels run under Triton's interpreter where triton and torch are installed (the image);
+#   nvrtc: dsp-nvrtc's GPU tests (NVRTC_JIT and PTX_JIT; kernel counts in $OUT/nvrtc_kernel_counts.json);
 #   nodes: ONNX's node cases in TRITON mode (NODE_MODE), JSON under $OUT;
 #   decode: the decode race (benchmarks/decode_gpu.py,
 #   JSON under $OUT/decode, exports in /tmp/dsp_onnx; DECODE_ARGS passed on).
@@ -22,9 +23,10 @@ for stage in $STAGES; do
     alltests) timeout 300 make gpu-test GPU_PYTHON=python3 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     gputests) timeout ${GPUTESTS_TIMEOUT:-200} python3 -m pytest -q tests/gpu -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 ;;
     decode) timeout ${DECODE_TIMEOUT:-330} python3 benchmarks/decode_gpu.py --out "$OUT/decode" --onnx-dir /tmp/dsp_onnx --timeout 240 ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | grep -v "^\s" | tail -40 ;;
-    kit) for b in cuda_graphs triton; do
+    kit) for b in cuda_graphs triton nvrtc_jit ptx_jit; do
            timeout 200 python3 -m pytest -q --pyargs dsp_core.testing.conformance --dsp-backend $b -p no:cacheprovider 2>&1 | tee "$OUT/conformance_$b.log" | tail -5
          done ;;
+    nvrtc) timeout ${NVRTC_TIMEOUT:-500} python3 -m pytest -q tests/gpu/test_nvrtc_gpu.py tests/gpu/test_ptx_rowwise_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT/nvrtc_gpu.log" | tail -40 ;;
     tritoncpu) timeout 300 python3 -m pytest -q tests/test_triton_cpu.py -p no:cacheprovider 2>&1 | tee "$OUT/triton_cpu.log" | tail -5 ;;
     nodes) DSP_MODE=${NODE_MODE:-triton} timeout ${NODES_TIMEOUT:-400} python3 scripts/node_suite.py --json "$OUT/node_suite_${NODE_MODE:-triton}.json" ${NODE_ARGS:-} 2>&1 | tee "$OUT/node_suite.log" | tail -15 ;;
     bench) timeout 400 python3 benchmarks/step_gpu.py --out "$OUT/step_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\s" | tail -30 ;;

@@ -8,5 +8,5 @@ PY=${PYTHON:-python3}
 if ! $PY -c "import stevedore" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps .whl/stevedore-*.whl
 fi
-$PY -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cpu_ref -e plugins/cuda_graphs -e plugins/triton -e tests/dists/dsp_test_backends
+$PY -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cpu_ref -e plugins/cuda_graphs -e plugins/triton -e plugins/nvrtc -e tests/dists/dsp_test_backends
 $PY -c "import dsp_core, dsp_cpu_ref; print('dsp-core', dsp_core.__version__, 'installed')"

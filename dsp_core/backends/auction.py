@@ -664,7 +664,7 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
         trials = result.trials.get(seg.index)
         if trials:
             entry["trials"] = [{"feeds": shapes, **t.as_dict()} for shapes, t in trials.items()]
-        fusion = _fusion_of(plan, seg, result.backends.get(seg.backend))
+        fusion = _fusion_of(plan, seg, result.backends.get(seg.backend), result)
         if fusion is not None:
             entry["fusion"] = fusion
         entry["gaps"] = _gaps_of(plan, seg, result.backends.get(seg.backend))
@@ -694,7 +694,7 @@ def _gaps_of(plan: Plan, seg: Segment, backend: Backend | None) -> list[dict[str
     return gaps
 
 
-def _fusion_of(plan: Plan, seg: Segment, backend: Backend | None) -> dict[str, Any] | None:
+def _fusion_of(plan: Plan, seg: Segment, backend: Backend | None, result: Partition) -> dict[str, Any] | None:
     """The segment's fusion groups and boundaries under its winner's policy (None: it fuses nothing)."""
     try:
         policy = backend.fusion_policy() if backend is not None else None
@@ -704,7 +704,30 @@ def _fusion_of(plan: Plan, seg: Segment, backend: Backend | None) -> dict[str, A
         return None
     from dsp_core.plan.fusion import segment_fusion
 
-    return segment_fusion(plan, seg.slots, policy).as_dict(plan)
+    assert backend is not None  # a policy came from it
+    fusion = segment_fusion(plan, seg.slots, policy)
+    report = fusion.as_dict(plan)
+    for group, entry in zip(fusion.groups, report["groups"]):
+        entry["chain"] = _group_chain(plan, result, backend, policy, group)
+    return report
+
+
+def _group_chain(plan: Plan, result: Partition, winner: Backend, policy: Any, group: Any) -> list[dict[str, str]]:
+    """How AUTO's chain went for one group: each backend before the winner and why it did not take
+    the group, then the winner and whether its templates make the group one generated kernel."""
+    chain: list[dict[str, str]] = []
+    for b in result.chain:
+        if b.name == winner.name:
+            break
+        why = [d.detail for s in group.slots for name, d in result.declines.get(s, []) if name == b.name]
+        chain.append({"backend": b.name, "verdict": f"declined: {why[0]}" if why else "did not take the segment"})
+    try:
+        reason = policy.unfused(plan, group)
+    except Exception as exc:  # noqa: BLE001  (explain reports; a broken policy fails at compile)
+        reason = f"its policy failed: {describe(exc)}"
+    verdict = "one generated kernel" if reason is None else f"its slots' own kernels ({reason})"
+    chain.append({"backend": winner.name, "verdict": verdict})
+    return chain
 
 
 __all__ = [

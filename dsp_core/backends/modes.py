@@ -56,6 +56,8 @@ PROVIDERS: dict[GraphExecutionMode, str] = {
     M.SHAPE_INFERENCE_ONLY: "dsp-cpu-ref",
     M.CUDA_GRAPHS: "dsp-cuda-graphs",
     M.TRITON: "dsp-triton",
+    M.NVRTC_JIT: "dsp-nvrtc",
+    M.PTX_JIT: "dsp-nvrtc",
     M.OPENVINO: "dsp-openvino",
     M.ONNXRUNTIME: "dsp-onnxruntime",
 }

@@ -337,6 +337,15 @@ def _atomic_write(path: Path, *parts: bytes | memoryview) -> None:
     _fsync_dir(path.parent)
 
 
+def atomic_write(path: Path, *parts: bytes | memoryview) -> None:
+    """``parts`` at ``path``, its folder made if missing: readers see the old file or the whole new one.
+
+    For a plugin's own cache files (compiled kernels) under DSP's cache directory.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, *parts)
+
+
 def _fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable (best effort: not every platform can open a directory)."""
     with contextlib.suppress(OSError):

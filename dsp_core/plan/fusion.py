@@ -349,6 +349,13 @@ class FusionPolicy:
         """The template of ``group`` once it absorbed ``other``."""
         return group.template
 
+    def unfused(self, plan: Plan, group: Group) -> str | None:
+        """Why a formed ``group`` runs its slots' own kernels, not one generated kernel (None: it is one).
+
+        For ``dsp plan explain``, which shows it as the last link of each group's chain.
+        """
+        return None if len(group.slots) == 1 else f"policy {self.name} fuses nothing"
+
 
 class ReferencePolicy(FusionPolicy):
     """The reference grouping policy: the Triton templates fusion.md describes, backend-neutral.
@@ -418,6 +425,13 @@ class ReferencePolicy(FusionPolicy):
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
         return 0 if template == "view" else 1
+
+    def unfused(self, plan: Plan, group: Group) -> str | None:
+        if group.template in ("matmul", "attention", "opaque"):
+            return f"a {group.template} group runs alone"
+        if group.kernels == 0:
+            return "views only: no kernel"
+        return None
 
 
 def _strip(shape: tuple[Dim, ...]) -> tuple[Dim, ...]:

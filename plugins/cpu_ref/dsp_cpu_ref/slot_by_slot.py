@@ -79,6 +79,31 @@ def bind_steps(plan: Plan, segment: Segment, xp: Any = np, specialize: bool = Tr
     return steps
 
 
+def plan_values(model: Any, feeds: dict[str, np.ndarray]) -> tuple[Plan, Any, list[Any]]:
+    """The plan of ``feeds``' signature, its partition, and every value of one slot-by-slot run of it.
+
+    For checking a backend's kernels against the reference value by value (every
+    intermediate, not only the outputs): ``values[plan.flat(ref)]``.
+    """
+    model.run(feeds)
+    plan, part = model.plan(), model.partition()
+    values: list[Any] = [None] * plan.n_flat
+    for k, array in plan.constants.items():
+        values[plan.flat(plan.external_ref(k))] = array
+    for k, e in enumerate(plan.externals):
+        if e.name in feeds:
+            values[plan.flat(plan.external_ref(k))] = np.asarray(feeds[e.name])
+    for seg in part.segments:
+        for kernel, ins, outs, _ in bind_steps(plan, seg):
+            got = kernel(*[values[i] for i in ins])
+            if isinstance(outs, int):
+                values[outs] = got
+            else:
+                for o, x in zip(outs, got):
+                    values[o] = x
+    return plan, part, values
+
+
 def _line(n: int, step: Step, timed: bool = False) -> str:
     _, ins, outs, releases = step
     call = f"k{n}({', '.join(f'v[{i}]' for i in ins)})"

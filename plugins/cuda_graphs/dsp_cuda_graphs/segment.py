@@ -47,7 +47,6 @@ from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.buffers import PlannedAllocator, TracingAllocator
-from dsp_cuda_graphs.fused import layer_norm_kernel, softmax_kernel
 from dsp_cuda_graphs.kernels import CublasXP, conv_kernel, gemm_kernel, matmul_kernel, merged_matmul_kernel
 
 # Inputs (by position) that the reference kernels read as Python ints/floats on the host.
@@ -214,15 +213,12 @@ class CudaGraphSegment(CompiledSegment):
                     kernel = gemm_kernel(st, **slot.attrs)
                 elif is_merged(slot):  # sibling products merged by the core: each part through cuBLAS
                     kernel = merged_matmul_kernel(st, **slot.attrs)
-                elif slot.domain in ("", "ai.onnx") and slot.op == "LayerNormalization":
-                    only_y = slot.outputs[0] is not None and all(v is None for v in slot.outputs[1:])
-                    kernel = layer_norm_kernel(st, kernel, 1 if only_y else len(slot.outputs), **slot.attrs)
-                elif slot.domain in ("", "ai.onnx") and slot.op == "Softmax":
-                    kernel = softmax_kernel(st, kernel, slot.opset, **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "Conv":
                     kernel = conv_kernel(st, kernel, **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op in ("Shape", "Size"):
                     kernel = _ShapeOf(kernel, st["cupy"])
+                else:
+                    kernel = self._slot_kernel(st, slot, kernel)
                 host = HOST_INPUTS.get(slot.op, ()) if slot.domain in ("", "ai.onnx") else ()
                 positions = tuple((p, ins[p]) for p in host if p < len(ins) and slot.inputs[p] is not None)
                 if positions:
@@ -232,6 +228,14 @@ class CudaGraphSegment(CompiledSegment):
             self._run_fn, self._first_line = generate(bound, f"{self._plan.graph_name}#cuda{self.segment.index}")
             self._st = st
         return self._st
+
+    def _slot_kernel(self, st: dict[str, Any], slot: Any, kernel: Any) -> Any:
+        """Hook for a backend with its own kernel for some ops: the kernel that runs ``slot``.
+
+        ``kernel`` is the op's reference kernel bound to CuPy; this backend runs it as it is
+        (PTX_JIT, in dsp-nvrtc, swaps in its LayerNormalization and Softmax kernels).
+        """
+        return kernel
 
     def _fuse(self, st: dict[str, Any], bound: list[Any]) -> list[Any]:
         """Hook for a fusing backend: the bound steps (one per slot, in ``run_order``) with some replaced.

@@ -1,4 +1,4 @@
-"""The CUDA_GRAPHS backend's fused LayerNormalization and Softmax against the reference kernels."""
+"""PTX_JIT's LayerNormalization and Softmax kernels (committed PTX) against the reference kernels."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def st():
 @pytest.mark.parametrize("shape", [(3, 1), (2, 7), (4, 64), (1, 12, 300), (5, 1280), (2, 2049)])
 def test_layer_norm_matches_reference(st, shape, dtype: str, tol: float) -> None:
     import cupy as cp
-    from dsp_cuda_graphs.fused import layer_norm_kernel
+    from dsp_nvrtc.rowwise import layer_norm_kernel
 
     rng = np.random.default_rng(sum(shape))
     x = cp.asarray(rng.standard_normal(shape).astype(dtype) * 3 + 1)
@@ -47,7 +47,7 @@ def test_layer_norm_matches_reference(st, shape, dtype: str, tol: float) -> None
 @pytest.mark.parametrize("shape", [(3, 1), (2, 7), (1, 12, 1, 160), (4, 1000), (2, 3000)])
 def test_softmax_matches_reference(st, shape, dtype: str, tol: float) -> None:
     import cupy as cp
-    from dsp_cuda_graphs.fused import softmax_kernel
+    from dsp_nvrtc.rowwise import softmax_kernel
 
     rng = np.random.default_rng(len(shape) * 7 + shape[-1])
     x = cp.asarray((rng.standard_normal(shape) * 4).astype(dtype))
@@ -62,7 +62,7 @@ def test_softmax_matches_reference(st, shape, dtype: str, tol: float) -> None:
 
 def test_other_axes_and_outputs_fall_back_to_the_reference(st) -> None:
     import cupy as cp
-    from dsp_cuda_graphs.fused import layer_norm_kernel, softmax_kernel
+    from dsp_nvrtc.rowwise import layer_norm_kernel, softmax_kernel
 
     x = cp.asarray(np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32))
     ref_sm = _reference("Softmax", 1, opset=13, axis=1)

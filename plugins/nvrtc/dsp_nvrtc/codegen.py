@@ -1,0 +1,909 @@
+"""CUDA C for one fusion group, from its slots and the concrete shapes of one step.
+
+Pure Python: nothing here needs CUDA, NVRTC or a GPU, so the generator is tested on any
+machine (and its output compiled by NVRTC where the ``nvidia-cuda-nvrtc`` wheel is
+installed, and run on the host by a C++ compiler: ``HOST_PRELUDE``). A group is described
+by a ``GroupSpec`` (its nodes, every value's shape and dtype, the element strides of what
+it reads, small constant inputs read on the host); ``generate`` returns one ``extern "C"``
+kernel and how to launch it, or raises ``Unsupported`` with the reason (the group then
+runs on its reference kernels).
+
+How a kernel is built: every value is computed *at an index* (one C expression per dim).
+An output is asked for at the index of the thread that stores it and each op asks its
+inputs for the index it needs: an elementwise op the broadcast of its own index, a
+transpose the permuted index, a reshape the same flat position in the input's shape, a
+slice the shifted one, a gather the row the index tensor names. Reads from outside the
+group are loads through the input's real strides. So injective ops cost no kernel: they
+are index arithmetic. Shapes, strides and small constants are literals: a kernel is
+specialised to one step's layout (a plan is for one shape signature); its parameters are
+pointers only. Half-precision values are held as their bits (``unsigned short``) and
+computed in float, rounded to their dtype after every op as the reference kernels round:
+the generated source needs no CUDA header.
+
+Templates (docs/fusion.md):
+- ``pointwise`` and ``copy`` (T1, T5): one thread per element of the iteration space (the
+  largest output), 256 threads a block;
+- ``row_reduction`` (T2): one block per row of the reduction's input; each reduction stage
+  is a loop of the block's threads over the row (fp32 accumulation, a warp-shuffle block
+  reduction), then the row-space outputs are stored by a last loop and the outer-space
+  outputs (a mean, a max) by thread 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dsp_core.plan.kernelspec import NodeSpec, TensorSpec, row_major
+
+# numpy dtype -> (C storage type, C compute type)
+C_TYPES: dict[str, tuple[str, str]] = {
+    "float16": ("unsigned short", "float"),
+    "bfloat16": ("unsigned short", "float"),
+    "float32": ("float", "float"),
+    "float64": ("double", "double"),
+    "int8": ("signed char", "int"),
+    "int16": ("short", "int"),
+    "int32": ("int", "int"),
+    "int64": ("long long", "long long"),
+    "uint8": ("unsigned char", "unsigned int"),
+    "uint16": ("unsigned short", "unsigned int"),
+    "uint32": ("unsigned int", "unsigned int"),
+    "uint64": ("unsigned long long", "unsigned long long"),
+    "bool": ("unsigned char", "bool"),
+}
+FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+HALF = frozenset({"float16", "bfloat16"})
+MAX_ROW = 1 << 20  # rows are looped over, not held in registers: the limit only bounds a block's work
+THREADS = 256  # threads per block, both templates
+MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
+
+# Helpers every kernel may call, for the device (NVRTC) and for the host check (a C++
+# compiler running a kernel's blocks one after another, one thread per row block).
+DEVICE_PRELUDE = r"""
+#define DSP_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ float dsp_h2f(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short dsp_f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float dsp_bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short dsp_f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float dsp_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float dsp_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float dsp_warp_min(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// op 0: sum, 1: max, 2: min, over the block; every thread gets the result.
+__device__ float dsp_block_reduce(float v, float* sh, int op) {
+    v = op == 0 ? dsp_warp_sum(v) : op == 1 ? dsp_warp_max(v) : dsp_warp_min(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    __syncthreads();  // sh[] may still be read by the previous reduction
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float neutral = op == 0 ? 0.f : op == 1 ? -DSP_INF : DSP_INF;
+        float w = threadIdx.x < warps ? sh[threadIdx.x] : neutral;
+        w = op == 0 ? dsp_warp_sum(w) : op == 1 ? dsp_warp_max(w) : dsp_warp_min(w);
+        if (threadIdx.x == 0) sh[0] = w;
+    }
+    __syncthreads();
+    return sh[0];
+}
+"""
+
+HOST_PRELUDE = r"""
+#include <math.h>
+#include <string.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(n)
+#define __shared__ static
+struct dsp_dim3 { unsigned int x, y, z; };
+static dsp_dim3 threadIdx, blockIdx, blockDim;
+#define DSP_INF INFINITY
+static inline float dsp_h2f(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+static inline unsigned short dsp_f2h(float f) {
+    _Float16 x = (_Float16)f;
+    unsigned short h;
+    memcpy(&h, &x, 2);
+    return h;
+}
+static inline float dsp_bf2f(unsigned short h) {
+    unsigned int u = ((unsigned int)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline unsigned short dsp_f2bf(float f) {
+    unsigned int u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+// One thread a block: its own value is the block's.
+static inline float dsp_block_reduce(float v, float* sh, int op) { (void)sh; (void)op; return v; }
+"""
+
+COMMON_PRELUDE = r"""
+__device__ __forceinline__ float dsp_rh(float f) { return dsp_h2f(dsp_f2h(f)); }
+__device__ __forceinline__ float dsp_rbf(float f) { return dsp_bf2f(dsp_f2bf(f)); }
+"""
+
+
+class Unsupported(Exception):
+    """A group the templates cannot generate; the message says why."""
+
+
+@dataclass
+class GroupSpec:
+    """What ``generate`` needs: the nodes in order, every value's spec, what is read and stored."""
+
+    template: str
+    nodes: list[NodeSpec]
+    values: dict[int, TensorSpec]  # every value the nodes read or write (inputs with strides)
+    inputs: list[int]  # values read from outside the group (device arrays)
+    outputs: list[int]  # values stored (read outside the group)
+    constants: Callable[[int], np.ndarray | None] = lambda v: None  # host copy of a small constant input
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Generated source (without the prelude) and how to launch it."""
+
+    source: str
+    name: str
+    args: tuple[int, ...]  # value ids, in parameter order: inputs read, then outputs stored
+    n_inputs: int
+    grid: int  # blocks
+    threads: int  # threads per block
+    template: str
+
+    def device_source(self) -> str:
+        """The whole translation unit NVRTC compiles."""
+        return DEVICE_PRELUDE + COMMON_PRELUDE + self.source
+
+    def host_source(self) -> str:
+        """The same kernel for a host C++ compiler (rows run by one thread each)."""
+        return HOST_PRELUDE + COMMON_PRELUDE + self.source
+
+
+def data_inputs(node: NodeSpec) -> tuple[int, ...]:
+    """Which inputs of an op are data (loaded); the rest are shape-like (read on the host)."""
+    if node.op in _SHAPE_ARGS:
+        return (0,)
+    return tuple(k for k, r in enumerate(node.inputs) if r is not None)
+
+
+@dataclass(frozen=True)
+class Idx:
+    """An index into a value: one C expression per dim (``"0"`` where the dim is 1 or fixed)."""
+
+    dims: tuple[str, ...]
+
+
+def _kept(shape: Sequence[int], idx: Idx) -> tuple[str, ...]:
+    """The index's expressions of the dims that are not 1 (they decide the position)."""
+    return tuple(idx.dims[k] for k, d in enumerate(shape) if d != 1)
+
+
+class _Scope:
+    """Lines of one block of the kernel body, with common subexpressions named once."""
+
+    def __init__(self, indent: str) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, str] = {}
+        self.memo: dict[tuple[int, tuple[str, ...]], str] = {}
+        self.indent = indent
+
+
+def _is_int(s: str) -> bool:
+    return s.lstrip("-").isdigit()
+
+
+class _Gen:
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+        self.scope = _Scope("    ")
+        self.top = self.scope
+        self.count = 0
+        self.producer: dict[int, tuple[NodeSpec, int]] = {}
+        for node in spec.nodes:
+            for k, v in enumerate(node.outputs):
+                if v is not None:
+                    self.producer[v] = (node, k)
+        self.inputs = set(spec.inputs)
+        self.args: list[int] = []  # input value ids in parameter order
+        self.row: tuple[int, ...] | None = None
+        self.row_idx: Idx | None = None
+        self.scalars: dict[int, str] = {}  # row template: per-row values (a mean, a max), top-level names
+        self.row_recipes: dict[int, Callable[[Idx], str]] = {}  # Softmax/LayerNorm outputs at an index
+
+    # -- lines ----------------------------------------------------------------------------
+    def let(self, expr: str, ctype: str = "long long", prefix: str = "t") -> str:
+        """``expr`` as a named local of the current scope (once per scope)."""
+        if expr.isidentifier() or _is_int(expr):
+            return expr
+        sc = self.scope
+        name = sc.names.get(expr)
+        if name is None:
+            name = f"{prefix}{self.count}"
+            self.count += 1
+            sc.names[expr] = name
+            sc.lines.append(f"{sc.indent}const {ctype} {name} = {expr};")
+        return name
+
+    @contextmanager
+    def block(self, header: str) -> Iterator[None]:
+        """A nested block (a loop over the row, thread 0's stores) with its own names and values."""
+        outer = self.scope
+        inner = _Scope(outer.indent + "    ")
+        self.scope = inner
+        try:
+            yield
+        finally:
+            self.scope = outer
+        outer.lines.append(f"{outer.indent}{header} {{")
+        outer.lines.extend(inner.lines)
+        outer.lines.append(f"{outer.indent}}}")
+
+    def line(self, text: str) -> None:
+        self.scope.lines.append(f"{self.scope.indent}{text}")
+
+    # -- indexes --------------------------------------------------------------------------
+    def unflatten(self, flat: str, shape: Sequence[int]) -> Idx:
+        st = row_major(shape)
+        dims: list[str] = []
+        for k, d in enumerate(shape):
+            if d == 1:
+                dims.append("0")
+                continue
+            expr = flat if st[k] == 1 else f"({flat} / {st[k]})"
+            if k > 0 and any(shape[j] != 1 for j in range(k)):
+                expr = f"({expr} % {d})"
+            dims.append(self.let(expr, prefix="i"))
+        return Idx(tuple(dims))
+
+    def flatten(self, idx: Idx, shape: Sequence[int], strides: Sequence[int] | None = None) -> str:
+        st = row_major(shape) if strides is None else list(strides)
+        terms = [
+            d if st[k] == 1 else f"{d} * {st[k]}"
+            for k, d in enumerate(idx.dims)
+            if shape[k] != 1 and d != "0" and st[k] != 0
+        ]
+        return self.let(" + ".join(terms), prefix="f") if terms else "0"
+
+    def reshape(self, idx: Idx, out_shape: Sequence[int], in_shape: Sequence[int]) -> Idx:
+        kept = _kept(out_shape, idx)
+        if tuple(d for d in out_shape if d != 1) == tuple(d for d in in_shape if d != 1):
+            it = iter(kept)
+            return Idx(tuple("0" if d == 1 else next(it) for d in in_shape))
+        return self.unflatten(self.flatten(idx, out_shape), in_shape)
+
+    @staticmethod
+    def broadcast(idx: Idx, out_shape: Sequence[int], in_shape: Sequence[int]) -> Idx:
+        off = len(out_shape) - len(in_shape)
+        if off < 0:
+            raise Unsupported(f"broadcast of {list(in_shape)} to the smaller {list(out_shape)}")
+        dims = []
+        for k, d in enumerate(in_shape):
+            o = out_shape[off + k]
+            if d == 1:
+                dims.append("0")
+            elif d == o:
+                dims.append(idx.dims[off + k])
+            else:
+                raise Unsupported(f"shapes {list(in_shape)} and {list(out_shape)} do not broadcast")
+        return Idx(tuple(dims))
+
+    # -- values ----------------------------------------------------------------------------
+    def ctype(self, v: int) -> str:
+        return _c(self.spec.values[v].dtype)[1]
+
+    def value(self, v: int, idx: Idx) -> str:
+        """The name (or literal) of value ``v`` at ``idx`` in the current scope, in its compute type."""
+        if v in self.scalars:
+            return self._scalar_at(v, idx)
+        key = (v, idx.dims)
+        got = self.scope.memo.get(key)
+        if got is None:
+            got = self._load(v, idx) if v in self.inputs else self._compute(v, idx)
+            self.scope.memo[key] = got
+        return got
+
+    def _load(self, v: int, idx: Idx) -> str:
+        spec = self.spec.values[v]
+        literal = self._literal(v)
+        if literal is not None:
+            return literal
+        if v not in self.args:
+            self.args.append(v)
+        off = self.flatten(idx, spec.shape, spec.strides)
+        raw = f"in{self.args.index(v)}[{off}]"
+        return self.let(_from_storage(raw, spec.dtype), self.ctype(v), "x")
+
+    def _literal(self, v: int) -> str | None:
+        """A one-element constant input as a literal of its dtype (no parameter, no load)."""
+        spec = self.spec.values[v]
+        if spec.numel != 1:
+            return None
+        got = self.spec.constants(v)
+        if got is None:
+            return None
+        x = np.asarray(got).reshape(-1)[0]
+        return _literal_of(x, spec.dtype)
+
+    def _compute(self, v: int, idx: Idx) -> str:
+        if v not in self.producer:
+            raise Unsupported(f"value {v} is neither read nor computed by the group")
+        node, k = self.producer[v]
+        out = self.spec.values[v]
+        op = node.op
+        if op in _ROW_VALUED:
+            return self._row_valued(node, v, idx)
+        src = node.inputs[0]
+        if op in ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"):
+            assert src is not None
+            return self.value(src, self.reshape(idx, out.shape, self.spec.values[src].shape))
+        if op == "Expand":
+            assert src is not None
+            return self.value(src, self.broadcast(idx, out.shape, self.spec.values[src].shape))
+        if op == "Transpose":
+            assert src is not None
+            rank = len(out.shape)
+            perm = [int(p) for p in node.attrs.get("perm", list(range(rank - 1, -1, -1)))]
+            dims = ["0"] * rank
+            for j, p in enumerate(perm):
+                dims[p] = idx.dims[j]
+            return self.value(src, Idx(tuple(dims)))
+        if op == "Slice":
+            return self._slice(node, idx)
+        if op == "Split":
+            return self._split(node, k, idx)
+        if op == "Concat":
+            return self._concat(node, v, idx)
+        if op == "Gather":
+            return self._gather(node, idx)
+        return self._elementwise(node, v, idx)
+
+    # -- injective ops -----------------------------------------------------------------------
+    def _host(self, node: NodeSpec, k: int) -> list[int]:
+        r = node.inputs[k] if k < len(node.inputs) else None
+        got = self.spec.constants(r) if r is not None else None
+        if got is None:
+            raise Unsupported(f"{node.op} input {k} is not a constant: its value changes per step")
+        return [int(x) for x in np.asarray(got).reshape(-1)]
+
+    def _slice(self, node: NodeSpec, idx: Idx) -> str:
+        src = node.inputs[0]
+        assert src is not None
+        in_shape = self.spec.values[src].shape
+        rank = len(in_shape)
+        if node.opset < 10:
+            starts, ends = node.attrs.get("starts", []), node.attrs.get("ends", [])
+            axes, steps = node.attrs.get("axes", list(range(len(starts)))), [1] * len(starts)
+        else:
+            starts, ends = self._host(node, 1), self._host(node, 2)
+            has = [len(node.inputs) > k and node.inputs[k] is not None for k in (3, 4)]
+            axes = self._host(node, 3) if has[0] else list(range(len(starts)))
+            steps = self._host(node, 4) if has[1] else [1] * len(starts)
+        dims = list(idx.dims)
+        for st, en, ax, sp in zip(starts, ends, axes, steps):
+            a = int(ax) % rank
+            begin, _, step = slice(int(st), int(en), int(sp)).indices(in_shape[a])
+            if dims[a] == "0":
+                dims[a] = str(begin)
+            else:
+                expr = dims[a] if step == 1 else f"{dims[a]} * {step}"
+                dims[a] = self.let(f"{expr} + {begin}" if begin else expr, prefix="i")
+        return self.value(src, Idx(tuple(dims)))
+
+    def _split(self, node: NodeSpec, k: int, idx: Idx) -> str:
+        src = node.inputs[0]
+        assert src is not None
+        axis = int(node.attrs.get("axis", 0)) % len(self.spec.values[src].shape)
+        if any(o is None for o in node.outputs[:k]):
+            raise Unsupported("Split with an unused output before this one")
+        offset = sum(self.spec.values[o].shape[axis] for o in node.outputs[:k] if o is not None)
+        dims = list(idx.dims)
+        if offset:
+            dims[axis] = self.let(f"{dims[axis]} + {offset}", prefix="i")
+        return self.value(src, Idx(tuple(dims)))
+
+    def _concat(self, node: NodeSpec, v: int, idx: Idx) -> str:
+        out = self.spec.values[v]
+        axis = int(node.attrs.get("axis", 0)) % len(out.shape)
+        parts: list[tuple[int, int, str]] = []
+        offset = 0
+        for r in node.inputs:
+            if r is None or self.spec.values[r].shape[axis] == 0:
+                continue
+            size = self.spec.values[r].shape[axis]
+            dims = list(idx.dims)
+            at = f"{idx.dims[axis]} - {offset}" if offset else idx.dims[axis]
+            if parts or size != out.shape[axis]:  # every part is read in bounds; the select picks one
+                at = f"dsp_clamp({at}, {size - 1})"
+            dims[axis] = self.let(at, prefix="i")
+            parts.append((offset, size, self.value(r, Idx(tuple(dims)))))
+            offset += size
+        expr = parts[-1][2]
+        for start, size, name in reversed(parts[:-1]):
+            expr = f"({idx.dims[axis]} < {start + size} ? {name} : {expr})"
+        return self.let(expr, self.ctype(v), "v")
+
+    def _gather(self, node: NodeSpec, idx: Idx) -> str:
+        data, ind = node.inputs[0], node.inputs[1]
+        assert data is not None and ind is not None
+        d_shape = self.spec.values[data].shape
+        n_i = len(self.spec.values[ind].shape)
+        axis = int(node.attrs.get("axis", 0)) % len(d_shape)
+        pos = self.value(ind, Idx(idx.dims[axis : axis + n_i]))
+        size = d_shape[axis]
+        at = self.let(
+            f"dsp_clamp((long long)({pos}) < 0 ? (long long)({pos}) + {size} : (long long)({pos}), {size - 1})"
+        )
+        return self.value(data, Idx((*idx.dims[:axis], at, *idx.dims[axis + n_i :])))
+
+    # -- elementwise ops ----------------------------------------------------------------------
+    def _elementwise(self, node: NodeSpec, v: int, idx: Idx) -> str:
+        out = self.spec.values[v]
+        if node.op not in _UNARY and node.op not in _BINARY and node.op not in _OTHER:
+            raise Unsupported(f"no template for {node.op}")
+        args: list[tuple[str, str]] = []  # (name, dtype)
+        for k in data_inputs(node):
+            r = node.inputs[k]
+            if r is None:
+                continue
+            spec = self.spec.values[r]
+            args.append((self.value(r, self.broadcast(idx, out.shape, spec.shape)), spec.dtype))
+        expr = _round(self._op_expr(node, out.dtype, args), out.dtype)
+        return self.let(expr, self.ctype(v), "v")
+
+    def _op_expr(self, node: NodeSpec, dtype: str, args: list[tuple[str, str]]) -> str:
+        op = node.op
+        ct = _c(dtype)[1]
+        if op in ("Cast", "CastLike"):
+            return f"(({args[0][0]}) != 0)" if dtype == "bool" else f"({ct})({args[0][0]})"
+        if op in _CMP:
+            a, b = args[0][0], args[1][0]
+            return f"({a} {_CMP[op]} {b})"
+        if op in _LOGIC:
+            return f"({args[0][0]} {_LOGIC[op]} {args[1][0]})"
+        if op == "Not":
+            return f"(!{args[0][0]})"
+        if op == "Where":
+            return f"({args[0][0]} ? ({ct})({args[1][0]}) : ({ct})({args[2][0]}))"
+        if op in ("Max", "Min"):
+            acc = f"({ct})({args[0][0]})"
+            for other in args[1:]:
+                b = f"({ct})({other[0]})"
+                acc = f"dsp_{op.lower()}({acc}, {b})"
+            return acc
+        if op == "Clip":
+            return self._clip(node, ct, args)
+        if op == "Pow":
+            return self._pow(node, dtype, args)
+        if op in _BINARY:
+            if dtype not in FLOATS and op == "Div":
+                raise Unsupported(f"integer {op}")
+            a, b = f"({ct})({args[0][0]})", f"({ct})({args[1][0]})"
+            if op == "PRelu":
+                return f"({a} < 0 ? {a} * {b} : {a})"
+            return f"({a} {_BINARY[op]} {b})"
+        if op in _UNARY:
+            if dtype not in FLOATS and op not in ("Neg", "Abs", "Relu", "Identity", "Sign"):
+                raise Unsupported(f"{op} on {dtype}")
+            return _UNARY[op](f"({ct})({args[0][0]})", ct, node.attrs)
+        raise Unsupported(f"no template for {op}")
+
+    def _clip(self, node: NodeSpec, ct: str, args: list[tuple[str, str]]) -> str:
+        x = f"({ct})({args[0][0]})"
+        if node.opset >= 11:
+            present = [k for k in data_inputs(node) if node.inputs[k] is not None]
+            bounds = [args[present.index(k)][0] if k in present else None for k in (1, 2)]
+        else:
+            lo, hi = node.attrs.get("min"), node.attrs.get("max")
+            bounds = [None if b is None else _literal_of(np.float64(b), "float64") for b in (lo, hi)]
+        if bounds[0] is not None:
+            x = f"dsp_max({x}, ({ct})({bounds[0]}))"
+        if bounds[1] is not None:
+            x = f"dsp_min({x}, ({ct})({bounds[1]}))"
+        return x
+
+    def _pow(self, node: NodeSpec, dtype: str, args: list[tuple[str, str]]) -> str:
+        if dtype not in FLOATS:
+            raise Unsupported("integer Pow")
+        ct = _c(dtype)[1]
+        base = f"({ct})({args[0][0]})"
+        e = node.inputs[1]
+        exp = self.spec.constants(e) if e is not None else None
+        if exp is not None and np.asarray(exp).size == 1:
+            p = float(np.asarray(exp).reshape(-1)[0])
+            special = {2.0: f"({base} * {base})", 1.0: base, 0.5: f"{_fn('sqrt', ct)}({base})"}
+            special[3.0] = f"({base} * {base} * {base})"
+            if p in special:
+                return special[p]
+        return f"{_fn('pow', ct)}({base}, ({ct})({args[1][0]}))"
+
+    # -- the row template ---------------------------------------------------------------------
+    def _row_valued(self, node: NodeSpec, v: int, idx: Idx) -> str:
+        """A Softmax/LayerNorm output at ``idx`` (its own row's index), from its row's scalars."""
+        recipe = self.row_recipes.get(v)
+        if recipe is None or self.row is None or self.row_idx is None:
+            raise Unsupported(f"{node.op} outside a row-reduction group, or read before its row is reduced")
+        if _kept(self.spec.values[v].shape, idx) != _kept(self.row, self.row_idx):
+            raise Unsupported(f"{node.op}'s output read at another index than its row")
+        return self.let(recipe(idx), self.ctype(v), "v")
+
+    def _scalar_at(self, v: int, idx: Idx) -> str:
+        assert self.row is not None and self.row_idx is not None
+        want = _kept(self.row[:-1], Idx(self.row_idx.dims[:-1]))
+        if _kept(self.spec.values[v].shape, idx) != want:
+            raise Unsupported("a reduced value read at another row than its own")
+        return self.scalars[v]
+
+    def _stage(self, body: Callable[[], str], op: int, dtype: str = "float") -> str:
+        """One loop of the block's threads over the row accumulating ``body()``; its block-wide result."""
+        acc = f"a{self.count}"
+        self.count += 1
+        neutral = {0: "0.f", 1: "-DSP_INF", 2: "DSP_INF"}[op]
+        self.line(f"float {acc} = {neutral};")
+        n = self.row[-1] if self.row else 0
+        with self.block(f"for (long long j = threadIdx.x; j < {n}; j += blockDim.x)"):
+            x = body()
+            step = {0: f"{acc} += {x};", 1: f"{acc} = fmaxf({acc}, {x});", 2: f"{acc} = fminf({acc}, {x});"}[op]
+            self.line(step)
+        return self.let(f"dsp_block_reduce({acc}, dsp_red, {op})", "float", "s")
+
+    def _reduce(self, node: NodeSpec) -> None:
+        assert self.row is not None and self.row_idx is not None
+        row_idx = self.row_idx
+        src = node.inputs[0]
+        assert src is not None
+        if tuple(self.spec.values[src].shape) != self.row:
+            raise Unsupported(f"{node.op} reduces rows of {list(self.spec.values[src].shape)}, not the group's")
+        if self.spec.values[src].dtype not in ("float16", "bfloat16", "float32"):
+            raise Unsupported(f"{node.op} over {self.spec.values[src].dtype} (the row template accumulates in fp32)")
+        op, out0, n = node.op, node.outputs[0], self.row[-1]
+
+        def xf(idx: Idx = row_idx) -> str:
+            return f"(float)({self.value(src, idx)})"
+
+        if op in ("ReduceSum", "ReduceMean", "ReduceSumSquare", "ReduceL1", "ReduceL2"):
+            body = {
+                "ReduceSumSquare": lambda: f"{xf()} * {xf()}",
+                "ReduceL2": lambda: f"{xf()} * {xf()}",
+                "ReduceL1": lambda: f"fabsf({xf()})",
+            }.get(op, xf)
+            s = self._stage(body, 0)
+            if op == "ReduceMean":
+                s = self.let(f"{s} / {float(n)}f", "float", "s")
+            if op == "ReduceL2":
+                s = self.let(f"sqrtf({s})", "float", "s")
+            self._set_scalar(out0, s)
+        elif op in ("ReduceMax", "ReduceMin"):
+            self._set_scalar(out0, self._stage(xf, 1 if op == "ReduceMax" else 2))
+        elif op == "ReduceLogSumExp":
+            m = self._stage(xf, 1)
+            s = self._stage(lambda: f"expf({xf()} - {m})", 0)
+            self._set_scalar(out0, self.let(f"{m} + logf({s})", "float", "s"))
+        elif op in ("Softmax", "LogSoftmax"):
+            m = self._stage(xf, 1)
+            s = self._stage(lambda: f"expf({xf()} - {m})", 0)
+            if op == "Softmax":
+                self._set_recipe(out0, lambda idx: f"expf({xf(idx)} - {m}) / {s}")
+            else:
+                self._set_recipe(out0, lambda idx: f"{xf(idx)} - {m} - logf({s})")
+        elif op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"):
+            self._norm(node, xf)
+        else:
+            raise Unsupported(f"no row template for {op}")
+
+    def _norm(self, node: NodeSpec, xf: Callable[..., str]) -> None:
+        assert self.row is not None
+        op, n, row = node.op, self.row[-1], self.row
+        eps = float(node.attrs.get("epsilon", 1e-5))
+        if op == "LayerNormalization":
+            mean = self.let(f"{self._stage(xf, 0)} / {float(n)}f", "float", "s")
+            sq = self._stage(lambda: f"({xf()} - {mean}) * ({xf()} - {mean})", 0)
+        else:
+            mean = "0.f"
+            sq = self._stage(lambda: f"{xf()} * {xf()}", 0)
+        inv = self.let(f"1.f / sqrtf({sq} / {float(n)}f + {eps!r}f)", "float", "s")
+        weights = [r if k < len(node.inputs) else None for k, r in ((1, _at(node.inputs, 1)), (2, _at(node.inputs, 2)))]
+        if op != "LayerNormalization":
+            weights[1] = None
+
+        def recipe(idx: Idx) -> str:
+            y = f"({xf(idx)} - {mean}) * {inv}" if op == "LayerNormalization" else f"{xf(idx)} * {inv}"
+            for j, r in enumerate(weights):
+                if r is None:
+                    continue
+                w = self.value(r, self.broadcast(idx, row, self.spec.values[r].shape))
+                y = f"({y}) * (float)({w})" if j == 0 else f"({y}) + (float)({w})"
+            return y
+
+        outs = node.outputs
+        self._set_recipe(outs[0], recipe)
+        if len(outs) > 1:
+            self._set_scalar(outs[1], mean)
+        if len(outs) > 2:
+            self._set_scalar(outs[2], inv)
+
+    def _set_scalar(self, v: int | None, expr: str) -> None:
+        if v is not None:
+            dtype = self.spec.values[v].dtype
+            self.scalars[v] = self.let(_round(f"({self.ctype(v)})({expr})", dtype), self.ctype(v), "s")
+
+    def _set_recipe(self, v: int | None, recipe: Callable[[Idx], str]) -> None:
+        if v is not None:
+            dtype = self.spec.values[v].dtype
+            self.row_recipes[v] = lambda idx: _round(f"({self.ctype(v)})({recipe(idx)})", dtype)
+
+
+def _at(seq: Sequence[int | None], k: int) -> int | None:
+    return seq[k] if k < len(seq) else None
+
+
+def _c(dtype: str) -> tuple[str, str]:
+    got = C_TYPES.get(dtype)
+    if got is None:
+        raise Unsupported(f"dtype {dtype}")
+    return got
+
+
+def _fn(name: str, ct: str) -> str:
+    """The C math function for compute type ``ct`` (``expf`` for float, ``exp`` for double)."""
+    return f"{name}f" if ct == "float" else name
+
+
+# Half dtypes: held as their bits, computed in float. dtype -> (round a float to it, bits to
+# float, float to bits), the prelude's helpers.
+_HALF_FNS = {"float16": ("dsp_rh", "dsp_h2f", "dsp_f2h"), "bfloat16": ("dsp_rbf", "dsp_bf2f", "dsp_f2bf")}
+
+
+def _round(expr: str, dtype: str) -> str:
+    """``expr`` rounded to ``dtype`` where the compute type is wider (halves), as the reference rounds."""
+    return f"{_HALF_FNS[dtype][0]}({expr})" if dtype in _HALF_FNS else expr
+
+
+def _from_storage(raw: str, dtype: str) -> str:
+    if dtype in _HALF_FNS:
+        return f"{_HALF_FNS[dtype][1]}({raw})"
+    return f"({raw} != 0)" if dtype == "bool" else raw
+
+
+def _to_storage(name: str, dtype: str) -> str:
+    if dtype in _HALF_FNS:
+        return f"{_HALF_FNS[dtype][2]}({name})"
+    return f"({_c(dtype)[0]})({name})"
+
+
+def _literal_of(x: Any, dtype: str) -> str:
+    """A C literal of value ``x`` in the compute type of ``dtype``."""
+    ct = _c(dtype)[1]
+    if dtype == "bool":
+        return "true" if bool(x) else "false"
+    if dtype in FLOATS:
+        f = float(x)
+        if math.isnan(f):
+            return "(0.f / 0.f)" if ct == "float" else "(0.0 / 0.0)"
+        if math.isinf(f):
+            return "DSP_INF" if f > 0 else "-DSP_INF"
+        text = repr(f)
+        return f"{text}f" if ct == "float" else text
+    i = int(x)
+    suffix = "ll" if ct == "long long" else "ull" if ct == "unsigned long long" else ""
+    return f"(({ct}){i}{suffix})" if i >= 0 else f"(({ct})({i}{suffix}))"
+
+
+_CMP = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
+_LOGIC = {"And": "&&", "Or": "||", "Xor": "!="}
+_BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "PRelu": ""}
+_ROW_VALUED = frozenset(
+    {
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceSumSquare",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSumExp",
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "RMSNormalization",
+        "SimplifiedLayerNormalization",
+    }
+)
+# Ops whose inputs after the first are shape-like (read on the host, never loaded).
+_SHAPE_ARGS = frozenset(
+    {"Reshape", "Expand", "Squeeze", "Unsqueeze", "Slice", "Split", "Transpose", "Flatten", "Identity"}
+) | (_ROW_VALUED - {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
+
+
+def _gelu(x: str, ct: str, attrs: dict[str, Any]) -> str:
+    f = "f" if ct == "float" else ""
+    if attrs.get("approximate", "none") == "tanh":
+        return f"(0.5{f} * {x} * (1.0{f} + tanh{f}(0.7978845608028654{f} * ({x} + 0.044715{f} * {x} * {x} * {x}))))"
+    return f"(0.5{f} * {x} * (1.0{f} + erf{f}({x} * 0.7071067811865476{f})))"
+
+
+def _unary(name: str) -> Callable[[str, str, dict[str, Any]], str]:
+    return lambda x, ct, a: f"{_fn(name, ct)}({x})"
+
+
+_UNARY: dict[str, Callable[[str, str, dict[str, Any]], str]] = {
+    "Identity": lambda x, ct, a: x,
+    "Neg": lambda x, ct, a: f"(-{x})",
+    "Abs": lambda x, ct, a: f"({x} < 0 ? -{x} : {x})",
+    "Exp": _unary("exp"),
+    "Log": _unary("log"),
+    "Sqrt": _unary("sqrt"),
+    "Reciprocal": lambda x, ct, a: f"(({ct})1 / {x})",
+    "Tanh": _unary("tanh"),
+    "Sigmoid": lambda x, ct, a: f"(({ct})1 / (({ct})1 + {_fn('exp', ct)}(-{x})))",
+    "Relu": lambda x, ct, a: f"({x} > 0 ? {x} : ({ct})0)",
+    "Erf": _unary("erf"),
+    "Sin": _unary("sin"),
+    "Cos": _unary("cos"),
+    "Floor": _unary("floor"),
+    "Ceil": _unary("ceil"),
+    "Softplus": lambda x, ct, a: f"({x} > ({ct})20 ? {x} : {_fn('log1p', ct)}({_fn('exp', ct)}({x})))",
+    "Gelu": _gelu,
+    "LeakyRelu": lambda x, ct, a: f"({x} < 0 ? {x} * ({ct}){float(a.get('alpha', 0.01))!r} : {x})",
+    "HardSigmoid": lambda x, ct, a: (
+        f"dsp_min(dsp_max({x} * ({ct}){float(a.get('alpha', 0.2))!r} + ({ct}){float(a.get('beta', 0.5))!r}, "
+        f"({ct})0), ({ct})1)"
+    ),
+    "Sign": lambda x, ct, a: f"(({ct})(({x} > 0) - ({x} < 0)))",
+}
+_OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "Min", "Clip", "Pow"})
+INJECTIVE_OPS = frozenset(
+    {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Transpose", "Slice", "Split", "Concat", "Gather"}
+)
+SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | _OTHER | _ROW_VALUED | INJECTIVE_OPS
+# Ops whose reference kernel is a view on CuPy (no kernel at all): a group of only these
+# runs them; inside a bigger group they are index arithmetic.
+VIEW_ON_CUPY = frozenset(
+    {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
+)
+
+# Helpers the kernels call, after the type conversions.
+_HELPERS = r"""
+template <typename T> __device__ __forceinline__ T dsp_max(T a, T b) { return (a > b || a != a) ? a : b; }
+template <typename T> __device__ __forceinline__ T dsp_min(T a, T b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ long long dsp_clamp(long long i, long long hi) { return i < 0 ? 0 : i > hi ? hi : i; }
+"""
+
+
+def generate(spec: GroupSpec) -> Kernel:
+    """The CUDA C kernel for ``spec``, named after its template and a hash of its source.
+
+    Identical groups (the same layer's norm in every layer) share one kernel and one compile.
+    """
+    for node in spec.nodes:
+        if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
+            raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
+    if not spec.outputs:
+        raise Unsupported("the group stores nothing")
+    for v in spec.outputs:
+        _c(spec.values[v].dtype)
+        if spec.values[v].numel == 0:
+            raise Unsupported("an empty output (nothing to compute; the reference kernels make it)")
+    gen = _Gen(spec)
+    if spec.template == "row_reduction":
+        stores, grid = _row_template(gen, spec)
+    elif spec.template in ("pointwise", "copy"):
+        stores, grid = _pointwise_template(gen, spec)
+    else:
+        raise Unsupported(f"no CUDA C template for a {spec.template} group")
+    body = gen.top.lines
+    if len(body) > MAX_SOURCE_LINES:
+        raise Unsupported(f"the kernel would have {len(body)} lines")
+    params = [f"const {_c(spec.values[v].dtype)[0]}* __restrict__ in{k}" for k, v in enumerate(gen.args)]
+    params += [f"{_c(spec.values[v].dtype)[0]}* __restrict__ out{k}" for k, (v, _) in enumerate(stores)]
+    source = "\n".join(
+        [
+            _HELPERS,
+            f'extern "C" __global__ void __launch_bounds__({THREADS}) KERNEL({", ".join(params)}) {{',
+            *body,
+            "}",
+            "",
+        ]
+    )
+    tag = hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
+    prefix = {"row_reduction": "row", "copy": "cp"}.get(spec.template, "pw")
+    name = f"dsp_{prefix}_{tag}"
+    source = source.replace(" KERNEL(", f" {name}(", 1)
+    args = (*gen.args, *(v for v, _ in stores))
+    return Kernel(source, name, tuple(args), len(gen.args), grid, THREADS, spec.template)
+
+
+def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
+    spec = gen.spec.values[v]
+    name = gen.value(v, idx)
+    off = gen.flatten(idx, spec.shape)
+    gen.line(f"out{k}[{off}] = {_to_storage(name, spec.dtype)};")
+
+
+def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
+    space = max(spec.outputs, key=lambda v: spec.values[v].numel)
+    numel = max(1, spec.values[space].numel)
+    gen.line("const long long lin = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
+    gen.line(f"if (lin >= {numel}) return;")
+    stores: list[tuple[int, Idx]] = []
+    for v in spec.outputs:
+        oshape = spec.values[v].shape
+        size = max(1, math.prod(oshape))
+        # A smaller output is stored by the first threads, and again (the same values) by
+        # the threads past its size: every index stays in bounds, no store disagrees.
+        flat = "lin" if size == numel else gen.let(f"lin % {size}", prefix="i")
+        stores.append((v, gen.unflatten(flat, oshape)))
+    for k, (v, idx) in enumerate(stores):
+        _store(gen, k, v, idx)
+    return stores, (numel + THREADS - 1) // THREADS
+
+
+def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
+    reductions = [n for n in spec.nodes if n.op in _ROW_VALUED]
+    src = reductions[0].inputs[0] if reductions else None
+    if src is None:
+        raise Unsupported("a row-reduction group without its reduction")
+    row = tuple(spec.values[src].shape)
+    if not row or row[-1] > MAX_ROW or row[-1] == 0:
+        raise Unsupported(f"a row of {row[-1] if row else 0} elements (the template takes 1 to {MAX_ROW})")
+    gen.row = row
+    n_rows = math.prod(row[:-1])
+    gen.line("__shared__ float dsp_red[32];")
+    gen.line("const long long row = blockIdx.x;")
+    outer = gen.unflatten("row", row[:-1]) if row[:-1] else Idx(())
+    gen.row_idx = Idx((*outer.dims, "j"))
+    for node in reductions:  # every stage before the stores: a store reads any stage's result
+        gen._reduce(node)
+    in_row: list[tuple[int, int]] = []
+    in_outer: list[tuple[int, int]] = []
+    stores: list[tuple[int, Idx]] = []
+    for v in spec.outputs:
+        numel = spec.values[v].numel
+        if numel == math.prod(row):
+            in_row.append((len(stores), v))
+            stores.append((v, gen.row_idx))
+        elif numel == n_rows:
+            in_outer.append((len(stores), v))
+            stores.append((v, outer))
+        else:
+            raise Unsupported(f"an output of {list(spec.values[v].shape)} in a group over rows of {list(row)}")
+    if in_row:
+        with gen.block(f"for (long long j = threadIdx.x; j < {row[-1]}; j += blockDim.x)"):
+            for k, v in in_row:
+                _store(gen, k, v, gen.reshape(gen.row_idx, row, spec.values[v].shape))
+    if in_outer:
+        with gen.block("if (threadIdx.x == 0)"):
+            for k, v in in_outer:
+                _store(gen, k, v, gen.reshape(outer, row[:-1], spec.values[v].shape))
+    return stores, n_rows

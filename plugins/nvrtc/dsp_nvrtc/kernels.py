@@ -1,0 +1,153 @@
+"""A fusion group of an NVRTC_JIT segment: its generated CUDA C kernel, compiled, cached, loaded.
+
+``NvrtcGroup`` is dsp-cuda-graphs' ``GroupStep`` (reference steps, the check against them,
+demotion) with the NVRTC part: for each new input layout it generates the group's CUDA C
+(``codegen.generate``), finds the compiled kernel in the segment cache or compiles it with
+NVRTC (a CUBIN for the device's architecture), loads the module with ``cuModuleLoadData``
+(CuPy's ``Module.load``) and launches it with raw pointers on the segment's stream. Loaded
+modules live as long as the process: a captured graph holds their functions.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from dsp_cuda_graphs.fusion import GroupReport, GroupStep, Step, Unfusable
+
+from dsp_nvrtc import codegen, compiler
+from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_digest
+
+# (source, target, device) -> loaded module, for the process: a graph holds the functions it launches.
+_MODULES: dict[tuple[str, str, int], Any] = {}
+_modules_lock = threading.Lock()
+OPTIONS: tuple[str, ...] = ()  # NVRTC options beyond compiler.OPTIONS (part of the cache key)
+
+
+@dataclass
+class Built:
+    """A loaded kernel and what its launch needs."""
+
+    function: Any  # cupy.cuda.function.Function
+    kernel: codegen.Kernel
+    shapes: dict[int, tuple[tuple[int, ...], np.dtype[Any]]]  # output value -> (shape, dtype)
+
+
+def device_target(cp: Any) -> compiler.Target:
+    """A CUBIN for the current device's architecture (no driver JIT, no PTX version to match)."""
+    return compiler.Target(f"sm_{cp.cuda.Device().compute_capability}")
+
+
+def cache_key(kernel: codegen.Kernel, spec: codegen.GroupSpec, target: compiler.Target) -> JitSegmentCacheKey:
+    """The segment cache's key of ``kernel`` compiled for ``target``."""
+    major, minor = compiler.version()
+    return JitSegmentCacheKey(
+        group=group_digest(kernel.device_source()),
+        shapes=tuple(spec.values[v].shape for v in kernel.args),
+        dtypes=tuple(spec.values[v].dtype for v in kernel.args),
+        capability=target.arch,
+        options=(*compiler.OPTIONS, *OPTIONS),
+        compiler=f"nvrtc {major}.{minor}",
+    )
+
+
+def compiled(
+    kernel: codegen.Kernel, spec: codegen.GroupSpec, target: compiler.Target, cache: SegmentCache
+) -> tuple[bytes, bool]:
+    """The kernel's binary for ``target`` from the cache, or compiled now and stored; (binary, from the cache)."""
+    key = cache_key(kernel, spec, target)
+    entry = cache.get(key)
+    if entry is not None and entry.name == kernel.name and entry.source == kernel.device_source():
+        return entry.binary, True
+    binary = compiler.compile_source(kernel.device_source(), kernel.name, target, OPTIONS)
+    cache.put(key, Entry(kernel.name, kernel.device_source(), binary))
+    return binary, False
+
+
+def load(cp: Any, kernel: codegen.Kernel, binary: bytes, target: compiler.Target) -> Any:
+    """The kernel's function from its module, loaded once per device and process (cuModuleLoadData)."""
+    key = (kernel.device_source(), target.arch, int(cp.cuda.runtime.getDevice()))
+    with _modules_lock:
+        module = _MODULES.get(key)
+        if module is None:
+            module = cp.cuda.function.Module()
+            module.load(binary)
+            _MODULES[key] = module
+    return module.get_function(kernel.name)
+
+
+class NvrtcGroup(GroupStep):
+    """The step that runs one fusion group as one generated CUDA C kernel."""
+
+    backend_name = "NVRTC_JIT"
+
+    def __init__(
+        self,
+        report: GroupReport,
+        steps: list[Step],
+        in_flats: tuple[int, ...],
+        out_flats: tuple[int, ...],
+        nodes: list[codegen.NodeSpec],
+        constants: Any,
+        cupy: Any,
+        capturing: Any,
+        tolerance: float,
+        cache: SegmentCache,
+    ) -> None:
+        super().__init__(report, steps, in_flats, out_flats, cupy, capturing, tolerance)
+        self.nodes = nodes
+        self.constants = constants  # (flat, value) -> host copy of a small input that never changes, or None
+        self.cache = cache
+
+    def spec(self, inputs: Sequence[Any], local: dict[int, Any]) -> codegen.GroupSpec:
+        """The generator's view of this layout (every value's shape and dtype from a reference run)."""
+        values: dict[int, codegen.TensorSpec] = {}
+        for flat, x in local.items():
+            if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                continue
+            strides = None
+            if flat in self.in_flats and hasattr(x, "strides"):
+                item = x.dtype.itemsize
+                if any(s % item for s in x.strides):
+                    raise Unfusable(f"input {flat} has strides {x.strides} not in whole elements")
+                strides = tuple(int(s) // item for s in x.strides)
+            values[flat] = codegen.TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
+        device_inputs = [
+            f for f, x in zip(self.in_flats, inputs) if x is not None and not isinstance(x, np.ndarray | np.generic)
+        ]
+        return codegen.GroupSpec(
+            self.report.template,
+            self.nodes,
+            values,
+            device_inputs,
+            list(self.out_flats),
+            lambda v: self.constants(v, local.get(v)),
+        )
+
+    def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
+        spec = self.spec(inputs, local)
+        try:
+            kernel = codegen.generate(spec)
+        except codegen.Unsupported as exc:
+            raise Unfusable(str(exc)) from exc
+        for v in kernel.args[: kernel.n_inputs]:
+            if isinstance(local.get(v), np.ndarray | np.generic):
+                raise Unfusable(f"input {v} is a host array")
+        target = device_target(self.cp)
+        binary, hit = compiled(kernel, spec, target, self.cache)
+        self.report.kernel = kernel.name
+        self.report.cached = hit
+        shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
+        return Built(load(self.cp, kernel, binary, target), kernel, shapes)
+
+    def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        cp = self.cp
+        kernel = built.kernel
+        by_flat = dict(zip(self.in_flats, inputs))
+        outs = {v: cp.empty(built.shapes[v][0], dtype=built.shapes[v][1]) for v in kernel.args[kernel.n_inputs :]}
+        args = [by_flat[v] for v in kernel.args[: kernel.n_inputs]] + [outs[v] for v in kernel.args[kernel.n_inputs :]]
+        built.function((kernel.grid,), (kernel.threads,), tuple(args))
+        return tuple(outs[o] for o in self.out_flats)

@@ -1,0 +1,182 @@
+"""NVRTC_JIT and PTX_JIT on a GPU: every fixture matches the reference, captures and replays; the
+generated kernels come from the segment cache on a second compile; fewer kernels per replay than
+CUDA_GRAPHS; generation with Triton out of the way gives torch's tokens.
+
+Run: ``python3 -m pytest -q tests/gpu/test_nvrtc_gpu.py`` (with ``$OUT`` set, the kernel counts
+are also written to ``$OUT/nvrtc_kernel_counts.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dsp_core as dsp
+from dsp_core.llm import GenerationPipeline
+from dsp_core.runtime.lifecycle import PlanPhase
+from dsp_core.runtime.units import UnitKind
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
+MODES = ["nvrtc_jit", "ptx_jit"]
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "dsp-cache"))
+
+
+def _tolerance(mode: str) -> float:
+    from dsp_nvrtc.plugin import NvrtcBackend, PtxBackend
+
+    return (NvrtcBackend() if mode == "nvrtc_jit" else PtxBackend()).contract.tolerance
+
+
+def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol: float, what: str) -> None:
+    for name, ref in want.items():
+        out = np.asarray(got[name])
+        assert out.shape == ref.shape and out.dtype == ref.dtype, f"{what} {name}"
+        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
+        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale, err_msg=f"{what} {name}")
+
+
+def _reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    return [r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()]
+
+
+def _feeds(name: str, step: int | None) -> dict[str, np.ndarray]:
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    prefix = f"step{step}." if step is not None else ""
+    return {k[len(prefix) :]: golden[k] for k in golden.files if k.startswith(prefix)}  # filtered by input_names
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_available_here(mode: str) -> None:
+    from dsp_nvrtc.plugin import NvrtcBackend, PtxBackend
+
+    backend = NvrtcBackend() if mode == "nvrtc_jit" else PtxBackend()
+    assert backend.availability().ok, backend.availability().reason
+
+
+def _run_fixture(name: str, mode: str) -> dsp.CompiledModel:
+    ref = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    model = dsp.compile(FIXTURES / f"{name}.onnx", mode=mode, strict=True)
+    tol = _tolerance(mode)
+    for step in (0, 1) if name != "cnn" else (None,):
+        feeds = {n: v for n, v in _feeds(name, step).items() if n in model.input_names}
+        want = ref.run(feeds)
+        for i in range(8):  # eager, freeze, warm (kernels built and checked), capture, replays
+            _close(model.run(feeds), want, tol, f"{name} {mode} step {step} run {i}")
+        runtime = model.last_live.runtime  # type: ignore[union-attr]
+        reasons = [u.reason for u in runtime.units if u.kind is UnitKind.ISLAND and u.reason]
+        assert model.dsp.phase is PlanPhase.REPLAYING, f"{name} step {step}: {model.dsp.phase}; {reasons}"
+        before = runtime.counters()
+        for _ in range(3):
+            _close(model.run(feeds), want, tol, f"{name} {mode} step {step} steady")
+        after = runtime.counters()
+        assert after["recaptures"] == before["recaptures"]
+        assert after["replays"] > before["replays"]
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", [*DECODERS, "cnn"])
+def test_fixture_matches_reference_and_replays(name: str, mode: str) -> None:
+    model = _run_fixture(name, mode)
+    assert mode in model.resolved_backends()
+    if mode == "nvrtc_jit":
+        reports = _reports(model)
+        assert not [r for r in reports if r["status"] == "demoted"], reports
+        fused = [r for r in reports if r["status"] == "fused"]
+        assert fused, f"{name}: no group ran as a generated kernel: {reports}"
+        assert all(r["kernel"].startswith("dsp_") for r in fused)
+
+
+def test_a_second_compile_loads_every_kernel_from_the_segment_cache() -> None:
+    first = _reports(_run_fixture("llama_eager", "nvrtc_jit"))
+    second = _reports(_run_fixture("llama_eager", "nvrtc_jit"))
+    fused = [r for r in second if r["status"] == "fused"]
+    assert fused and all(r["cached"] for r in fused), second
+    assert {r["kernel"] for r in fused} == {r["kernel"] for r in first if r["status"] == "fused"}
+
+
+def test_a_damaged_cache_entry_is_recompiled() -> None:
+    from dsp_nvrtc.cache import cache_root
+
+    _run_fixture("gpt2_eager", "nvrtc_jit")
+    entries = sorted(cache_root().glob("*.kernel"))
+    assert entries
+    for path in entries:
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF  # a flipped byte in the binary
+        path.write_bytes(bytes(data))
+    reports = _reports(_run_fixture("gpt2_eager", "nvrtc_jit"))
+    fused = [r for r in reports if r["status"] == "fused"]
+    # every distinct kernel compiled again (a later group with the same source then reads it back)
+    assert fused and {r["kernel"] for r in fused if not r["cached"]} == {r["kernel"] for r in fused}, reports
+    for path in cache_root().glob("*.kernel"):
+        assert path.read_bytes().startswith(b"DSPNVRTC1")
+
+
+def test_a_group_that_disagrees_is_demoted_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsp_nvrtc import codegen
+
+    real = codegen._UNARY["Tanh"]
+    monkeypatch.setitem(codegen._UNARY, "Tanh", lambda x, ct, a: f"({real(x, ct, a)} + 1.0f)")
+    ref = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
+    model = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="nvrtc_jit", strict=True)
+    feeds = {n: v for n, v in _feeds("gpt2_eager", 0).items() if n in model.input_names}
+    want = ref.run(feeds)
+    with pytest.warns(UserWarning, match="demoted to its reference kernels"):
+        for _ in range(6):
+            _close(model.run(feeds), want, _tolerance("nvrtc_jit"), "demoted")
+    demoted = [r for r in _reports(model) if r["status"] == "demoted"]
+    assert demoted and "disagreed" in demoted[0]["reason"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", DECODERS)
+def test_generation_without_triton_gives_torchs_greedy_tokens(name: str, mode: str) -> None:
+    g = np.load(FIXTURES / f"{name}.golden.npz")
+    want = g["greedy_tokens"][:32].tolist()
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode=mode)
+    assert pipe.decoder(1).model.resolved_backends() == [mode]
+    result = pipe.generate(g["prompt"], 32)
+    assert result.tokens[0].tolist() == want, f"{name} {mode}: tokens differ from torch's"
+
+
+def _kernels_per_replay(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(8):
+        model.run(feeds)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.run(feeds)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def test_fewer_kernels_per_replay_than_cuda_graphs() -> None:
+    pytest.importorskip("torch")
+    counts: dict[str, dict[str, int]] = {}
+    for name in DECODERS:
+        feeds = _feeds(name, 1)
+        counts[name] = {}
+        for mode in ("cuda_graphs", "ptx_jit", "nvrtc_jit"):
+            model = dsp.compile(FIXTURES / f"{name}.onnx", mode=mode, strict=True)
+            counts[name][mode] = _kernels_per_replay(model, {n: feeds[n] for n in model.input_names})
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "nvrtc_kernel_counts.json").write_text(json.dumps(counts, indent=2))
+    print(json.dumps(counts))
+    for name, c in counts.items():
+        assert c["nvrtc_jit"] < c["cuda_graphs"], (name, c)
+        assert c["ptx_jit"] <= c["cuda_graphs"], (name, c)

@@ -1,0 +1,489 @@
+"""dsp-nvrtc on a machine without a GPU: it installs, lists NVRTC_JIT and PTX_JIT as unavailable with
+their reasons, AUTO falls through; its fusion policy groups the fixtures; every generated kernel of
+every fixture compiles with NVRTC (the nvidia-cuda-nvrtc wheel) and, built for the host by a C++
+compiler, gives the reference's outputs; the segment cache writes atomically and recompiles
+damaged entries; the committed PTX is what its source compiles to."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from dsp_cpu_ref.plugin import SlotBySlotBackend
+from dsp_nvrtc import codegen, compiler, hostcheck, rowwise
+from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache
+from dsp_nvrtc.plugin import NvrtcPolicy
+
+import dsp_core as dsp
+from dsp_core.backends.base import Registry
+from dsp_core.backends.discovery import discover
+from dsp_core.plan.fusion import propose_groups
+from dsp_core.runtime.model import CompiledModel
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
+NVRTC_MISSING = compiler.available()
+CXX_MISSING = None if hostcheck.host_compiler() else "no C++ compiler (g++) to run kernels on the host"
+
+
+def _gpu_missing() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() < 1
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _feeds(name: str, model: dsp.CompiledModel) -> dict[str, np.ndarray]:
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    prefix = "" if name == "cnn" else "step1."
+    return {n: golden[prefix + n] for n in model.input_names}
+
+
+# -- discovery ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name, mode", [("nvrtc_jit", "NVRTC_JIT"), ("ptx_jit", "PTX_JIT")])
+def test_registered_through_its_entry_point(name: str, mode: str) -> None:
+    backend = next(b for b in discover().backends if b.name == name)
+    assert backend.distribution == "dsp-nvrtc"
+    assert backend.mode is dsp.GraphExecutionMode[mode]
+    assert backend.platform == "cuda" and backend.captures
+    assert backend.contract.needs_stable_addresses and backend.contract.deterministic
+    assert isinstance(backend.fusion_policy(), NvrtcPolicy) == (name == "nvrtc_jit")
+
+
+@pytest.mark.skipif(not _gpu_missing(), reason="checks the CPU-only behaviour")
+def test_unavailable_with_a_reason_and_auto_falls_through() -> None:
+    for name in ("nvrtc_jit", "ptx_jit"):
+        avail = next(b for b in discover().backends if b.name == name).availability()
+        assert not avail.ok and "cupy" in avail.reason
+    model = dsp.compile(FIXTURES / "gpt2_eager.onnx")
+    model.run(_feeds("gpt2_eager", model))
+    assert not {"nvrtc_jit", "ptx_jit"} & set(model.resolved_backends())
+
+
+def test_backends_list_shows_both_in_the_cuda_chain() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dsp_core.cli", "backends", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    for name, mode in (("nvrtc_jit", "NVRTC_JIT"), ("ptx_jit", "PTX_JIT")):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"{name} "))
+        assert mode in line and "dsp-nvrtc" in line
+        if _gpu_missing():
+            assert " no: " in line
+    ranks = {
+        ln.split()[0]: ln.split()[-1]
+        for ln in out.splitlines()
+        if ln.split() and ln.split()[0] in ("triton", "nvrtc_jit", "ptx_jit", "cuda_graphs")
+    }
+    assert [ranks[n].strip("()") for n in ("triton", "nvrtc_jit", "ptx_jit", "cuda_graphs")] == ["1", "2", "3", "4"]
+
+
+def test_cuda_graphs_has_no_jit_kernels_left() -> None:
+    assert importlib.util.find_spec("dsp_cuda_graphs.fused") is None
+    source = (Path(__file__).parents[1] / "plugins/cuda_graphs/dsp_cuda_graphs/segment.py").read_text()
+    assert "RawModule" not in source and "LayerNormalization" not in source.split("def _slot_kernel")[0]
+
+
+# -- the policy ---------------------------------------------------------------------------
+class NvrtcGroupedSlotBySlot(SlotBySlotBackend):
+    """The reference backend grouping with dsp-nvrtc's policy: runs each group node by node."""
+
+    def fusion_policy(self) -> NvrtcPolicy:
+        return NvrtcPolicy()
+
+
+@pytest.mark.parametrize("name", [*DECODERS, "cnn"])
+def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: str) -> None:
+    plain = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    grouped = CompiledModel(
+        plain.graph, dsp.GraphExecutionMode.SLOT_BY_SLOT, registry=Registry(backends=[NvrtcGroupedSlotBySlot()])
+    )
+    feeds = _feeds(name, plain)
+    for _ in range(3):
+        want, got = plain.run(feeds), grouped.run(feeds)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}")
+    plan, part = plain.plan(), plain.partition()
+    assert plan is not None and part is not None
+    slots = [s for seg in part.segments for s in seg.slots]
+    result = propose_groups(plan, slots, NvrtcPolicy())
+    if name != "cnn":
+        assert result.kernels < len(slots) * 0.6, (result.kernels, len(slots))
+        assert any(g.template == "row_reduction" and len(g.slots) > 1 for g in result.groups)
+
+
+def test_plan_explain_shows_each_groups_chain_ending_at_the_winners_kernel() -> None:
+    plain = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
+    grouped = CompiledModel(
+        plain.graph, dsp.GraphExecutionMode.SLOT_BY_SLOT, registry=Registry(backends=[NvrtcGroupedSlotBySlot()])
+    )
+    groups = [g for seg in grouped.explain()["segments"] for g in seg["fusion"]["groups"]]
+    verdicts = {g["template"]: g["chain"][-1]["verdict"] for g in groups}
+    assert verdicts["row_reduction"] == "one generated kernel"
+    assert verdicts["matmul"].startswith("its slots' own kernels (a matmul group runs alone")
+    assert all(g["chain"][-1]["backend"] == "slot_by_slot" for g in groups)
+
+
+def test_policy_keeps_ops_it_cannot_generate_alone() -> None:
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [4, 8])
+    y = g.Relu(g.Mod(g.Exp(x), x, fmod=1))
+    g.output(g.Sigmoid(y), "y")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    model.run({"x": np.ones((4, 8), np.float32)})
+    plan = model.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())
+    mod = next(s for s in range(len(plan.slots)) if plan.slots[s].op == "Mod")
+    assert any(g.slots == (mod,) for g in result.groups)
+    assert any("no CUDA C template" in b.reason for b in result.boundaries)
+
+
+# -- the generator, compiled by NVRTC and run on the host -----------------------------------
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("name", [*DECODERS, "cnn"])
+def test_every_generated_kernel_compiles_and_matches_the_reference_on_the_host(name: str) -> None:
+    model = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    results = hostcheck.check_model(model, _feeds(name, model))
+    bad = [r for r in results if r.status not in ("ok", "unsupported")]
+    assert not bad, bad[:3]
+    ok = {r.template for r in results if r.status == "ok"}
+    assert "pointwise" in ok and (name == "cnn" or {"row_reduction", "copy"} <= ok), results
+
+
+def _half_block() -> Any:
+    """A gather, LayerNorm, tanh-GELU chain, the exported RMSNorm chain, masked Softmax, transposes: in fp16."""
+    g = dsp.GraphBuilder("half_block")
+
+    def half(v: float) -> Any:
+        return g.constant(np.float16(v))
+
+    rng = np.random.default_rng(3)
+    x = g.placeholder("x", "float16", [2, 5, 96])
+    mask = g.placeholder("mask", "float16", [2, 1, 96])
+    ids = g.placeholder("ids", "int64", [2, 5])
+    table = g.constant(rng.standard_normal((10, 96)).astype(np.float16))
+    e = g.Gather(table, ids, axis=0) + x
+    scale = g.constant((rng.random(96) + 0.5).astype(np.float16))
+    bias = g.constant(rng.standard_normal(96).astype(np.float16))
+    ln = g.LayerNormalization(e, scale, bias, axis=-1, epsilon=1e-5)
+    t = ln * half(0.5) * (half(1.0) + g.Tanh(half(0.7978845608) * (ln + half(0.044715) * ln * ln * ln)))
+    axes = g.constant(np.array([-1], np.int64))
+    h = g.Cast(t, to=1)
+    inv = g.Reciprocal(
+        g.Sqrt(g.ReduceMean(g.Pow(h, g.constant(np.float32(2))), axes, keepdims=1) + g.constant(np.float32(1e-6)))
+    )
+    r = g.Cast(h * inv, to=10)
+    sm = g.Softmax(r * half(0.125) + mask, axis=-1)
+    y2 = g.Where(g.Less(g.Transpose(sm, perm=[0, 2, 1]), half(0.01)), half(0.0), g.Transpose(sm, perm=[0, 2, 1]))
+    g.output(sm, "sm")
+    g.output(y2, "y2")
+    return g.build()
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+def test_half_precision_groups_match_the_reference_on_the_host() -> None:
+    model = dsp.compile(_half_block(), mode="slot_by_slot")
+    rng = np.random.default_rng(4)
+    feeds = {
+        "x": rng.standard_normal((2, 5, 96)).astype(np.float16),
+        "mask": np.where(rng.random((2, 1, 96)) < 0.2, -1e4, 0).astype(np.float16),
+        "ids": np.array([[0, 3, -1, 9, 2], [-10, 5, 5, 1, 0]], np.int64),  # negative indexes count from the end
+    }
+    results = hostcheck.check_model(model, feeds)
+    assert [r.status for r in results] == ["ok"] * len(results) and len(results) >= 5, results
+    assert {r.template for r in results} == {"copy", "row_reduction"}
+
+
+def _spec(template, nodes, values, inputs, outputs, constants=None) -> codegen.GroupSpec:
+    specs = {
+        v: codegen.TensorSpec(shape, dtype, tuple(codegen.row_major(shape)) if v in inputs else None)
+        for v, (shape, dtype) in values.items()
+    }
+    return codegen.GroupSpec(template, nodes, specs, list(inputs), list(outputs), constants or (lambda v: None))
+
+
+def _softmax_spec(dtype: str) -> codegen.GroupSpec:
+    """Softmax(x * scale + mask) over rows of 300: scale a literal, the mask broadcast over heads."""
+    n = codegen.NodeSpec
+    return _spec(
+        "row_reduction",
+        [n("Mul", (1, 2), (3,)), n("Add", (3, 4), (5,)), n("Softmax", (5,), (6,), {"axis": -1}, opset=13)],
+        {
+            1: ((2, 3, 300), dtype),
+            2: ((), dtype),
+            3: ((2, 3, 300), dtype),
+            4: ((2, 1, 300), dtype),
+            5: ((2, 3, 300), dtype),
+            6: ((2, 3, 300), dtype),
+        },
+        [1, 2, 4],
+        [6],
+        lambda v: np.asarray(0.125, dtype) if v == 2 else None,
+    )
+
+
+def _softmax_want(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64) * 0.125 + mask
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_scaled_masked_softmax_is_one_row_kernel(dtype: str) -> None:
+    spec = _softmax_spec(dtype)
+    kernel = codegen.generate(spec)
+    assert kernel.template == "row_reduction" and kernel.grid == 6 and kernel.args == (1, 4, 6)
+    assert "0.125f" in kernel.source  # the one-element constant is a literal, not an argument
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 300)).astype(dtype)
+    mask = np.where(rng.random((2, 1, 300)) < 0.2, -1e4, 0.0).astype(dtype)
+    got = hostcheck.run_on_host(kernel, spec, {1: x, 4: mask})[6]
+    np.testing.assert_allclose(
+        got.astype(np.float64), _softmax_want(x, mask), atol=2e-3 if dtype == "float16" else 1e-6
+    )
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_the_host_check_sees_a_wrong_kernel() -> None:
+    """The check is not vacuous: a kernel that computes another thing disagrees."""
+    spec = _softmax_spec("float32")
+    kernel = codegen.generate(spec)
+    source = kernel.source.replace("expf(", "exp2f(").replace(f" {kernel.name}(", f" {kernel.name}_w(")
+    wrong = dataclasses.replace(kernel, source=source, name=kernel.name + "_w")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 300)).astype(np.float32)
+    mask = np.zeros((2, 1, 300), np.float32)
+    got = hostcheck.run_on_host(wrong, spec, {1: x, 4: mask})[6]
+    assert not np.allclose(got, _softmax_want(x, mask), rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_pointwise_broadcast_and_copy_index_arithmetic_on_the_host() -> None:
+    """Where(c, a + b[None], -a) over [3, 4, 5] with a strided (transposed) input, then a slice and a
+    concat along the last axis: one copy kernel."""
+    n = codegen.NodeSpec
+    nodes = [
+        n("Add", (1, 2), (3,)),
+        n("Neg", (1,), (4,)),
+        n("Where", (5, 3, 4), (6,)),
+        n("Slice", (6, 10, 11, 12), (7,), opset=13),
+        n("Concat", (7, 6), (8,), {"axis": -1}),
+    ]
+    consts = {10: np.array([1]), 11: np.array([4]), 12: np.array([2])}
+    spec = _spec(
+        "copy",
+        nodes,
+        {
+            1: ((3, 4, 5), "float32"),
+            2: ((4, 5), "float32"),
+            3: ((3, 4, 5), "float32"),
+            4: ((3, 4, 5), "float32"),
+            5: ((3, 1, 5), "bool"),
+            6: ((3, 4, 5), "float32"),
+            7: ((3, 4, 3), "float32"),
+            8: ((3, 4, 8), "float32"),
+            10: ((1,), "int64"),
+            11: ((1,), "int64"),
+            12: ((1,), "int64"),
+        },
+        [1, 2, 5, 10, 11, 12],
+        [8],
+        lambda v: consts.get(v),
+    )
+    rng = np.random.default_rng(2)
+    a = np.ascontiguousarray(rng.standard_normal((5, 4, 3)).astype(np.float32)).transpose(2, 1, 0)
+    spec.values[1] = codegen.TensorSpec((3, 4, 5), "float32", tuple(s // 4 for s in a.strides))
+    b = rng.standard_normal((4, 5)).astype(np.float32)
+    c = rng.random((3, 1, 5)) < 0.5
+    kernel = codegen.generate(spec)
+    assert kernel.args == (5, 1, 2, 8)  # the slice bounds are literals
+    got = hostcheck.run_on_host(kernel, spec, {1: a, 2: b, 5: c})[8]
+    w = np.where(c, a + b, -a)
+    np.testing.assert_array_equal(got, np.concatenate([w[..., 1:4], w], axis=-1))
+
+
+@pytest.mark.parametrize(
+    "node, dtype, why",
+    [
+        (codegen.NodeSpec("Div", (1, 1), (2,)), "int32", "integer Div"),
+        (codegen.NodeSpec("Exp", (1,), (2,)), "int64", "Exp on int64"),
+        (codegen.NodeSpec("Mod", (1, 1), (2,)), "float32", "no template for Mod"),
+    ],
+)
+def test_unsupported_groups_say_why(node: codegen.NodeSpec, dtype: str, why: str) -> None:
+    spec = _spec("pointwise", [node], {1: ((4,), dtype), 2: ((4,), dtype)}, [1], [2])
+    with pytest.raises(codegen.Unsupported, match=why):
+        codegen.generate(spec)
+
+
+def test_identical_groups_share_one_kernel_name() -> None:
+    a, b = codegen.generate(_softmax_spec("float16")), codegen.generate(_softmax_spec("float16"))
+    assert a.name == b.name and a.name.startswith("dsp_row_")
+    assert codegen.generate(_softmax_spec("float32")).name != a.name
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
+def test_a_compile_error_quotes_the_generated_line() -> None:
+    source = codegen.DEVICE_PRELUDE + 'extern "C" __global__ void broken(float* y) {\n    y[0] = undefined_name;\n}\n'
+    line = source.splitlines().index("    y[0] = undefined_name;") + 1
+    with pytest.raises(compiler.NvrtcError) as info:
+        compiler.compile_source(source, "broken", compiler.Target("compute_75"))
+    assert info.value.lines and info.value.lines[0] == line
+    assert f"line {line}: y[0] = undefined_name;" in str(info.value) and "undefined_name" in info.value.log
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
+def test_nvrtc_compiles_ptx_and_a_cubin_without_a_gpu() -> None:
+    kernel = codegen.generate(_softmax_spec("float16"))
+    ptx = compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("compute_75"))
+    assert ptx.endswith(b"\0") and f".entry {kernel.name}(".encode() in ptx
+    cubin = compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
+def test_the_committed_ptx_is_what_its_source_compiles_to() -> None:
+    if compiler.version() != (13, 0):
+        pytest.skip(f"NVRTC {compiler.version()} here; the committed PTX is built with 13.0")
+    script = Path(__file__).parents[1] / "scripts" / "build_ptx.py"
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ptx = rowwise.PTX.read_text()
+    assert ".version 9.0" in ptx and all(f".entry {name}(" in ptx for name in rowwise.NAMES)
+
+
+# -- the segment cache ------------------------------------------------------------------------
+def _key(**kw) -> JitSegmentCacheKey:
+    fields = dict(
+        group="ab" * 16,
+        shapes=((2, 3),),
+        dtypes=("float16",),
+        capability="sm_90",
+        options=("-x",),
+        compiler="nvrtc 13.0",
+    )
+    fields.update(kw)
+    return JitSegmentCacheKey(**fields)
+
+
+def test_cache_round_trip_and_every_key_field_misses(tmp_path: Path) -> None:
+    cache = SegmentCache(tmp_path)
+    entry = Entry("dsp_row_x", "source text", b"\x7fELF binary")
+    assert cache.get(_key()) is None
+    path = cache.put(_key(), entry)
+    assert path is not None and path.parent == tmp_path
+    assert cache.get(_key()) == entry and cache.hits == 1
+    for field, other in (
+        ("shapes", ((2, 4),)),
+        ("dtypes", ("float32",)),
+        ("capability", "sm_80"),
+        ("options", ()),
+        ("compiler", "nvrtc 13.1"),
+        ("group", "cd" * 16),
+    ):
+        assert cache.get(_key(**{field: other})) is None
+        assert _key(**{field: other}).differs(_key()) == [field]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
+def test_a_damaged_entry_is_removed_and_missed(tmp_path: Path, damage: str) -> None:
+    cache = SegmentCache(tmp_path)
+    path = cache.put(_key(), Entry("k", "src", b"binary bytes here"))
+    assert path is not None
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-3] ^= 0x55
+    elif damage == "truncate":
+        data = data[:-4]
+    elif damage == "header":
+        data[12:14] = b"{{"
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert cache.get(_key()) is None
+    assert cache.damaged == 1 and not path.exists()
+    cache.put(_key(), Entry("k", "src", b"binary bytes here"))  # recompiled and stored again
+    assert cache.get(_key()) is not None
+
+
+def test_an_entry_under_another_key_is_damaged(tmp_path: Path) -> None:
+    cache = SegmentCache(tmp_path)
+    path = cache.put(_key(), Entry("k", "src", b"bin"))
+    assert path is not None
+    os.replace(path, cache.path(_key(capability="sm_80")))  # a file renamed by hand
+    assert cache.get(_key(capability="sm_80")) is None and cache.damaged == 1
+
+
+def test_a_write_that_dies_leaves_the_old_entry_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = SegmentCache(tmp_path)
+    cache.put(_key(), Entry("k", "old", b"old binary"))
+
+    def dying(src: str, dst: str) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(os, "replace", dying)
+    assert cache.put(_key(), Entry("k", "new", b"new binary")) is None  # said in the log, not raised
+    monkeypatch.undo()
+    assert cache.get(_key()) == Entry("k", "old", b"old binary")
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_the_wheel_carries_the_ptx_and_its_source(tmp_path: Path) -> None:
+    import zipfile
+
+    plugin = Path(__file__).parents[1] / "plugins" / "nvrtc"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(plugin),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("dsp_nvrtc-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"dsp_nvrtc/ptx/rowwise.ptx", "dsp_nvrtc/ptx/rowwise.cu", "dsp_nvrtc/codegen.py"} <= names
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_bfloat16_is_held_as_bits_computed_in_float_and_rounded_per_op() -> None:
+    import math
+
+    import ml_dtypes
+
+    n, t = codegen.NodeSpec, codegen.TensorSpec
+    bf = "bfloat16"
+    values = {1: t((4, 33), bf, (33, 1)), 2: t((33,), bf, (1,)), 3: t((4, 33), bf), 4: t((4, 33), bf)}
+    values[5] = t((4, 33), "float32")
+    nodes = [n("Add", (1, 2), (3,)), n("Gelu", (3,), (4,)), n("Cast", (4,), (5,), {"to": 1})]
+    spec = codegen.GroupSpec("pointwise", nodes, values, [1, 2], [4, 5])
+    kernel = codegen.generate(spec)
+    assert "dsp_rbf(" in kernel.source and "unsigned short" in kernel.source
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 33)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(33).astype(ml_dtypes.bfloat16)
+    got = hostcheck.run_on_host(kernel, spec, {1: a, 2: b})
+    s = (a.astype(np.float32) + b.astype(np.float32)).astype(ml_dtypes.bfloat16).astype(np.float64)
+    want = 0.5 * s * (1 + np.vectorize(math.erf)(s / math.sqrt(2)))
+    assert got[4].dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(got[4].astype(np.float64), want, atol=2e-2, rtol=1e-2)
+    np.testing.assert_array_equal(got[5], got[4].astype(np.float32))  # the cast reads the rounded value
