@@ -451,7 +451,73 @@ def _in_row_space(pattern: SlotPattern, red: SlotPattern) -> bool:
     if pattern.shape is None or red.row is None:
         return False
     outer = tuple(red.row[:-1])
-    return _strip(tuple(pattern.shape)) in {_strip(tuple(red.row)), _strip(outer), _strip((*outer, 1))}
+    shape = tuple(pattern.shape)
+    return _strip(shape) in {_strip(tuple(red.row)), _strip(outer), _strip((*outer, 1))} or same_rows(shape, red.row)
+
+
+def _factors(dims: Sequence[Dim]) -> tuple[int, tuple[str, ...]] | None:
+    """The product of ``dims``: its integer part and its symbolic factors (``"batch*seq"`` is two)."""
+    number, names = 1, []
+    for d in dims:
+        if d is None:
+            return None
+        if isinstance(d, int):
+            number *= d
+            continue
+        for part in str(d).split("*"):
+            part = part.strip()
+            if part.isdigit():
+                number *= int(part)
+            else:
+                names.append(part)
+    return number, tuple(sorted(names))
+
+
+def same_rows(shape: Sequence[Dim], row: Sequence[Dim]) -> bool:
+    """True when ``shape`` is ``row`` with its outer dims regrouped: the same last axis, as many rows.
+
+    A reshape of ``[batch, seq, K]`` to ``[batch*seq, K]`` (GPT-2's Conv1D as a Gemm)
+    only relabels the rows; symbolic dims compare by their factors.
+    """
+    if not shape or not row or shape[-1] != row[-1]:
+        return False
+    a, b = _factors(shape[:-1]), _factors(row[:-1])
+    return a is not None and a == b
+
+
+def norm_prologue(plan: Plan, group: GroupView, s: int, readers: dict[int, list[int]]) -> str | None:
+    """None when row-reduction ``group`` may run as the prologue of product slot ``s``, else why not.
+
+    The legal merge of a norm into the product that reads it (docs/fusion.md): the
+    product's first operand (A) is made in the group and is the reduction's row space,
+    so the rows are the product's rows and the reduced axis is the product's K; no other
+    operand of the product is made in the group; and nothing the group makes is read
+    outside it (its values exist only inside the product's K loop, so a value read
+    elsewhere would have to be stored: the norm then stays its own kernel).
+    """
+    red = group.reduction
+    if group.template != "row_reduction" or red is None or red.row is None:
+        return f"a {group.template} group is not a row reduction a product can take as its prologue"
+    slot = plan.slots[s]
+    if slot.op == "Gemm" and int(slot.attrs.get("transA", 0)):
+        return "a Gemm with transA=1 reads A along its rows: no norm prologue"
+    members = set(group.slots)
+    made = {v: m for m in group.slots for v in plan.slots[m].outputs if v is not None}
+    a = slot.inputs[0] if slot.inputs else None
+    if a is None or a not in made:
+        return f"group {group.index} does not make the product's first operand"
+    if any(r in made for r in slot.inputs[1:] if r is not None):
+        return f"group {group.index} makes an operand of the product other than A"
+    a_shape = group.patterns[made[a]].shape
+    if a_shape is None or not same_rows(a_shape, red.row):
+        return (
+            f"the product's A iterates {_dims(a_shape)}, not the rows {_dims(red.row)} the norm reduces "
+            "(the reduced axis must be the product's K)"
+        )
+    for v, m in made.items():
+        if v in plan.outputs or any(r not in members and r != s for r in readers.get(v, ())):
+            return f"slot {m}'s output is read outside the norm and the product: the norm stays its own kernel"
+    return None
 
 
 NO_FUSION = FusionPolicy()
@@ -778,8 +844,10 @@ __all__ = [
     "ReferencePolicy",
     "SlotPattern",
     "classify",
+    "norm_prologue",
     "propose_groups",
     "release_order",
+    "same_rows",
     "sealed_slots",
     "segment_fusion",
 ]

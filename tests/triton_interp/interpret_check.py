@@ -92,7 +92,7 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
 
             spec = codegen.GroupSpec(g.template, nodes, specs, list(dict.fromkeys(ins)), outs, constant)
             pieces = [spec]
-            if nodes and nodes[0].op == "MergedMatMul":  # as kernels.py does: joined weights
+            if codegen.merged_index(spec) >= 0:  # as kernels.py does: joined weights
                 spec = _merged(codegen, spec, values, passed)
                 pieces = [spec]
             try:
@@ -117,7 +117,7 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
 
 def _merged(codegen: Any, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:
     """A merged product's one-kernel spec, with its joined weights (and biases) built with numpy."""
-    node = spec.nodes[0]
+    node = spec.nodes[codegen.merged_index(spec)]
     weights, biases = codegen.merged_operands(node)
     trans_b = bool(node.attrs.get("transB", 0)) and node.attrs.get("form") == "Gemm"
     rows = [np.asarray(values[w]) if trans_b else np.asarray(values[w]).T for w in weights]

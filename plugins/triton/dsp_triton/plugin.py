@@ -11,7 +11,15 @@ from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
 from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.plan.fusion import VIEW_OPS, FusionLimits, GroupView, PatternKind, ReferencePolicy, SlotPattern
+from dsp_core.plan.fusion import (
+    VIEW_OPS,
+    FusionLimits,
+    GroupView,
+    PatternKind,
+    ReferencePolicy,
+    SlotPattern,
+    norm_prologue,
+)
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
@@ -100,8 +108,10 @@ class TritonPolicy(ReferencePolicy):
         why = product_declined(plan, s, pattern)
         if why is not None:
             return why
+        if group.template == "row_reduction":  # a norm: each program computes the row statistic itself
+            return norm_prologue(plan, group, s, self._readers(plan)) or self._looped(plan, group)
         if is_merged(plan.slots[s]):
-            return "a merged product reads its joined weights: no prologue is fused"
+            return "a merged product reads its joined weights: no prologue of index arithmetic is fused"
         if group.template not in ("copy", "view"):
             return f"a {group.template} group is not index arithmetic a product can read through"
         members = {*group.slots, s}
@@ -113,6 +123,14 @@ class TritonPolicy(ReferencePolicy):
                     continue
                 if v in plan.outputs or any(r not in members for r in self._readers(plan).get(v, ())):
                     return f"slot {m}'s output is read outside the product: it must be stored"
+        return None
+
+    @staticmethod
+    def _looped(plan: Plan, group: GroupView) -> str | None:
+        """None when every reduction of a norm group is one the product's prologue loops compute."""
+        for m in group.reductions:
+            if plan.slots[m].op not in codegen.LOOPED_REDUCTIONS:
+                return f"{plan.slots[m].op} is not a reduction the product's prologue computes"
         return None
 
     def absorbs(self, plan: Plan, group: GroupView, s: int, other: GroupView) -> bool:
@@ -213,6 +231,8 @@ class TritonPolicy(ReferencePolicy):
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
         if not self._generated(plan, s, pattern):
             return f"{op} has no Triton template"
+        if self._feeds_a_norm(plan, group, s):
+            return f"{op} feeds only a norm's reduction: it goes with the norm, which a product may take as prologue"
         if anchor is None:
             anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
         product = group.patterns[anchor].shape
@@ -226,6 +246,24 @@ class TritonPolicy(ReferencePolicy):
                 f"not the product's {list(product) if product else 'unknown'} lanes"
             )
         return None
+
+    def _feeds_a_norm(self, plan: Plan, group: GroupView, s: int) -> bool:
+        """True when every reader of ``s`` is a last-axis reduction other than a softmax (a norm's statistic).
+
+        The exported RMSNorm squares the residual (``Pow``) before its ``ReduceMean``: kept
+        with the reduction, the norm reads only the residual and can become the next
+        product's prologue. A softmax's scale and mask stay with the scores (attention).
+        """
+        outs = [v for v in plan.slots[s].outputs if v is not None]
+        readers = [r for v in outs for r in self._readers(plan).get(v, ())]
+        if not readers or any(v in plan.outputs for v in outs):
+            return False
+        return all(
+            r in group.patterns
+            and group.patterns[r].kind is PatternKind.ROW_REDUCTION
+            and plan.slots[r].op not in ("Softmax", "LogSoftmax")
+            for r in readers
+        )
 
     @staticmethod
     def _generated(plan: Plan, s: int, pattern: SlotPattern) -> bool:
