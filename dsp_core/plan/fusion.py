@@ -45,6 +45,7 @@ class PatternKind(enum.Enum):
     ROW_REDUCTION = "row_reduction"  # reduces the last axis (Reduce*, Softmax, LayerNorm, ArgMax)
     MATMUL = "matmul"
     ATTENTION = "attention"
+    STORE = "store"  # an in-place write of a computed value into a buffer (dsp::KVScatter)
     OPAQUE = "opaque"  # anything a template cannot take: control flow, random, other reductions
 
 
@@ -59,6 +60,9 @@ MATMUL_OPS = frozenset(
 # Ops that reduce the axis named by their ``axis`` attribute (default last) row by row.
 ROW_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
 OPAQUE_TRAITS = Trait.CONTROL_FLOW | Trait.RANDOM | Trait.DYNAMIC_OUTPUT_SIZE
+# In-place writes whose meaning the core knows: (domain, op) -> (buffer, update, position) inputs.
+# The decode plan's KV store writes the step's row at a device-held position (dsp_core/llm/kv.py).
+STORE_OPS = {("dsp", "KVScatter"): (0, 1, 2)}
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,8 @@ def classify(plan: Plan, s: int, shapes: dict[int, tuple[Dim, ...] | None] | Non
 
     out_shape = shape(next((v for v in slot.outputs if v is not None), None))
     numel = _numel(out_shape)
+    if (slot.domain, slot.op) in STORE_OPS and not slot.traits & OPAQUE_TRAITS and s not in plan.regions:
+        return SlotPattern(PatternKind.STORE, numel, shape=out_shape)
     if slot.traits & OPAQUE_TRAITS or slot.traits & Trait.MUTATES_INPUT or s in plan.regions:
         return SlotPattern(PatternKind.OPAQUE, numel, shape=out_shape)
     if slot.traits & Trait.ATTENTION:
@@ -385,9 +391,9 @@ class ReferencePolicy(FusionPolicy):
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         kind = pattern.kind
-        if group.template in ("matmul", "attention", "opaque"):
+        if group.template in ("matmul", "attention", "opaque", "store"):
             return f"group {group.index} is a {group.template} slot, which runs alone (no reference template fuses it)"
-        if kind in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE):
+        if kind in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE, PatternKind.STORE):
             return f"{plan.slots[s].op} is {kind.value}: no reference template fuses it"
         if kind is PatternKind.INJECTIVE and plan.slots[s].op not in VIEW_OPS:
             return f"{plan.slots[s].op} is a materialised copy: it starts a copy group"
@@ -601,6 +607,9 @@ class _Grouper:
             return f"{plan.slots[s].op} is opaque ({_opaque_why(plan, s)}): always a group alone"
         if len(group.slots) >= self.policy.limits.max_nodes:
             return f"group {g} holds {len(group.slots)} slots, the template limit"
+        why = self._store_rules(g, s, pattern)
+        if why is not None:
+            return why
         others = {self.group_of[p] for p in self.deps[s]} - {g}
         cyclic = sorted(h for h in others if g in self.ancestors[h])
         if cyclic:
@@ -632,6 +641,28 @@ class _Grouper:
             return f"the group would read more than {self.policy.limits.max_inputs} inputs, the template limit"
         return self.policy.merge_ok(plan, group, s, pattern)
 
+    def _store_rules(self, g: int, s: int, pattern: SlotPattern) -> str | None:
+        """A store joins only the group that makes what it writes; nothing reads a group's store inside it.
+
+        The buffer written in place is read whole after the write (attention reads every
+        position): rows other programs write, which one kernel cannot wait for.
+        """
+        plan, members = self.plan, set(self.groups[g].slots)
+        made = {v: m for m in members for v in plan.slots[m].outputs if v is not None}
+        if pattern.kind is PatternKind.STORE:
+            buffer, update, position = (
+                plan.slots[s].inputs[k] for k in STORE_OPS[(plan.slots[s].domain, plan.slots[s].op)]
+            )
+            if update not in made:
+                return f"{plan.slots[s].op} joins only the group that makes what it writes, not group {g}"
+            if buffer in made or position in made:
+                return f"group {g} makes {plan.slots[s].op}'s buffer or position, not only what it writes"
+        for r in plan.slots[s].inputs:
+            m = made.get(r) if r is not None else None
+            if m is not None and self.patterns[m].kind is PatternKind.STORE:
+                return f"slot {s} reads the buffer slot {m} writes in place: rows other programs write"
+        return None
+
     def _absorbable(self, g: int, h: int, s: int) -> bool:
         """True when group ``h`` may merge into ``g`` (which ``s`` just joined): independent, within limits."""
         if g in self.ancestors[h]:
@@ -642,7 +673,7 @@ class _Grouper:
         group, other = self.groups[g], self.groups[h]
         if len(group.slots) + len(other.slots) > self.policy.limits.max_nodes:
             return False
-        if any(self.patterns[m].kind is PatternKind.OPAQUE for m in other.slots):
+        if any(self.patterns[m].kind in (PatternKind.OPAQUE, PatternKind.STORE) for m in other.slots):
             return False
         return self.policy.absorbs(self.plan, group, s, other)
 
@@ -842,6 +873,7 @@ __all__ = [
     "GroupView",
     "PatternKind",
     "ReferencePolicy",
+    "STORE_OPS",
     "SlotPattern",
     "classify",
     "norm_prologue",

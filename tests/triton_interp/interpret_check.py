@@ -115,6 +115,30 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
     return results
 
 
+def decode_model(path: str, max_length: int = 16, position: int = 5, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    """The fixed-KV decode plan of a decoder (``GenerationPipeline``'s) and feeds of one step at ``position``.
+
+    The KV buffers hold random rows up to ``position``; the attention mask covers them and
+    the new row; the step's KV stores write row ``position``.
+    """
+    import dsp_core
+    from dsp_core.ir.onnx_import import import_model
+    from dsp_core.llm.kv import fixed_kv_buffers
+
+    fixed = fixed_kv_buffers(import_model(path), batch=1, max_length=max_length)
+    model = dsp_core.compile(fixed.graph, mode="slot_by_slot")
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, Any] = {}
+    for name, shape in fixed.buffer_shapes.items():
+        feeds[name] = rng.standard_normal(shape).astype(fixed.buffer_dtypes[name])
+    mask = np.zeros((1, max_length), np.int64)
+    mask[0, : position + 1] = 1
+    step = {"input_ids": np.array([[3]]), "attention_mask": mask, "position_ids": np.array([[position]])}
+    feeds.update({k: v.astype(fixed.input_dtypes.get(k, "int64")) for k, v in step.items() if k in model.input_names})
+    feeds[fixed.position_input] = np.array([position], np.int64)
+    return model, feeds
+
+
 def _merged(codegen: Any, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:
     """A merged product's one-kernel spec, with its joined weights (and biases) built with numpy."""
     node = spec.nodes[codegen.merged_index(spec)]
@@ -148,6 +172,13 @@ def _run_piece(
     args = []
     for v in kernel.args[: kernel.n_inputs]:
         args.append(_torch_view(torch, passed[v] if v in passed else _passable(np.asarray(values[v]))))
+    buffers = {}  # a KV store's buffer: a copy whose rows to write are NaN (the reference wrote them)
+    for out, buffer, update, position, axis in kernel.kv_stores:
+        buf = np.array(values[buffer], copy=True)
+        ax, p = axis % buf.ndim, int(np.asarray(values[position]).reshape(-1)[0])
+        buf[(slice(None),) * ax + (slice(p, p + np.asarray(values[update]).shape[ax]),)] = np.nan
+        buffers[out] = buf
+        args[kernel.args.index(buffer)] = torch.from_numpy(buf)
     out_arrays = [np.empty(spec.values[v].shape, dtype=spec.values[v].dtype) for v in kernel.args[kernel.n_inputs :]]
     args += [torch.from_numpy(a) for a in out_arrays]
     try:
@@ -155,6 +186,7 @@ def _run_piece(
     except Exception as exc:  # noqa: BLE001
         return "error", f"{type(exc).__name__}: {exc}\n{kernel.source}"
     got = {v: a for v, a in zip(kernel.args[kernel.n_inputs :], out_arrays)}
+    got.update(buffers)
     outs = list(spec.outputs)
     if all(o < 0 for o in outs):  # synthetic values between kernels (a split attention's partials)
         passed.update(got)

@@ -121,6 +121,9 @@ class Kernel:
     num_warps: int
     block: int  # BLOCK (pointwise) or RBLOCK (row)
     template: str
+    # KV stores the kernel makes (dsp::KVScatter as its last store): (output, buffer, update,
+    # position, axis); the output *is* the buffer, written in place through an input pointer
+    kv_stores: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
 # Which inputs of an op are data (loaded); the rest are shape-like (read on the host or implied).
@@ -568,6 +571,36 @@ class _Gen:
 
     def _cast(self, arg: tuple[str, str, bool], dtype: str) -> str:
         return arg[0] if arg[1] == dtype else f"{arg[0]}.to({_tl(dtype)})"
+
+    # -- a KV store: the row written into its buffer at the device-held position ------------
+    def kv_store(self, node: NodeSpec, idx: Idx) -> str:
+        """The line that writes ``node``'s update (computed at ``idx``) into its buffer, in place.
+
+        The position is read on the device (one graph serves every step); rows past the
+        buffer's end are not written, as ``codegen.kv_store`` does.
+        """
+        buffer, update, position = (int(r) for r in node.inputs[:3])  # type: ignore[arg-type]
+        bspec, uspec, pspec = (self.spec.values[v] for v in (buffer, update, position))
+        if pspec.dtype not in ("int32", "int64"):
+            raise Unsupported(f"a KV position of {pspec.dtype}")
+        rank = len(bspec.shape)
+        ax = int(node.attrs.get("axis", -2)) % rank
+        if len(uspec.shape) != rank or any(u != b for k, (u, b) in enumerate(zip(uspec.shape, bspec.shape)) if k != ax):
+            raise Unsupported(f"a KV update of {list(uspec.shape)} for a buffer of {list(bspec.shape)}")
+        value, varies = self.value(update, idx)
+        if not varies:
+            raise Unsupported("a KV row that is one value for every lane")
+        for v in (buffer, position):
+            if v not in self.args:
+                self.args.append(v)
+        ptr, pos = f"in{self.args.index(buffer)}", f"in{self.args.index(position)}"
+        p = self.em.let(f"tl.load({pos}).to(tl.int32)", False, "kp")
+        row = f"({idx.dims[ax]} + {p})"
+        strides = bspec.strides or tuple(_row_major(bspec.shape))
+        dims = [row if k == ax else d for k, d in enumerate(idx.dims)]
+        off = " + ".join(f"{d} * {strides[k]}" for k, d in enumerate(dims) if d != "0") or "0"
+        ok = f"{self.mask} & ({row} >= 0) & ({row} < {bspec.shape[ax]})"
+        return f"    tl.store({ptr} + ({off}), {value}.to({_tl(bspec.dtype)}), mask={ok})"
 
     # -- the row template ------------------------------------------------------------------
     def _row_valued(self, node: NodeSpec, k: int, v: int, idx: Idx) -> tuple[str, bool]:
@@ -1494,14 +1527,22 @@ def generate(
     The kernel is named after its template and a hash of its source, so identical groups
     (the same layer's norm in every layer) share one compiled binary.
     """
+    kv_nodes = kv_store_nodes(spec)
     for node in spec.nodes:
         if spec.template in ("product", "decode_attention") and node.op in PRODUCT_OPS:
             continue  # the anchors: product_node / attention_nodes check them
+        if node in kv_nodes:
+            continue
         if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
             raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
     gen = _Gen(spec)
     if not spec.outputs:
         raise Unsupported("the group stores nothing")
+    buffers = {n.outputs[0] for n in kv_nodes}
+    plain = [v for v in spec.outputs if v not in buffers]  # stored through their own pointers
+    for n in kv_nodes:
+        if None in n.inputs[:3] or n.outputs[0] is None or n.inputs[1] not in gen.producer:
+            raise Unsupported("a KV store of a row the kernel does not compute")
     for v in spec.outputs:
         _tl(spec.values[v].dtype)
         if spec.values[v].numel == 0:
@@ -1544,14 +1585,18 @@ def generate(
         block_size = rblock
         warps = num_warps or _warps(rblock)
     else:
-        space = max(spec.outputs, key=lambda v: spec.values[v].numel)
+        if kv_nodes and spec.template not in ("pointwise", "copy"):
+            raise Unsupported(f"a KV store in a {spec.template} kernel")
+        # what the lanes store: the outputs, and the rows the KV stores write (not their buffers)
+        targets = [v for v in plain] + [int(n.inputs[1]) for n in kv_nodes]  # type: ignore[arg-type]
+        space = max(targets, key=lambda v: spec.values[v].numel)
         shape = spec.values[space].shape
         numel = max(1, math.prod(shape))
         block_size = block or min(1024, max(32, 1 << (numel - 1).bit_length()))
         gen.em.lines.append("    pid = tl.program_id(0)")
         gen.em.lines.append(f"    i = pid * {block_size} + tl.arange(0, {block_size})")
         gen.em.lines.append(f"    mask = i < {numel}")
-        for v in spec.outputs:
+        for v in targets:
             oshape = spec.values[v].shape
             size = max(1, math.prod(oshape))
             # A smaller output is stored by the first lanes, and again (the same values) by
@@ -1560,12 +1605,15 @@ def generate(
             stores.append((v, gen.unflatten(flat, oshape, lane=True)))
         grid = ((numel + block_size - 1) // block_size, 1, 1)
         warps = num_warps or (4 if block_size >= 512 else 2 if block_size >= 128 else 1)
+    updates = {int(n.inputs[1]): n for n in kv_nodes}  # type: ignore[arg-type]
+    kv_lines = [gen.kv_store(updates[v], idx) for v, idx in stores if v in updates and v not in plain]
+    stores = [(v, idx) for v, idx in stores if v in plain]
     stored: list[tuple[str, bool, str, bool, str, str]] = []  # name, varies, offset, varies, dtype, mask
     for v, idx in stores:
         expr, varies = gen.value(v, idx)
         off, off_varies = gen.flatten(idx, spec.values[v].shape)
         stored.append((expr, varies, off, off_varies, _tl(spec.values[v].dtype), gen.store_masks.get(v, "mask")))
-    n_in = len(gen.args)
+    n_in = len(gen.args)  # the KV stores' buffers and positions are among them
     body = list(gen.em.lines)
     for k, (expr, varies, off, off_varies, tl_dtype, store_mask) in enumerate(stored):
         if spec.template in ("product", "decode_attention") and not varies and not spec.params.get("kv_splits"):
@@ -1576,6 +1624,7 @@ def generate(
             body.append(f"    tl.store(out{k} + ({off}), {val}{masked})")
         else:
             body.append(f"    tl.store(out{k} + ({off}), {expr}.to({tl_dtype}))")
+    body += kv_lines
     params = [f"in{j}" for j in range(n_in)] + [f"out{k}" for k in range(len(stored))]
     if len(body) > MAX_SOURCE_LINES:
         raise Unsupported(f"the kernel would have {len(body)} lines")
@@ -1599,7 +1648,16 @@ def generate(
         prefix = "attn_combine"
     name = f"dsp_{prefix}_{tag}"
     source = source.replace("def KERNEL(", f"def {name}(", 1)
-    return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template)
+    kv = tuple(
+        (int(n.outputs[0]), int(n.inputs[0]), int(n.inputs[1]), int(n.inputs[2]), int(n.attrs.get("axis", -2)))  # type: ignore[arg-type]
+        for n in kv_nodes
+    )
+    return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template, kv)
+
+
+def kv_store_nodes(spec: GroupSpec) -> list[NodeSpec]:
+    """The group's ``dsp::KVScatter`` nodes: each the in-place store of a row the kernel computes."""
+    return [n for n in spec.nodes if n.op == "KVScatter" and n.domain == "dsp"]
 
 
 def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis: int, block: int = 1024) -> Kernel:

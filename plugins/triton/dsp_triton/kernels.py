@@ -244,6 +244,8 @@ class FusedGroup:
         ptrs = [int(reads[v].data.ptr) for v in kernel.args[: kernel.n_inputs]]
         ptrs += [int(outs[v].data.ptr) for v in kernel.args[kernel.n_inputs :]]
         compiled.launch(ptrs, cp.cuda.get_current_stream().ptr)
+        for out, buffer, *_ in kernel.kv_stores:  # written in place: the output is the buffer
+            outs[out] = reads[buffer]
         by_flat.update(outs)
         reads.update(outs)
         self._run_steps(compiled.tail, reads, by_flat)
@@ -350,8 +352,9 @@ class FusedGroup:
         compiled = built[0] if len(built) == 1 else _Compiled(built[-1].binary, built[-1].kernel, {})
         if len(built) > 1:
             compiled.parts = built
+        poisoned = _poison_kv_rows([part.kernel for part in built], local, self.cp)
         got = self._launch(compiled, inputs)
-        bad = _mismatch(got, ref_outs, self.tolerance, self.cp)
+        bad = _mismatch(got, ref_outs, self.tolerance, self.cp) or _kv_rows_mismatch(poisoned, self.tolerance, self.cp)
         self.report.compile_ms += (time.perf_counter() - start) * 1000
         if bad is not None:
             self._settle("demoted", f"its kernel disagreed with the reference kernels: {bad}")
@@ -825,6 +828,35 @@ def _mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, cp: Any
                     return f"output {k}: max abs error {err:.3g} > {tolerance:g} x {scale:.3g}"
         elif not np.array_equal(x, y):
             return f"output {k}: {int(np.sum(x != y))} of {x.size} elements differ"
+    return None
+
+
+def _poison_kv_rows(kernels: Sequence[codegen.Kernel], local: dict[int, Any], cp: Any) -> list[tuple[Any, Any, Any]]:
+    """The rows the kernels' KV stores will write, saved (the reference wrote them) and set to NaN.
+
+    The reference kernels wrote the same buffer in place before the check, so comparing the
+    buffer after the kernel with the reference's would compare it with itself.
+    """
+    poisoned = []
+    for kernel in kernels:
+        for _, buffer, update, position, axis in kernel.kv_stores:
+            buf = local[buffer]
+            ax = axis % buf.ndim
+            p = int(cp.asnumpy(local[position].reshape(-1)[:1])[0])
+            rows = (slice(None),) * ax + (slice(max(p, 0), max(p, 0) + local[update].shape[ax]),)
+            poisoned.append((buf, rows, buf[rows].copy()))
+            buf[rows] = np.nan if buf.dtype.kind == "f" else 0
+    return poisoned
+
+
+def _kv_rows_mismatch(poisoned: list[tuple[Any, Any, Any]], tolerance: float, cp: Any) -> str | None:
+    """None when every poisoned row holds the reference's values again, else why (the rows restored)."""
+    for buf, rows, saved in poisoned:
+        bad = _mismatch([buf[rows]], [saved], tolerance, cp)
+        if bad is not None:
+            for b, r, keep in poisoned:
+                b[r] = keep
+            return f"its KV store wrote other rows than the reference's: {bad}"
     return None
 
 

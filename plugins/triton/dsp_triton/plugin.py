@@ -60,6 +60,8 @@ class TritonPolicy(ReferencePolicy):
         return template
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        if pattern.kind is PatternKind.STORE:
+            return self._store_ok(plan, group, s)
         if group.template == "product":
             if plan.slots[s].op == "Softmax":
                 return self._softmax_ok(plan, group, s, pattern)
@@ -125,6 +127,15 @@ class TritonPolicy(ReferencePolicy):
                     return f"slot {m}'s output is read outside the product: it must be stored"
         return None
 
+    def _store_ok(self, plan: Plan, group: GroupView, s: int) -> str | None:
+        """The KV store as the last store of the kernel that computes the row it writes (the core
+        checked that this group makes the row): the rotary of K, a product's K or V part."""
+        if (plan.slots[s].domain, plan.slots[s].op) != ("dsp", "KVScatter"):
+            return f"{plan.slots[s].op} has no Triton store"
+        if group.template not in ("pointwise", "copy"):
+            return f"a {group.template} group takes no KV store"
+        return None
+
     @staticmethod
     def _looped(plan: Plan, group: GroupView) -> str | None:
         """None when every reduction of a norm group is one the product's prologue loops compute."""
@@ -134,14 +145,19 @@ class TritonPolicy(ReferencePolicy):
         return None
 
     def absorbs(self, plan: Plan, group: GroupView, s: int, other: GroupView) -> bool:
-        """A product takes the index arithmetic of its other operand; a weighted sum, its attention.
+        """A product takes the index arithmetic of its other operand; a weighted sum, its attention;
+        a pointwise group, a pointwise group whose values only it reads.
 
         The second: ``s`` joined V's index arithmetic (GQA's expand) as a product, and
         ``other`` is the scores-and-softmax group its probabilities come from.
         """
+        members = {*group.slots, *other.slots}
+        if group.template in ("pointwise", "copy") and other.template in ("pointwise", "copy"):
+            # Rotary's x*cos, made apart from the rotate-half it is added to: one kernel computes
+            # both (a value the generator computes at whatever index its reader asks).
+            return group.reduction is None and self._only_for(plan, other.slots, members) is None
         if plan.slots[s].op not in codegen.PRODUCT_OPS or group.template not in ("product", "decode_attention"):
             return False
-        members = {*group.slots, *other.slots}
         if self._only_for(plan, other.slots, members) is not None:
             return False
         if all(other.patterns[m].kind is PatternKind.INJECTIVE for m in other.slots):
