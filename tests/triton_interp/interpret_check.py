@@ -115,28 +115,13 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
     return results
 
 
-def decode_model(path: str, max_length: int = 16, position: int = 5, seed: int = 0) -> tuple[Any, dict[str, Any]]:
-    """The fixed-KV decode plan of a decoder (``GenerationPipeline``'s) and feeds of one step at ``position``.
-
-    The KV buffers hold random rows up to ``position``; the attention mask covers them and
-    the new row; the step's KV stores write row ``position``.
-    """
+def decode_model(path: str) -> tuple[Any, dict[str, Any]]:
+    """A decoder's fixed-KV decode plan (slot by slot) and one step's feeds (dsp_core.testing.models)."""
     import dsp_core
-    from dsp_core.ir.onnx_import import import_model
-    from dsp_core.llm.kv import fixed_kv_buffers
+    from dsp_core.testing.models import fixed_kv_step
 
-    fixed = fixed_kv_buffers(import_model(path), batch=1, max_length=max_length)
-    model = dsp_core.compile(fixed.graph, mode="slot_by_slot")
-    rng = np.random.default_rng(seed)
-    feeds: dict[str, Any] = {}
-    for name, shape in fixed.buffer_shapes.items():
-        feeds[name] = rng.standard_normal(shape).astype(fixed.buffer_dtypes[name])
-    mask = np.zeros((1, max_length), np.int64)
-    mask[0, : position + 1] = 1
-    step = {"input_ids": np.array([[3]]), "attention_mask": mask, "position_ids": np.array([[position]])}
-    feeds.update({k: v.astype(fixed.input_dtypes.get(k, "int64")) for k, v in step.items() if k in model.input_names})
-    feeds[fixed.position_input] = np.array([position], np.int64)
-    return model, feeds
+    graph, feeds = fixed_kv_step(path)
+    return dsp_core.compile(graph, mode="slot_by_slot"), feeds
 
 
 def _merged(codegen: Any, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:
