@@ -200,11 +200,20 @@ def _axes(plan: Plan, s: int) -> list[int] | None:
     return [int(a) for a in axes] if axes is not None else None
 
 
+def _matmul_shape(a: tuple[Dim, ...] | None, b: tuple[Dim, ...] | None) -> tuple[Dim, ...] | None:
+    """A MatMul's output shape from its operands' (both of rank 2 or more; None: unknown)."""
+    if a is None or b is None or len(a) < 2 or len(b) < 2:
+        return None
+    batch = _broadcast([a[:-2], b[:-2]]) if a[:-2] or b[:-2] else ()
+    return None if batch is None else (*batch, a[-2], b[-1])
+
+
 def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
     """Value id -> shape, filling what static inference left unknown for the ops fusion reasons about.
 
     Elementwise ops broadcast their inputs, row ops keep their input's shape, reductions
-    with constant axes drop or keep those axes; anything else stays as the plan has it.
+    with constant axes drop or keep those axes, a MatMul of matrices (or batches of them)
+    is their product's; anything else stays as the plan has it.
     """
     shapes: dict[int, tuple[Dim, ...] | None] = {}
 
@@ -218,6 +227,14 @@ def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
         out = slot.outputs[0] if slot.outputs else None
         if out is None:
             continue
+        if slot.op == "MergedMatMul" and slot.attrs.get("form", "MatMul") == "MatMul":  # each part: A @ B_i
+            for k, v in enumerate(slot.outputs):
+                if v is not None:
+                    known = plan.values[v].shape
+                    shapes[v] = (
+                        known if known is not None else _matmul_shape(shape(slot.inputs[0]), shape(slot.inputs[1 + k]))
+                    )
+            continue
         got = plan.values[out].shape
         if got is None and slot.inputs:
             first = shape(slot.inputs[0])
@@ -225,6 +242,8 @@ def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
                 got = _broadcast([shape(r) for r in slot.inputs if r is not None])
             elif slot.op in ROW_OPS:
                 got = first
+            elif slot.op == "MatMul" and len(slot.inputs) == 2:
+                got = _matmul_shape(first, shape(slot.inputs[1]))
             elif slot.traits & Trait.REDUCTION and first is not None and slot.op not in ("ArgMax", "ArgMin"):
                 axes = _axes(plan, slot.index)
                 if axes is not None:

@@ -252,8 +252,8 @@ class TritonPolicy(ReferencePolicy):
         if anchor is None:
             anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
         product = group.patterns[anchor].shape
-        if merged:  # lanes are one part's columns
-            part = plan.ref_info(plan.slots[merged[0]].outputs[0])[1]
+        if merged:  # lanes are one part's columns (the first part's: the parts are of one width)
+            part = plan.ref_info(plan.slots[merged[0]].outputs[0])[1] or group.patterns[merged[0]].shape
             product = tuple(part) if part is not None else None
         # Same last axis: lanes stay the product's columns (a reshape that splits heads would not).
         if pattern.shape is None or product is None or not pattern.shape or pattern.shape[-1] != product[-1]:
@@ -302,7 +302,8 @@ def _paired(plan: Plan, s: int) -> str | None:
     outs = [v for v in slot.outputs if v is not None]
     if len(outs) != 2 or str(slot.attrs.get("form", "MatMul")) != "MatMul":
         return "an epilogue fuses only into two merged MatMuls (gate and up), each column of both in one program"
-    widths = [(plan.ref_info(v)[1] or (None,))[-1] for v in outs]
+    weights = slot.inputs[1:3]  # [K, N_i]: a part's width is its weight's
+    widths = [(plan.ref_info(w)[1] or (None,))[-1] if w is not None else None for w in weights]
     if widths[0] is None or widths[0] != widths[1]:
         return "merged products of different widths take no epilogue"
     return None
