@@ -599,7 +599,7 @@ class _Gen:
         strides = bspec.strides or tuple(_row_major(bspec.shape))
         dims = [row if k == ax else d for k, d in enumerate(idx.dims)]
         off = " + ".join(f"{d} * {strides[k]}" for k, d in enumerate(dims) if d != "0") or "0"
-        ok = f"{self.mask} & ({row} >= 0) & ({row} < {bspec.shape[ax]})"
+        ok = f"{self.store_masks.get(update, self.mask)} & ({row} >= 0) & ({row} < {bspec.shape[ax]})"
         return f"    tl.store({ptr} + ({off}), {value}.to({_tl(bspec.dtype)}), mask={ok})"
 
     # -- the row template ------------------------------------------------------------------
@@ -919,6 +919,8 @@ SUPPORTED_OPS = (
 
 # -- the skinny-product template (T3) ------------------------------------------------------
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
+# Ops that only move elements: a product's lanes map forward through them (to a KV store).
+LAYOUT_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"})
 # Reductions a product's prologue computes in loops over K (a norm feeding the product).
 LOOPED_REDUCTIONS = frozenset(
     {
@@ -1050,7 +1052,8 @@ def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpe
     # scale) and the epilogue read, besides the parts' own weights and biases
     inputs = [r for r in operands if r in spec.inputs or r < 0]
     outside = [r for r in spec.inputs if r not in (*weights, *biases, a)]
-    if epilogue:  # only two siblings of one width, each column of both in one program (gate and up)
+    to_stores = all(n.op in LAYOUT_OPS or n in kv_store_nodes(spec) for n in epilogue)
+    if epilogue and not to_stores:  # only two siblings of one width, each column of both in one program
         if len(widths) != 2 or widths[0] != widths[1] or form != "MatMul":
             raise Unsupported("an epilogue over merged products other than two MatMuls of one width")
         y0, y1 = node.outputs
@@ -1065,7 +1068,7 @@ def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpe
         assert y is not None
         splits[y] = (offset, width)
         offset += width
-    nodes = [*prologue, product]
+    nodes = [*prologue, product, *epilogue]  # an epilogue here: a part's way to its KV store
     return GroupSpec("product", nodes, values, [*inputs, *outside], list(spec.outputs), spec.constants, splits)
 
 
@@ -1218,20 +1221,61 @@ def _product(
     if not paired:
         gen.lane_values[out] = (em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
     stores: list[tuple[int, Idx]] = []
-    for v in spec.outputs:
-        if v not in spec.splits or paired:
-            stores += gen.lane_stores([v], lane, out_spec.shape, "a product group")
-            continue
-        offset, width = spec.splits[v]  # a part of merged siblings: its lanes [offset, offset + width)
+    at: dict[int, Idx] = {}  # the product (or a part of merged siblings) and its layout ops: the index its lanes hold
+    whole: tuple[int, ...] = (out,)  # values that exist at the product's own lanes
+    if paired:
+        whole = (int(spec.params["y0"]), int(spec.params["y1"]))
+    elif spec.splits:
+        whole = ()  # each part holds only its own columns (below)
+    at.update({held: lane for held in whole})
+    for v, (offset, width) in [] if paired else spec.splits.items():  # a part: lanes [offset, offset + width)
         n_expr = "rn[None, :]" if body == "dot" else "rn"
-        if tuple(spec.values[v].shape) != (*out_spec.shape[:-1], width) or spec.nodes[-1].outputs[0] != out:
-            raise Unsupported("a merged product's part of another shape, or with an epilogue")
+        if tuple(spec.values[v].shape) != (*out_spec.shape[:-1], width):
+            raise Unsupported("a merged product's part of another shape")
         dims = (*lane.dims[:-1], gen.em.let(f"({n_expr} - {offset})", True, "i"))
         gen.store_masks[v] = f"mask & ({n_expr} >= {offset}) & ({n_expr} < {offset + width})"
         gen.lane_values[v] = (gen.lane_values[out][0], dims)
-        stores.append((v, Idx(dims, (*lane.lane[:-1], True))))
+        at[v] = Idx(dims, (*lane.lane[:-1], True))
+    _forward_layout(gen, spec, node, at)
+    buffers = {n.outputs[0] for n in kv_store_nodes(spec)}  # written in place by the KV stores below
+    for v in spec.outputs:
+        if v in buffers:
+            continue
+        if v in at:
+            stores.append((v, at[v]))
+        elif v not in spec.splits or paired:
+            stores += gen.lane_stores([v], lane, out_spec.shape, "a product group")
+    for n in kv_store_nodes(spec):  # a KV store's row: at the index its lanes hold (generate writes it)
+        update = n.inputs[1]
+        if update not in at:
+            raise Unsupported("a KV store of a product's value that is not a part or its layout")
+        stores.append((update, at[update]))  # type: ignore[index]
     grid = (max(1, batch_numel) * n_blocks, 1, 1)
     return stores, grid, bn, warps
+
+
+def _forward_layout(gen: _Gen, spec: GroupSpec, product: NodeSpec, at: dict[int, Idx]) -> None:
+    """Layout ops after a product (reshape, transpose): each lane's value is its input's, at the mapped index.
+
+    A value computed at a lane exists only there; a reshape or transpose of it is the same
+    value at another index (the reshape's flat position, the permuted dims), so it is stored
+    there rather than asked for at its own index.
+    """
+    for node in spec.nodes[spec.nodes.index(product) + 1 :]:
+        src, out = node.inputs[0] if node.inputs else None, node.outputs[0] if node.outputs else None
+        if node.op not in LAYOUT_OPS or src not in at or out is None:
+            continue
+        idx = at[src]  # type: ignore[index]
+        if node.op == "Transpose":
+            rank = len(spec.values[out].shape)
+            perm = [int(p) for p in node.attrs.get("perm", list(range(rank - 1, -1, -1)))]
+            idx = Idx(tuple(idx.dims[p] for p in perm), tuple(idx.lane[p] for p in perm))
+        else:
+            idx = gen.reshape(idx, spec.values[src].shape, spec.values[out].shape)  # type: ignore[index]
+        at[out] = idx
+        gen.lane_values[out] = (gen.lane_values[src][0], idx.dims)  # type: ignore[index]
+        if src in gen.store_masks:
+            gen.store_masks[out] = gen.store_masks[src]  # type: ignore[index]
 
 
 # -- decode attention (T4): scores, softmax and the weighted sum in one kernel ---------------
@@ -1586,7 +1630,7 @@ def generate(
         warps = num_warps or _warps(rblock)
     else:
         if kv_nodes and spec.template not in ("pointwise", "copy"):
-            raise Unsupported(f"a KV store in a {spec.template} kernel")
+            raise Unsupported(f"a KV store in a {spec.template} kernel")  # the product template writes its own
         # what the lanes store: the outputs, and the rows the KV stores write (not their buffers)
         targets = [v for v in plain] + [int(n.inputs[1]) for n in kv_nodes]  # type: ignore[arg-type]
         space = max(targets, key=lambda v: spec.values[v].numel)

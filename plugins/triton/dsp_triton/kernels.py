@@ -434,7 +434,7 @@ class FusedGroup:
             return [(*self._product_spec(spec, local, steps), [])]
         prologue = spec.nodes[:j]
         if not any(n.op in codegen.LOOPED_REDUCTIONS for n in prologue):
-            if codegen.merged_index(spec) >= 0:
+            if codegen.merged_index(spec) >= 0 and not spec.nodes[j + 1 :]:
                 raise codegen.Unsupported("merged products of more than 16 rows: cuBLAS runs each part")
             return [(self._epilogue_spec(spec, local, j), steps[: j + 1], {}, [])]
         a = spec.nodes[j].inputs[0]

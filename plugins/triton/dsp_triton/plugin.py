@@ -24,6 +24,8 @@ from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 
+# Ops that only move elements (a bijection of indexes): a product's lanes map forward through them.
+LAYOUT_OPS = VIEW_OPS | frozenset({"Transpose"})
 # Fused kernels accumulate in fp32 and round once per value, the reference once per op:
 # half-precision results differ by an ulp or two of the reference's rounding.
 TOLERANCE = 5e-3
@@ -132,7 +134,7 @@ class TritonPolicy(ReferencePolicy):
         checked that this group makes the row): the rotary of K, a product's K or V part."""
         if (plan.slots[s].domain, plan.slots[s].op) != ("dsp", "KVScatter"):
             return f"{plan.slots[s].op} has no Triton store"
-        if group.template not in ("pointwise", "copy"):
+        if group.template not in ("pointwise", "copy", "product"):
             return f"a {group.template} group takes no KV store"
         return None
 
@@ -236,12 +238,14 @@ class TritonPolicy(ReferencePolicy):
         self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
+        op = plan.slots[s].op
+        if op in LAYOUT_OPS and self._feeds_only_stores(plan, s):
+            return None  # V's reshape and transpose on the way to its KV store: the store's index arithmetic
         merged = [m for m in group.slots if is_merged(plan.slots[m])]
-        if merged:
+        if merged and not self._only_stores_after(plan, group, merged[0]):
             why = _paired(plan, merged[0])
             if why is not None:
                 return why
-        op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
@@ -262,6 +266,33 @@ class TritonPolicy(ReferencePolicy):
                 f"not the product's {list(product) if product else 'unknown'} lanes"
             )
         return None
+
+    def _feeds_only_stores(self, plan: Plan, s: int) -> bool:
+        """True when everything slot ``s`` makes goes, through layout ops only, to KV stores as their row."""
+        readers = self._readers(plan)
+        stack, seen = [s], set()
+        while stack:
+            m = stack.pop()
+            for v in plan.slots[m].outputs:
+                if v is None:
+                    continue
+                if v in plan.outputs or not readers.get(v):
+                    return False
+                for r in readers[v]:
+                    slot = plan.slots[r]
+                    if (slot.domain, slot.op) == ("dsp", "KVScatter") and slot.inputs[1] == v and slot.inputs[0] != v:
+                        continue
+                    if slot.op not in LAYOUT_OPS or r in seen:
+                        return False
+                    seen.add(r)
+                    stack.append(r)
+        return True
+
+    @staticmethod
+    def _only_stores_after(plan: Plan, group: GroupView, product: int) -> bool:
+        """True when a merged product's group holds, after it, only layout ops and KV stores."""
+        after = [m for m in group.slots if m > product]
+        return all(plan.slots[m].op in LAYOUT_OPS or plan.slots[m].op == "KVScatter" for m in after)
 
     def _feeds_a_norm(self, plan: Plan, group: GroupView, s: int) -> bool:
         """True when every reader of ``s`` is a last-axis reduction other than a softmax (a norm's statistic).
