@@ -577,6 +577,26 @@ def test_a_split_attention_is_partials_then_one_combine() -> None:
 
 # -- fewer kernels per decode layer: the norm as the product's prologue, the KV store as an epilogue,
 # -- rotary as one kernel ----------------------------------------------------------------------
+def _interpreted(body: str, *args: str) -> list[dict]:
+    """Run ``body`` under Triton's interpreter in a subprocess (``ic``: interpret_check, ``t``: this module,
+    ``args``: ``sys.argv[3:]``); the check results it prints as its last line, as JSON."""
+    here = Path(__file__).parent
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
+        "import interpret_check as ic, dsp_core, test_triton_cpu as t\n" + body
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(here / "triton_interp"), str(here), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def _layer_kernels(report: dict) -> list[int]:
     """Kernels per layer of a decode plan: from a layer's first norm+product to the next layer's.
 
@@ -654,22 +674,10 @@ def test_the_grouped_reference_runs_the_decode_plan_bit_equal(name: str) -> None
 @pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
 @pytest.mark.parametrize("name", DECODERS)
 def test_every_kernel_of_the_decode_plans_matches_the_reference_under_the_interpreter(name: str) -> None:
-    script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1])\n"
-        "import interpret_check as ic\n"
-        "m, feeds = ic.decode_model(sys.argv[2])\n"
-        "print(json.dumps([r.__dict__ for r in ic.check_model(m, feeds)]))\n"
+    results = _interpreted(
+        "m, feeds = ic.decode_model(sys.argv[3])\nprint(json.dumps([r.__dict__ for r in ic.check_model(m, feeds)]))\n",
+        str(FIXTURES / f"{name}.onnx"),
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent / "triton_interp"), str(FIXTURES / f"{name}.onnx")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
     bad = [r for r in results if r["status"] not in ("ok", "unsupported")]
     assert not bad, bad[:3]
     fused = [r for r in results if r["status"] == "ok"]
@@ -783,23 +791,10 @@ def test_interleaved_rotary_is_one_kernel_and_the_grouped_reference_is_bit_equal
 
 @pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
 def test_interleaved_rotary_kernel_matches_the_reference_under_the_interpreter() -> None:
-    script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
-        "import interpret_check as ic, dsp_core, test_triton_cpu as t\n"
+    results = _interpreted(
         "m = dsp_core.compile(t._interleaved_rotary_graph(), mode='slot_by_slot')\n"
         "print(json.dumps([r.__dict__ for r in ic.check_model(m, t._interleaved_feeds())]))\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = Path(__file__).parent
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(here / "triton_interp"), str(here)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
     rotary = [r for r in results if "Neg" in r["ops"]]
     assert len(rotary) == 1 and rotary[0]["status"] == "ok", results
 
@@ -859,9 +854,7 @@ def test_a_kv_store_of_a_projection_is_the_product_kernels_last_store(rows: int,
 
 @pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
 def test_product_kernels_with_a_kv_store_match_the_reference_under_the_interpreter() -> None:
-    script = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
-        "import interpret_check as ic, dsp_core, test_triton_cpu as t\n"
+    results = _interpreted(
         "out = []\n"
         "for rows in (1, 3):\n"
         "    for merged in (False, True):\n"
@@ -869,16 +862,5 @@ def test_product_kernels_with_a_kv_store_match_the_reference_under_the_interpret
         "        out += [r.__dict__ for r in ic.check_model(m, t._v_store_feeds(rows))]\n"
         "print(json.dumps(out))\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    here = Path(__file__).parent
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(here / "triton_interp"), str(here)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads(out.stdout.strip().splitlines()[-1])
     stores = [r for r in results if "KVScatter" in r["ops"]]
     assert len(stores) == 4 and all(r["status"] == "ok" and r["template"] == "product" for r in stores), stores

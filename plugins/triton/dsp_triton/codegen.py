@@ -1632,7 +1632,7 @@ def generate(
         if kv_nodes and spec.template not in ("pointwise", "copy"):
             raise Unsupported(f"a KV store in a {spec.template} kernel")  # the product template writes its own
         # what the lanes store: the outputs, and the rows the KV stores write (not their buffers)
-        targets = [v for v in plain] + [int(n.inputs[1]) for n in kv_nodes]  # type: ignore[arg-type]
+        targets = list(dict.fromkeys([*plain, *(int(n.inputs[1]) for n in kv_nodes)]))  # type: ignore[arg-type]
         space = max(targets, key=lambda v: spec.values[v].numel)
         shape = spec.values[space].shape
         numel = max(1, math.prod(shape))
@@ -1649,9 +1649,9 @@ def generate(
             stores.append((v, gen.unflatten(flat, oshape, lane=True)))
         grid = ((numel + block_size - 1) // block_size, 1, 1)
         warps = num_warps or (4 if block_size >= 512 else 2 if block_size >= 128 else 1)
-    updates = {int(n.inputs[1]): n for n in kv_nodes}  # type: ignore[arg-type]
-    kv_lines = [gen.kv_store(updates[v], idx) for v, idx in stores if v in updates and v not in plain]
-    stores = [(v, idx) for v, idx in stores if v in plain]
+    at = dict(stores)  # each stored value (and KV row) at the index its lanes hold
+    kv_lines = [gen.kv_store(n, at[int(n.inputs[1])]) for n in kv_nodes]  # type: ignore[arg-type]
+    stores = [(v, at[v]) for v in dict.fromkeys(v for v, _ in stores) if v in plain]
     stored: list[tuple[str, bool, str, bool, str, str]] = []  # name, varies, offset, varies, dtype, mask
     for v, idx in stores:
         expr, varies = gen.value(v, idx)

@@ -354,7 +354,8 @@ class FusedGroup:
             compiled.parts = built
         poisoned = _poison_kv_rows([part.kernel for part in built], local, self.cp)
         got = self._launch(compiled, inputs)
-        bad = _mismatch(got, ref_outs, self.tolerance, self.cp) or _kv_rows_mismatch(poisoned, self.tolerance, self.cp)
+        kv_bad = _kv_rows_mismatch(poisoned, self.tolerance, self.cp)  # first: it restores wrong rows
+        bad = _mismatch(got, ref_outs, self.tolerance, self.cp) or kv_bad
         self.report.compile_ms += (time.perf_counter() - start) * 1000
         if bad is not None:
             self._settle("demoted", f"its kernel disagreed with the reference kernels: {bad}")
