@@ -452,7 +452,7 @@ class ReferencePolicy(FusionPolicy):
         return 0 if template == "view" else 1
 
     def unfused(self, plan: Plan, group: Group) -> str | None:
-        if group.template in ("matmul", "attention", "opaque"):
+        if group.template in ("matmul", "attention", "opaque", "store"):
             return f"a {group.template} group runs alone"
         if group.kernels == 0:
             return "views only: no kernel"
