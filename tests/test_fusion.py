@@ -159,7 +159,7 @@ def test_the_exported_rmsnorm_chain_is_one_row_reduction_and_a_dependent_reducti
     assert any("second reduction stage" in b.reason for b in fused.boundaries)
 
 
-def test_a_mutates_input_slot_is_alone_its_buffer_is_a_group_output_and_earlier_reads_run_first() -> None:
+def test_a_store_is_alone_under_the_reference_policy_its_buffer_is_a_group_output_and_earlier_reads_run_first() -> None:
     g = dsp.GraphBuilder("scatter")
     buf = g.variable("buf", "float32", [1, 2, 8, 4])
     new = g.placeholder("new", "float32", [1, 2, 1, 4])
@@ -172,9 +172,11 @@ def test_a_mutates_input_slot_is_alone_its_buffer_is_a_group_output_and_earlier_
     fused = group_all(plan)
     scatter = next(s.index for s in plan.slots if s.op == "KVScatter")
     alone = next(grp for grp in fused.groups if scatter in grp.slots)
-    assert alone.slots == (scatter,) and alone.template == "opaque"
+    assert alone.slots == (scatter,) and alone.template == "store"
     assert plan.slots[scatter].outputs[0] in alone.outputs
-    assert "writes its input in place" in boundary(fused, "Mul", "KVScatter", plan)
+    reasons = [b.reason for b in fused.boundaries if b.consumer == scatter]
+    assert any("no reference template fuses it" in r for r in reasons), reasons  # the row it writes: not here
+    assert any("joins only the group that makes what it writes" in r for r in reasons), reasons  # the earlier read
     reader = next(s.index for s in plan.slots if s.op == "Mul" and s.inputs[0] == plan.slots[scatter].inputs[0])
     assert fused.order.index(reader) < fused.order.index(scatter)
     # and the grouped run writes the buffer in place exactly like the ungrouped one

@@ -25,6 +25,7 @@ from dsp_core.backends.base import Registry
 from dsp_core.backends.discovery import discover
 from dsp_core.plan.fusion import propose_groups
 from dsp_core.runtime.model import CompiledModel
+from dsp_core.testing.models import fixed_kv_step
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
@@ -414,12 +415,13 @@ def test_the_policy_takes_decode_products_with_their_epilogues(merge: str, monke
     assert products and not [g for g in groups if g.template == "matmul"]
     ops = [[plan.slots[s].op for s in g.slots] for g in products]
     assert any(o[0] == "MatMul" and "Add" in o for o in ops)  # a projection + its residual
+    norm = ["Pow", "ReduceMean", "Add", "Sqrt", "Reciprocal", "Mul", "Mul"]  # the exported RMSNorm: the prologue
     if merge == "0":
         assert ["MatMul", "Sigmoid", "Mul"] in ops  # gate projection + SiLU
     else:  # Q/K/V and gate/up merged (docs/merge.md): one product group each over the joined weights
-        assert ops.count(["MergedMatMul"]) == 2  # Q/K/V: no epilogue
-        assert ops.count(["MergedMatMul", "Sigmoid", "Mul", "Mul"]) == 2  # gate/up with SiLU(gate) x up
-        merged = [g for g in products if plan.slots[g.slots[0]].op == "MergedMatMul"]
+        assert ops.count([*norm, "MergedMatMul"]) == 2  # Q/K/V: the norm before, no epilogue
+        assert ops.count([*norm, "MergedMatMul", "Sigmoid", "Mul", "Mul"]) == 2  # gate/up with SiLU(gate) x up
+        merged = [g for g in products if "MergedMatMul" in [plan.slots[s].op for s in g.slots]]
         assert [g.kernels for g in merged] == [1, 1, 1, 1]
 
 
@@ -571,3 +573,294 @@ def test_a_split_attention_is_partials_then_one_combine() -> None:
     assert second.grid == (4, 1, 1) and second.name.startswith("dsp_attn_combine_")
     assert "tl.maximum(" in second.source and second.source.count("tl.store(") == 1  # the Relu'd output
     assert second.args[-1] == 8
+
+
+# -- fewer kernels per decode layer: the norm as the product's prologue, the KV store as an epilogue,
+# -- rotary as one kernel ----------------------------------------------------------------------
+def _interpreted(body: str, *args: str) -> list[dict]:
+    """Run ``body`` under Triton's interpreter in a subprocess (``ic``: interpret_check, ``t``: this module,
+    ``args``: ``sys.argv[3:]``); the check results it prints as its last line, as JSON."""
+    here = Path(__file__).parent
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
+        "import interpret_check as ic, dsp_core, test_triton_cpu as t\n" + body
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(here / "triton_interp"), str(here), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _layer_kernels(report: dict) -> list[int]:
+    """Kernels per layer of a decode plan: from a layer's first norm+product to the next layer's.
+
+    Each layer holds two norm-prologue products (attention's Q/K/V and the MLP's first) and
+    the LM head is the last one; a layer is the groups from its first to the next's first.
+    """
+    groups = report["groups"]
+    norms = ("ReduceMean", "LayerNormalization", "RMSNormalization")
+    products = ("MatMul", "Gemm", "MergedMatMul")
+    starts = [
+        k
+        for k, g in enumerate(groups)
+        if any(op in norms for op in g["ops"]) and any(op in products for op in g["ops"])
+    ]
+    assert len(starts) % 2 == 1, starts  # two per layer, then the LM head
+    return [sum(g["kernels"] for g in groups[starts[i] : starts[i + 2]]) for i in range(0, len(starts) - 1, 2)]
+
+
+@pytest.mark.parametrize(
+    "name, layers, total, alone",
+    [
+        ("llama_eager", [10, 9], 27, 0),  # the first layer also computes the rotary tables (cos)
+        ("llama_sdpa23", [8, 8], 23, 2),  # K's store follows the opset-23 RotaryEmbedding, which runs alone
+        ("gpt2_eager", [8, 8], 22, 0),
+        ("gpt2_sdpa23", [6, 6], 18, 0),  # attention is the one opset-23 Attention op
+    ],
+)
+def test_decode_plans_take_at_most_10_kernels_per_layer(name: str, layers: list[int], total: int, alone: int) -> None:
+    """`dsp plan fuse --decode --backend triton`: the kernels of each layer, counted.
+
+    Before the norm prologue, the KV stores as epilogues and one rotary kernel per q and k:
+    14 per layer on llama_eager (38 per step), 10 on gpt2_eager (29 per step).
+    """
+    from dsp_core.cli import fuse_report
+
+    report = fuse_report(str(FIXTURES / f"{name}.onnx"), backend="triton", decode=True)
+    assert _layer_kernels(report) == layers and layers[-1] <= 10
+    assert report["kernels"] == total, report["templates"]
+    ops = [g["ops"] for g in report["groups"]]
+    stores = [o for o in ops if "KVScatter" in o]
+    assert sum(o == ["KVScatter"] for o in stores) == alone  # else the last store of the kernel computing its row
+    if name.startswith("llama"):  # V: stored by the Q/K/V product kernel, through its reshape and transpose
+        qkv = [o for o in ops if "MergedMatMul" in o and "KVScatter" in o]
+        assert len(qkv) == 2 and all(o[-3:] == ["Reshape", "Transpose", "KVScatter"] for o in qkv), qkv
+    if name == "llama_eager":
+        rotary = [o for o in ops if "Neg" in o]
+        assert len(rotary) == 4 and sum("KVScatter" in o for o in rotary) == 2  # K's rotary stores K
+        assert all(o.count("Mul") == 2 and o[-1] in ("Add", "KVScatter") for o in rotary[2:])  # x*cos + rot*sin
+    if name.startswith("gpt2"):
+        assert len(stores) == 2 and all(o.count("KVScatter") == 2 for o in stores)  # K and V: one kernel
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_the_grouped_reference_runs_the_decode_plan_bit_equal(name: str) -> None:
+    """Stores inside groups move in the schedule: the grouped run must still write the same buffers."""
+    runs = []
+    for grouped in (False, True):
+        graph, feeds = fixed_kv_step(FIXTURES / f"{name}.onnx")
+        model = dsp.compile(graph, mode="slot_by_slot")
+        if grouped:
+            model = CompiledModel(
+                graph,
+                dsp.GraphExecutionMode.SLOT_BY_SLOT,
+                registry=Registry(backends=[TritonGroupedSlotBySlot()]),
+            )
+        outs = model.run(feeds)
+        runs.append((outs, {k: v for k, v in feeds.items() if k.startswith("past_key_values")}))
+    (want, want_kv), (got, got_kv) = runs
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{name} {key}")
+    for key in want_kv:
+        np.testing.assert_array_equal(got_kv[key], want_kv[key], err_msg=f"{name} {key}")
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+@pytest.mark.parametrize("name", DECODERS)
+def test_every_kernel_of_the_decode_plans_matches_the_reference_under_the_interpreter(name: str) -> None:
+    results = _interpreted(
+        "m, feeds = ic.decode_model(sys.argv[3])\nprint(json.dumps([r.__dict__ for r in ic.check_model(m, feeds)]))\n",
+        str(FIXTURES / f"{name}.onnx"),
+    )
+    bad = [r for r in results if r["status"] not in ("ok", "unsupported")]
+    assert not bad, bad[:3]
+    fused = [r for r in results if r["status"] == "ok"]
+    assert any("KVScatter" in r["ops"] for r in fused)  # the KV stores ran as part of a kernel
+    assert any(
+        r["template"] == "product" and set(r["ops"]) & {"ReduceMean", "LayerNormalization", "RMSNormalization"}
+        for r in fused
+    )
+
+
+def _norm_graph(extra_reader: bool) -> object:
+    g = dsp.GraphBuilder("norm_product")
+    x = g.placeholder("x", "float32", [1, 1, 64])
+    rng = np.random.default_rng(1)
+    gamma = g.constant(rng.standard_normal(64).astype(np.float32))
+    beta = g.constant(rng.standard_normal(64).astype(np.float32))
+    w = g.constant(rng.standard_normal((64, 48)).astype(np.float32))
+    normed = g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=1e-5)
+    g.output(g.MatMul(normed, w), "y")
+    if extra_reader:
+        g.output(g.Relu(normed), "r")  # something else reads the normed rows
+    return g.build()
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_a_norm_is_the_product_prologue_only_when_the_product_alone_reads_it(extra_reader: bool) -> None:
+    model = dsp.compile(_norm_graph(extra_reader), mode="slot_by_slot")
+    model.run({"x": np.ones((1, 1, 64), np.float32)})
+    plan = model.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), TritonPolicy())
+    norm = next(s.index for s in plan.slots if s.op == "LayerNormalization")
+    group = next(g for g in result.groups if norm in g.slots)
+    ops = [plan.slots[s].op for s in group.slots]
+    if extra_reader:  # the norm (and the Relu reading it) stays one row kernel that stores the rows
+        assert group.template == "row_reduction" and "MatMul" not in ops
+        assert any("read outside the norm and the product" in b.reason for b in result.boundaries)
+    else:
+        assert group.template == "product" and ops == ["LayerNormalization", "MatMul", "Identity"]
+        assert group.kernels == 1
+
+
+def _interleaved_rotary_graph() -> object:
+    """Rotary in the interleaved form (GPT-J's rotate_every_two), cos and sin from the position id.
+
+    ``rot[2i] = -x[2i+1]``, ``rot[2i+1] = x[2i]``: strided slices, a Neg, a Concat of the two
+    on a new last axis and a Reshape that interleaves them; ``y = x * cos + rot * sin`` with
+    cos/sin repeated per pair.
+    """
+    g = dsp.GraphBuilder("rotary_interleaved")
+    heads, dim = 4, 16
+    x = g.placeholder("x", "float32", [1, heads, 1, dim])
+    pos = g.placeholder("pos", "int64", [1, 1])
+    inv = 1.0 / (10000 ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    freqs = g.Mul(g.Unsqueeze(g.Cast(pos, to=1), g.constant(np.array([-1], np.int64))), g.constant(inv))  # [1,1,D/2]
+    pair = g.constant(np.array([1, 1, 1, dim], np.int64))
+
+    def repeated(t: object) -> object:  # [1, 1, D/2] -> [1, 1, 1, D], each value twice in a row
+        t2 = g.Unsqueeze(t, g.constant(np.array([-1], np.int64)))
+        return g.Reshape(g.Concat(t2, t2, axis=-1), pair)
+
+    cos, sin = repeated(g.Cos(freqs)), repeated(g.Sin(freqs))
+
+    def strided(start: int) -> object:
+        c = g.constant
+        return g.Slice(
+            x,
+            c(np.array([start], np.int64)),
+            c(np.array([dim], np.int64)),
+            c(np.array([-1], np.int64)),
+            c(np.array([2], np.int64)),
+        )
+
+    axis = g.constant(np.array([-1], np.int64))
+    odd, even = g.Unsqueeze(g.Neg(strided(1)), axis), g.Unsqueeze(strided(0), axis)
+    rot = g.Reshape(g.Concat(odd, even, axis=-1), g.constant(np.array([1, heads, 1, dim], np.int64)))
+    g.output(x * cos + rot * sin, "y")
+    return g.build()
+
+
+def _interleaved_feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {"x": rng.standard_normal((1, 4, 1, 16)).astype(np.float32), "pos": np.array([[11]], np.int64)}
+
+
+def test_interleaved_rotary_is_one_kernel_and_the_grouped_reference_is_bit_equal() -> None:
+    graph = _interleaved_rotary_graph()
+    feeds = _interleaved_feeds()
+    plain = dsp.compile(graph, mode="slot_by_slot")
+    want = plain.run(feeds)["y"]
+    x, p = feeds["x"].astype(np.float64), 11.0
+    theta = p / (10000 ** (np.arange(0, 16, 2) / 16))
+    c, s = np.repeat(np.cos(theta), 2), np.repeat(np.sin(theta), 2)
+    rot = np.stack([-x[..., 1::2], x[..., 0::2]], axis=-1).reshape(x.shape)
+    np.testing.assert_allclose(want, x * c + rot * s, rtol=1e-5, atol=1e-5)  # the graph is interleaved rotary
+    grouped = CompiledModel(
+        graph, dsp.GraphExecutionMode.SLOT_BY_SLOT, registry=Registry(backends=[TritonGroupedSlotBySlot()])
+    )
+    np.testing.assert_array_equal(grouped.run(feeds)["y"], want)
+    plan, part = plain.plan(), plain.partition()
+    assert plan is not None and part is not None
+    from dsp_core.plan.fusion import segment_fusion
+
+    result = segment_fusion(plan, [s for seg in part.segments for s in seg.slots], TritonPolicy())
+    rotary = [g for g in result.groups if any(plan.slots[s].op == "Neg" for s in g.slots)]
+    assert len(rotary) == 1 and rotary[0].kernels == 1
+    ops = [plan.slots[s].op for s in rotary[0].slots]  # the slices, rotate, x*cos + rot*sin (and the tables)
+    assert ops.count("Slice") == 2 and "Concat" in ops and "Reshape" in ops and ops[-1] == "Add"
+    assert result.kernels == 1, [(g.template, [plan.slots[s].op for s in g.slots]) for g in result.groups]
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_interleaved_rotary_kernel_matches_the_reference_under_the_interpreter() -> None:
+    results = _interpreted(
+        "m = dsp_core.compile(t._interleaved_rotary_graph(), mode='slot_by_slot')\n"
+        "print(json.dumps([r.__dict__ for r in ic.check_model(m, t._interleaved_feeds())]))\n"
+    )
+    rotary = [r for r in results if "Neg" in r["ops"]]
+    assert len(rotary) == 1 and rotary[0]["status"] == "ok", results
+
+
+def _v_store_graph(rows: int, merged: bool) -> object:
+    """x -> (Q and) V projections; V reshaped to heads, transposed and stored into a KV buffer at ``pos``."""
+    g = dsp.GraphBuilder("v_store")
+    heads, dim, length, k = 2, 16, 12, 40
+    rng = np.random.default_rng(rows)
+    x = g.placeholder("x", "float32", [1, rows, k])
+    buf = g.variable("buf", "float32", [1, heads, length, dim])
+    pos = g.placeholder("pos", "int64", [1])
+    v = x @ g.constant(rng.standard_normal((k, heads * dim)).astype(np.float32))
+    if merged:
+        g.output(x @ g.constant(rng.standard_normal((k, 24)).astype(np.float32)), "q")
+    v_heads = g.Transpose(g.Reshape(v, g.constant(np.array([1, rows, heads, dim], np.int64))), perm=[0, 2, 1, 3])
+    stored = g.op("KVScatter", buf, v_heads, pos, domain="dsp")
+    g.output(g.ReduceSum(stored, g.constant(np.array([-1], np.int64)), keepdims=0), "s")  # reads the whole buffer
+    return g.build()
+
+
+def _v_store_feeds(rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {
+        "x": rng.standard_normal((1, rows, 40)).astype(np.float32),
+        "buf": rng.standard_normal((1, 2, 12, 16)).astype(np.float32),
+        "pos": np.array([7], np.int64),
+    }
+
+
+@pytest.mark.parametrize("merged", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_kv_store_of_a_projection_is_the_product_kernels_last_store(rows: int, merged: bool) -> None:
+    graph = _v_store_graph(rows, merged)
+    runs = []
+    for registry in (None, Registry(backends=[TritonGroupedSlotBySlot()])):
+        model = (
+            CompiledModel(graph, dsp.GraphExecutionMode.SLOT_BY_SLOT, registry=registry)
+            if registry
+            else dsp.compile(graph, mode="slot_by_slot")
+        )
+        feeds = _v_store_feeds(rows)
+        runs.append((model.run(feeds), feeds["buf"], model))
+    (want, want_buf, plain), (got, got_buf, _) = runs
+    np.testing.assert_array_equal(got_buf, want_buf)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    plan = plain.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), TritonPolicy())
+    group = next(g for g in result.groups if any(plan.slots[s].op == "KVScatter" for s in g.slots))
+    ops = [plan.slots[s].op for s in group.slots]
+    assert group.template == "product" and ops[-3:] == ["Reshape", "Transpose", "KVScatter"], ops
+    assert ("MergedMatMul" in ops) is merged
+    assert not any(plan.slots[s].op == "ReduceSum" for s in group.slots)  # the buffer's reader is another kernel
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_product_kernels_with_a_kv_store_match_the_reference_under_the_interpreter() -> None:
+    results = _interpreted(
+        "out = []\n"
+        "for rows in (1, 3):\n"
+        "    for merged in (False, True):\n"
+        "        m = dsp_core.compile(t._v_store_graph(rows, merged), mode='slot_by_slot')\n"
+        "        out += [r.__dict__ for r in ic.check_model(m, t._v_store_feeds(rows))]\n"
+        "print(json.dumps(out))\n"
+    )
+    stores = [r for r in results if "KVScatter" in r["ops"]]
+    assert len(stores) == 4 and all(r["status"] == "ok" and r["template"] == "product" for r in stores), stores

@@ -45,6 +45,7 @@ class PatternKind(enum.Enum):
     ROW_REDUCTION = "row_reduction"  # reduces the last axis (Reduce*, Softmax, LayerNorm, ArgMax)
     MATMUL = "matmul"
     ATTENTION = "attention"
+    STORE = "store"  # an in-place write of a computed value into a buffer (dsp::KVScatter)
     OPAQUE = "opaque"  # anything a template cannot take: control flow, random, other reductions
 
 
@@ -59,6 +60,9 @@ MATMUL_OPS = frozenset(
 # Ops that reduce the axis named by their ``axis`` attribute (default last) row by row.
 ROW_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
 OPAQUE_TRAITS = Trait.CONTROL_FLOW | Trait.RANDOM | Trait.DYNAMIC_OUTPUT_SIZE
+# In-place writes whose meaning the core knows: (domain, op) -> (buffer, update, position) inputs.
+# The decode plan's KV store writes the step's row at a device-held position (dsp_core/llm/kv.py).
+STORE_OPS = {("dsp", "KVScatter"): (0, 1, 2)}
 
 
 @dataclass(frozen=True)
@@ -196,11 +200,20 @@ def _axes(plan: Plan, s: int) -> list[int] | None:
     return [int(a) for a in axes] if axes is not None else None
 
 
+def _matmul_shape(a: tuple[Dim, ...] | None, b: tuple[Dim, ...] | None) -> tuple[Dim, ...] | None:
+    """A MatMul's output shape from its operands' (both of rank 2 or more; None: unknown)."""
+    if a is None or b is None or len(a) < 2 or len(b) < 2:
+        return None
+    batch = _broadcast([a[:-2], b[:-2]]) if a[:-2] or b[:-2] else ()
+    return None if batch is None else (*batch, a[-2], b[-1])
+
+
 def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
     """Value id -> shape, filling what static inference left unknown for the ops fusion reasons about.
 
     Elementwise ops broadcast their inputs, row ops keep their input's shape, reductions
-    with constant axes drop or keep those axes; anything else stays as the plan has it.
+    with constant axes drop or keep those axes, a MatMul of matrices (or batches of them)
+    is their product's; anything else stays as the plan has it.
     """
     shapes: dict[int, tuple[Dim, ...] | None] = {}
 
@@ -214,6 +227,14 @@ def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
         out = slot.outputs[0] if slot.outputs else None
         if out is None:
             continue
+        if slot.op == "MergedMatMul" and slot.attrs.get("form", "MatMul") == "MatMul":  # each part: A @ B_i
+            for k, v in enumerate(slot.outputs):
+                if v is not None:
+                    known = plan.values[v].shape
+                    shapes[v] = (
+                        known if known is not None else _matmul_shape(shape(slot.inputs[0]), shape(slot.inputs[1 + k]))
+                    )
+            continue
         got = plan.values[out].shape
         if got is None and slot.inputs:
             first = shape(slot.inputs[0])
@@ -221,6 +242,8 @@ def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
                 got = _broadcast([shape(r) for r in slot.inputs if r is not None])
             elif slot.op in ROW_OPS:
                 got = first
+            elif slot.op == "MatMul" and len(slot.inputs) == 2:
+                got = _matmul_shape(first, shape(slot.inputs[1]))
             elif slot.traits & Trait.REDUCTION and first is not None and slot.op not in ("ArgMax", "ArgMin"):
                 axes = _axes(plan, slot.index)
                 if axes is not None:
@@ -245,6 +268,8 @@ def classify(plan: Plan, s: int, shapes: dict[int, tuple[Dim, ...] | None] | Non
 
     out_shape = shape(next((v for v in slot.outputs if v is not None), None))
     numel = _numel(out_shape)
+    if (slot.domain, slot.op) in STORE_OPS and not slot.traits & OPAQUE_TRAITS and s not in plan.regions:
+        return SlotPattern(PatternKind.STORE, numel, shape=out_shape)
     if slot.traits & OPAQUE_TRAITS or slot.traits & Trait.MUTATES_INPUT or s in plan.regions:
         return SlotPattern(PatternKind.OPAQUE, numel, shape=out_shape)
     if slot.traits & Trait.ATTENTION:
@@ -385,9 +410,9 @@ class ReferencePolicy(FusionPolicy):
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         kind = pattern.kind
-        if group.template in ("matmul", "attention", "opaque"):
+        if group.template in ("matmul", "attention", "opaque", "store"):
             return f"group {group.index} is a {group.template} slot, which runs alone (no reference template fuses it)"
-        if kind in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE):
+        if kind in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE, PatternKind.STORE):
             return f"{plan.slots[s].op} is {kind.value}: no reference template fuses it"
         if kind is PatternKind.INJECTIVE and plan.slots[s].op not in VIEW_OPS:
             return f"{plan.slots[s].op} is a materialised copy: it starts a copy group"
@@ -427,7 +452,7 @@ class ReferencePolicy(FusionPolicy):
         return 0 if template == "view" else 1
 
     def unfused(self, plan: Plan, group: Group) -> str | None:
-        if group.template in ("matmul", "attention", "opaque"):
+        if group.template in ("matmul", "attention", "opaque", "store"):
             return f"a {group.template} group runs alone"
         if group.kernels == 0:
             return "views only: no kernel"
@@ -451,7 +476,73 @@ def _in_row_space(pattern: SlotPattern, red: SlotPattern) -> bool:
     if pattern.shape is None or red.row is None:
         return False
     outer = tuple(red.row[:-1])
-    return _strip(tuple(pattern.shape)) in {_strip(tuple(red.row)), _strip(outer), _strip((*outer, 1))}
+    shape = tuple(pattern.shape)
+    return _strip(shape) in {_strip(tuple(red.row)), _strip(outer), _strip((*outer, 1))} or same_rows(shape, red.row)
+
+
+def _factors(dims: Sequence[Dim]) -> tuple[int, tuple[str, ...]] | None:
+    """The product of ``dims``: its integer part and its symbolic factors (``"batch*seq"`` is two)."""
+    number, names = 1, []
+    for d in dims:
+        if d is None:
+            return None
+        if isinstance(d, int):
+            number *= d
+            continue
+        for part in str(d).split("*"):
+            part = part.strip()
+            if part.isdigit():
+                number *= int(part)
+            else:
+                names.append(part)
+    return number, tuple(sorted(names))
+
+
+def same_rows(shape: Sequence[Dim], row: Sequence[Dim]) -> bool:
+    """True when ``shape`` is ``row`` with its outer dims regrouped: the same last axis, as many rows.
+
+    A reshape of ``[batch, seq, K]`` to ``[batch*seq, K]`` (GPT-2's Conv1D as a Gemm)
+    only relabels the rows; symbolic dims compare by their factors.
+    """
+    if not shape or not row or shape[-1] != row[-1]:
+        return False
+    a, b = _factors(shape[:-1]), _factors(row[:-1])
+    return a is not None and a == b
+
+
+def norm_prologue(plan: Plan, group: GroupView, s: int, readers: dict[int, list[int]]) -> str | None:
+    """None when row-reduction ``group`` may run as the prologue of product slot ``s``, else why not.
+
+    The legal merge of a norm into the product that reads it (docs/fusion.md): the
+    product's first operand (A) is made in the group and is the reduction's row space,
+    so the rows are the product's rows and the reduced axis is the product's K; no other
+    operand of the product is made in the group; and nothing the group makes is read
+    outside it (its values exist only inside the product's K loop, so a value read
+    elsewhere would have to be stored: the norm then stays its own kernel).
+    """
+    red = group.reduction
+    if group.template != "row_reduction" or red is None or red.row is None:
+        return f"a {group.template} group is not a row reduction a product can take as its prologue"
+    slot = plan.slots[s]
+    if slot.op == "Gemm" and int(slot.attrs.get("transA", 0)):
+        return "a Gemm with transA=1 reads A along its rows: no norm prologue"
+    members = set(group.slots)
+    made = {v: m for m in group.slots for v in plan.slots[m].outputs if v is not None}
+    a = slot.inputs[0] if slot.inputs else None
+    if a is None or a not in made:
+        return f"group {group.index} does not make the product's first operand"
+    if any(r in made for r in slot.inputs[1:] if r is not None):
+        return f"group {group.index} makes an operand of the product other than A"
+    a_shape = group.patterns[made[a]].shape
+    if a_shape is None or not same_rows(a_shape, red.row):
+        return (
+            f"the product's A iterates {_dims(a_shape)}, not the rows {_dims(red.row)} the norm reduces "
+            "(the reduced axis must be the product's K)"
+        )
+    for v, m in made.items():
+        if v in plan.outputs or any(r not in members and r != s for r in readers.get(v, ())):
+            return f"slot {m}'s output is read outside the norm and the product: the norm stays its own kernel"
+    return None
 
 
 NO_FUSION = FusionPolicy()
@@ -535,6 +626,9 @@ class _Grouper:
             return f"{plan.slots[s].op} is opaque ({_opaque_why(plan, s)}): always a group alone"
         if len(group.slots) >= self.policy.limits.max_nodes:
             return f"group {g} holds {len(group.slots)} slots, the template limit"
+        why = self._store_rules(g, s, pattern)
+        if why is not None:
+            return why
         others = {self.group_of[p] for p in self.deps[s]} - {g}
         cyclic = sorted(h for h in others if g in self.ancestors[h])
         if cyclic:
@@ -566,6 +660,28 @@ class _Grouper:
             return f"the group would read more than {self.policy.limits.max_inputs} inputs, the template limit"
         return self.policy.merge_ok(plan, group, s, pattern)
 
+    def _store_rules(self, g: int, s: int, pattern: SlotPattern) -> str | None:
+        """A store joins only the group that makes what it writes; nothing reads a group's store inside it.
+
+        The buffer written in place is read whole after the write (attention reads every
+        position): rows other programs write, which one kernel cannot wait for.
+        """
+        plan, members = self.plan, set(self.groups[g].slots)
+        made = {v: m for m in members for v in plan.slots[m].outputs if v is not None}
+        if pattern.kind is PatternKind.STORE:
+            buffer, update, position = (
+                plan.slots[s].inputs[k] for k in STORE_OPS[(plan.slots[s].domain, plan.slots[s].op)]
+            )
+            if update not in made:
+                return f"{plan.slots[s].op} joins only the group that makes what it writes, not group {g}"
+            if buffer in made or position in made:
+                return f"group {g} makes {plan.slots[s].op}'s buffer or position, not only what it writes"
+        for r in plan.slots[s].inputs:
+            m = made.get(r) if r is not None else None
+            if m is not None and self.patterns[m].kind is PatternKind.STORE:
+                return f"slot {s} reads the buffer slot {m} writes in place: rows other programs write"
+        return None
+
     def _absorbable(self, g: int, h: int, s: int) -> bool:
         """True when group ``h`` may merge into ``g`` (which ``s`` just joined): independent, within limits."""
         if g in self.ancestors[h]:
@@ -576,7 +692,7 @@ class _Grouper:
         group, other = self.groups[g], self.groups[h]
         if len(group.slots) + len(other.slots) > self.policy.limits.max_nodes:
             return False
-        if any(self.patterns[m].kind is PatternKind.OPAQUE for m in other.slots):
+        if any(self.patterns[m].kind in (PatternKind.OPAQUE, PatternKind.STORE) for m in other.slots):
             return False
         return self.policy.absorbs(self.plan, group, s, other)
 
@@ -776,10 +892,13 @@ __all__ = [
     "GroupView",
     "PatternKind",
     "ReferencePolicy",
+    "STORE_OPS",
     "SlotPattern",
     "classify",
+    "norm_prologue",
     "propose_groups",
     "release_order",
+    "same_rows",
     "sealed_slots",
     "segment_fusion",
 ]

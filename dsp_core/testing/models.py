@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,3 +33,29 @@ def mlp(widths: Sequence[int], seed: int = 0, *, bias: bool = True, tied: bool =
         h = g.Relu(h)
     g.output(h, "y")
     return g.build()
+
+
+def fixed_kv_step(
+    path: str | os.PathLike[str], max_length: int = 16, position: int = 5, seed: int = 0
+) -> tuple[Graph, dict[str, Any]]:
+    """A decoder's fixed-KV decode graph (``GenerationPipeline``'s, dsp_core/llm/kv.py) and one step's feeds.
+
+    The KV buffers hold random rows (standard normal, from ``seed``); the attention mask
+    covers rows ``0..position``; the step's token is 3 at ``position``, so its KV stores
+    write row ``position`` of every buffer.
+    """
+    from dsp_core.ir.onnx_import import import_model
+    from dsp_core.llm.kv import fixed_kv_buffers
+
+    fixed = fixed_kv_buffers(import_model(path), batch=1, max_length=max_length)
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, Any] = {}
+    for name, shape in fixed.buffer_shapes.items():
+        feeds[name] = rng.standard_normal(shape).astype(fixed.buffer_dtypes[name])
+    mask = np.zeros((1, max_length), np.int64)
+    mask[0, : position + 1] = 1
+    step = {"input_ids": np.array([[3]]), "attention_mask": mask, "position_ids": np.array([[position]])}
+    names = set(fixed.graph.input_names)
+    feeds.update({k: v.astype(fixed.input_dtypes.get(k, "int64")) for k, v in step.items() if k in names})
+    feeds[fixed.position_input] = np.array([position], np.int64)
+    return fixed.graph, feeds

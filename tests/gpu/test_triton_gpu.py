@@ -205,3 +205,96 @@ def test_a_generator_bug_costs_the_group_its_kernel_never_the_model(monkeypatch:
     model = _gpt2_warned("the generator failed")
     failed = [r for r in _reports(model) if "the generator failed" in r["reason"]]
     assert failed and all(r["status"] == "reference" for r in failed)
+
+
+# -- the norm as the product's prologue; the KV store as the last store of a kernel ----------
+def _norm_model(norm: str, m: int, k: int, widths: tuple[int, ...], dtype: str, mode: str) -> dsp.CompiledModel:
+    """x [1, rows, k] -> a norm -> products of ``widths`` (one: + residual; two of one width: SiLU(a) x b;
+    three: Q/K/V-like outputs). Siblings are merged by the core (docs/merge.md)."""
+    rng = np.random.default_rng(m * 1000 + k + sum(widths))
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", dtype, [1, "rows", k])
+    gamma = g.constant((1 + 0.1 * rng.standard_normal(k)).astype(dtype), name="gamma")
+    if norm == "layer":
+        beta = g.constant((0.1 * rng.standard_normal(k)).astype(dtype), name="beta")
+        h = g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=1e-5)
+    elif norm == "rms":
+        h = g.op("RMSNormalization", x, gamma, axis=-1, epsilon=1e-6)
+    else:  # the eager export's chain
+        mean = g.ReduceMean(
+            g.Pow(x, g.constant(np.array(2.0, dtype))), g.constant(np.array([-1], np.int64)), keepdims=1
+        )
+        h = gamma * (x * g.Reciprocal(g.Sqrt(mean + g.constant(np.array(1e-6, dtype)))))
+    ws = [
+        g.constant((rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype), name=f"w{j}") for j, n in enumerate(widths)
+    ]
+    ys = [h @ w for w in ws]
+    if len(ys) == 1:
+        r = g.placeholder("r", dtype, [1, "rows", widths[0]])
+        g.output(ys[0] + r, "y")
+    elif len(ys) == 2:
+        g.output(g.Sigmoid(ys[0]) * ys[0] * ys[1], "y")
+    else:
+        for j, y in enumerate(ys):
+            g.output(y, f"y{j}")
+    return dsp.compile(g.build(), mode=mode, strict=mode != "slot_by_slot")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("norm", ["chain", "layer", "rms"])
+@pytest.mark.parametrize(
+    "m, k, widths",
+    [
+        (1, 333, (70,)),
+        (3, 1000, (130,)),
+        (16, 200, (72, 72)),
+        (1, 517, (96, 33, 33)),
+        (7, 64, (40, 40)),
+        (33, 200, (72,)),
+    ],
+)
+def test_norm_prologue_products_match_the_reference(
+    m: int, k: int, widths: tuple[int, ...], norm: str, dtype: str
+) -> None:
+    """Rows 1..16: one kernel (each program computes its rows' statistics over K, then the product and its
+    epilogue); 33 rows: the norm as one row kernel, cuBLAS, the epilogue kernel. Odd K and N throughout."""
+    rng = np.random.default_rng(11)
+    feeds = {"x": (3 * rng.standard_normal((1, m, k)) + 0.5).astype(dtype)}
+    if len(widths) == 1:
+        feeds["r"] = rng.standard_normal((1, m, widths[0])).astype(dtype)
+    want = _norm_model(norm, m, k, widths, dtype, "slot_by_slot").run(feeds)
+    model = _norm_model(norm, m, k, widths, dtype, "triton")
+    for i in range(6):
+        _close(model.run(feeds), want, f"{norm} norm + products {m}x{k}x{widths} {dtype} run {i}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    plan = model.plan()
+    assert plan is not None
+    norms = {"ReduceMean", "LayerNormalization", "RMSNormalization"}
+    groups = [r for r in _reports(model) if any(plan.slots[s].op in norms for s in r["slots"])]
+    assert len(groups) == 1 and groups[0]["template"] == "product" and groups[0]["status"] == "triton", groups
+    if m > 16:
+        assert "+" in groups[0]["kernel"] or "cuBLAS" in groups[0]["reason"], groups  # the norm's kernel, then cuBLAS
+    else:
+        assert groups[0]["kernel"].startswith("dsp_mm_") and not groups[0]["reason"], groups
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_decode_kernels_hold_the_kv_stores_and_norms_and_give_torchs_tokens(name: str) -> None:
+    """The decode plan on TRITON: each KV store is written by the kernel that computes its row (K's rotary,
+    GPT-2's K/V split), each norm by the product it feeds; captured blocks, torch's greedy tokens."""
+    g = np.load(FIXTURES / f"{name}.golden.npz")
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="triton")
+    result = pipe.generate(g["prompt"], 24)
+    assert result.tokens[0].tolist() == g["greedy_tokens"][:24].tolist(), f"{name}: tokens differ from torch's"
+    model = pipe.decoder(1).model
+    plan = model.plan()
+    assert plan is not None
+    reports = _reports(model)
+    assert not [r for r in reports if r["status"] == "demoted"], reports
+    stores = [r for r in reports if any(plan.slots[s].op == "KVScatter" for s in r["slots"]) and len(r["slots"]) > 1]
+    assert stores and all(r["status"] == "triton" for r in stores), stores
+    norms = {"ReduceMean", "LayerNormalization", "RMSNormalization"}
+    prologues = [
+        r for r in reports if r["template"] == "product" and any(plan.slots[s].op in norms for s in r["slots"])
+    ]
+    assert prologues and all(r["status"] == "triton" for r in prologues), prologues

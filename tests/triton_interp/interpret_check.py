@@ -92,7 +92,7 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
 
             spec = codegen.GroupSpec(g.template, nodes, specs, list(dict.fromkeys(ins)), outs, constant)
             pieces = [spec]
-            if nodes and nodes[0].op == "MergedMatMul":  # as kernels.py does: joined weights
+            if codegen.merged_index(spec) >= 0:  # as kernels.py does: joined weights
                 spec = _merged(codegen, spec, values, passed)
                 pieces = [spec]
             try:
@@ -115,9 +115,18 @@ def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-
     return results
 
 
+def decode_model(path: str) -> tuple[Any, dict[str, Any]]:
+    """A decoder's fixed-KV decode plan (slot by slot) and one step's feeds (dsp_core.testing.models)."""
+    import dsp_core
+    from dsp_core.testing.models import fixed_kv_step
+
+    graph, feeds = fixed_kv_step(path)
+    return dsp_core.compile(graph, mode="slot_by_slot"), feeds
+
+
 def _merged(codegen: Any, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:
     """A merged product's one-kernel spec, with its joined weights (and biases) built with numpy."""
-    node = spec.nodes[0]
+    node = spec.nodes[codegen.merged_index(spec)]
     weights, biases = codegen.merged_operands(node)
     trans_b = bool(node.attrs.get("transB", 0)) and node.attrs.get("form") == "Gemm"
     rows = [np.asarray(values[w]) if trans_b else np.asarray(values[w]).T for w in weights]
@@ -148,6 +157,13 @@ def _run_piece(
     args = []
     for v in kernel.args[: kernel.n_inputs]:
         args.append(_torch_view(torch, passed[v] if v in passed else _passable(np.asarray(values[v]))))
+    buffers = {}  # a KV store's buffer: a copy whose rows to write are NaN (the reference wrote them)
+    for out, buffer, update, position, axis in kernel.kv_stores:
+        buf = np.array(values[buffer], copy=True)
+        ax, p = axis % buf.ndim, int(np.asarray(values[position]).reshape(-1)[0])
+        buf[(slice(None),) * ax + (slice(p, p + np.asarray(values[update]).shape[ax]),)] = np.nan
+        buffers[out] = buf
+        args[kernel.args.index(buffer)] = torch.from_numpy(buf)
     out_arrays = [np.empty(spec.values[v].shape, dtype=spec.values[v].dtype) for v in kernel.args[kernel.n_inputs :]]
     args += [torch.from_numpy(a) for a in out_arrays]
     try:
@@ -155,6 +171,7 @@ def _run_piece(
     except Exception as exc:  # noqa: BLE001
         return "error", f"{type(exc).__name__}: {exc}\n{kernel.source}"
     got = {v: a for v, a in zip(kernel.args[kernel.n_inputs :], out_arrays)}
+    got.update(buffers)
     outs = list(spec.outputs)
     if all(o < 0 for o in outs):  # synthetic values between kernels (a split attention's partials)
         passed.update(got)

@@ -53,7 +53,77 @@ def cases() -> list[dict[str, Any]]:
     out.append(
         _case("matmul fp16 + epilogue", rng, op="MatMul", a=(1, 4, 64), b=(64, 48), dtype="float16", epilogue=True)
     )
+    for m in (1, 5, 16):  # a norm as the prologue: RMSNorm, LayerNorm, the exported RMSNorm chain
+        for norm in ("rms", "layer", "chain"):
+            out.append(
+                _case(
+                    f"{norm} norm + matmul m{m}",
+                    rng,
+                    op="MatMul",
+                    a=(1, m, 130),
+                    b=(130, 37),
+                    dtype="float32",
+                    norm=norm,
+                )
+            )
+    out.append(
+        _case(
+            "chain norm + matmul fp16 nk",
+            rng,
+            op="MatMul",
+            a=(1, 1, 520),
+            b=(520, 96),
+            dtype="float16",
+            nk=True,
+            norm="chain",
+        )
+    )
+    out.append(
+        _case("layer norm + matmul fp16 m4", rng, op="MatMul", a=(4, 72), b=(72, 40), dtype="float16", norm="layer")
+    )
     return out
+
+
+def _norm(
+    case: dict[str, Any], x: np.ndarray, arrays: dict[int, np.ndarray], values: dict[int, np.ndarray]
+) -> list[Any]:
+    """The nodes of a norm of ``x`` (value 20) that make the product's A (value 1); fills ``arrays`` and ``values``."""
+    from dsp_triton import codegen
+
+    rng, dt, kind = case["rng"], x.dtype, case["norm"]
+    gamma = (1 + 0.1 * rng.standard_normal(x.shape[-1])).astype(dt)
+    beta = (0.1 * rng.standard_normal(x.shape[-1])).astype(dt)
+    arrays.update({20: x, 21: gamma})
+    xf = x.astype(np.float64)
+    n = codegen.NodeSpec
+    if kind == "layer":
+        arrays[22] = beta
+        d = xf - xf.mean(-1, keepdims=True)
+        y = d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5) * gamma + beta
+        nodes = [n("LayerNormalization", (20, 21, 22), (1,), {"axis": -1, "epsilon": 1e-5})]
+    elif kind == "rms":
+        y = xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * gamma
+        nodes = [n("RMSNormalization", (20, 21), (1,), {"axis": -1, "epsilon": 1e-6}, opset=23)]
+    else:  # as the eager export writes it
+        arrays.update({40: np.array(2.0, dt), 41: np.array([-1], np.int64), 42: np.array(1e-6, dt)})
+        sq = xf * xf
+        mean = sq.mean(-1, keepdims=True)
+        inv = 1 / np.sqrt(mean + 1e-6)
+        y = gamma * (xf * inv)
+        values.update({30: sq.astype(dt), 31: mean.astype(dt), 32: (mean + 1e-6).astype(dt)})
+        values.update({33: np.sqrt(mean + 1e-6).astype(dt), 34: inv.astype(dt), 35: (xf * inv).astype(dt)})
+        nodes = [
+            n("Pow", (20, 40), (30,)),
+            n("ReduceMean", (30, 41), (31,), {"keepdims": 1}, opset=18),
+            n("Add", (31, 42), (32,)),
+            n("Sqrt", (32,), (33,)),
+            n("Reciprocal", (33,), (34,)),
+            n("Mul", (20, 34), (35,)),
+            n("Mul", (21, 35), (1,)),
+        ]
+    values.update({k: v for k, v in arrays.items() if k >= 20})
+    values[1] = y.astype(dt)
+    return nodes
 
 
 def build(case: dict[str, Any]) -> tuple[Any, dict[int, np.ndarray], dict[int, np.ndarray]]:
@@ -69,8 +139,13 @@ def build(case: dict[str, Any]) -> tuple[Any, dict[int, np.ndarray], dict[int, n
     if case.get("nk"):
         b = np.ascontiguousarray(np.swapaxes(b, -1, -2)).swapaxes(-1, -2)  # [.., K, N] with K the unit stride
     arrays: dict[int, np.ndarray] = {1: a, 2: b}
-    af, bf = a.astype(np.float64), b.astype(np.float64)
+    values: dict[int, np.ndarray] = {}
     nodes = []
+    if case.get("norm"):  # A is the norm of x, made in the kernel
+        del arrays[1]
+        nodes += _norm(case, a, arrays, values)
+        a = values[1]
+    af, bf = a.astype(np.float64), b.astype(np.float64)
     if case["op"] == "Gemm":
         attrs = {"transA": ta, "transB": tb, "alpha": case.get("alpha", 1.0), "beta": case.get("beta", 1.0)}
         n = case["b"][1]
@@ -82,7 +157,7 @@ def build(case: dict[str, Any]) -> tuple[Any, dict[int, np.ndarray], dict[int, n
         y = af @ bf
         nodes.append(codegen.NodeSpec("MatMul", (1, 2), (4,)))
     y = y.astype(dt)
-    values = {1: a, 2: b, 4: y}
+    values.update({1: a, 2: b, 4: y})
     if case["op"] == "Gemm":
         values[3] = arrays[3]
     outputs = [4]
@@ -111,7 +186,7 @@ def build(case: dict[str, Any]) -> tuple[Any, dict[int, np.ndarray], dict[int, n
         strides = tuple(s // x.itemsize for s in x.strides) if v in arrays else None
         specs[v] = codegen.TensorSpec(tuple(x.shape), str(x.dtype), strides)
     ins = [v for v in arrays]
-    small = {v: x for v, x in arrays.items() if x.size <= 16 and x.dtype.kind == "i"}
+    small = {v: x for v, x in arrays.items() if x.size <= 16 and (x.dtype.kind == "i" or v >= 40)}
     spec = codegen.GroupSpec("product", nodes, specs, ins, outputs, lambda v: small.get(v))
     return spec, arrays, {v: values[v] for v in outputs}
 

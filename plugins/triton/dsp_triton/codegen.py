@@ -121,6 +121,9 @@ class Kernel:
     num_warps: int
     block: int  # BLOCK (pointwise) or RBLOCK (row)
     template: str
+    # KV stores the kernel makes (dsp::KVScatter as its last store): (output, buffer, update,
+    # position, axis); the output *is* the buffer, written in place through an input pointer
+    kv_stores: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
 # Which inputs of an op are data (loaded); the rest are shape-like (read on the host or implied).
@@ -207,6 +210,8 @@ class _Gen:
         # product and attention templates: value -> (its name, the lane index it exists at)
         self.lane_values: dict[int, tuple[str, tuple[str, ...]]] = {}
         self.store_masks: dict[int, str] = {}  # output -> its store mask when not every lane stores it
+        # product template with a norm prologue: norm output -> (mean, inverse std) of its row
+        self.looped_norms: dict[int, tuple[str, str]] = {}
 
     # -- indexes -------------------------------------------------------------------------
     def unflatten(self, flat: str, shape: Sequence[int], lane: bool) -> Idx:
@@ -567,11 +572,43 @@ class _Gen:
     def _cast(self, arg: tuple[str, str, bool], dtype: str) -> str:
         return arg[0] if arg[1] == dtype else f"{arg[0]}.to({_tl(dtype)})"
 
+    # -- a KV store: the row written into its buffer at the device-held position ------------
+    def kv_store(self, node: NodeSpec, idx: Idx) -> str:
+        """The line that writes ``node``'s update (computed at ``idx``) into its buffer, in place.
+
+        The position is read on the device (one graph serves every step); rows past the
+        buffer's end are not written, as ``codegen.kv_store`` does.
+        """
+        buffer, update, position = (int(r) for r in node.inputs[:3])  # type: ignore[arg-type]
+        bspec, uspec, pspec = (self.spec.values[v] for v in (buffer, update, position))
+        if pspec.dtype not in ("int32", "int64"):
+            raise Unsupported(f"a KV position of {pspec.dtype}")
+        rank = len(bspec.shape)
+        ax = int(node.attrs.get("axis", -2)) % rank
+        if len(uspec.shape) != rank or any(u != b for k, (u, b) in enumerate(zip(uspec.shape, bspec.shape)) if k != ax):
+            raise Unsupported(f"a KV update of {list(uspec.shape)} for a buffer of {list(bspec.shape)}")
+        value, varies = self.value(update, idx)
+        if not varies:
+            raise Unsupported("a KV row that is one value for every lane")
+        for v in (buffer, position):
+            if v not in self.args:
+                self.args.append(v)
+        ptr, pos = f"in{self.args.index(buffer)}", f"in{self.args.index(position)}"
+        p = self.em.let(f"tl.load({pos}).to(tl.int32)", False, "kp")
+        row = f"({idx.dims[ax]} + {p})"
+        strides = bspec.strides or tuple(_row_major(bspec.shape))
+        dims = [row if k == ax else d for k, d in enumerate(idx.dims)]
+        off = " + ".join(f"{d} * {strides[k]}" for k, d in enumerate(dims) if d != "0") or "0"
+        ok = f"{self.store_masks.get(update, self.mask)} & ({row} >= 0) & ({row} < {bspec.shape[ax]})"
+        return f"    tl.store({ptr} + ({off}), {value}.to({_tl(bspec.dtype)}), mask={ok})"
+
     # -- the row template ------------------------------------------------------------------
     def _row_valued(self, node: NodeSpec, k: int, v: int, idx: Idx) -> tuple[str, bool]:
         """A reduction's output at ``idx``: a scalar of this program, or (Softmax, LayerNorm) a row."""
         if self.row is None or self.row_idx is None:
             raise Unsupported(f"{node.op} outside a row-reduction group")
+        if v in self.looped_norms:  # a product's prologue: the norm at the K loop's index
+            return self._norm_at(node, v, idx)
         if v not in self.scalars and v not in self.rowvals:
             self._reduce(node)
         if v in self.rowvals:
@@ -648,23 +685,123 @@ class _Gen:
                 mean, d = "0.0", xf
             var = em.let(f"{total(f'{d} * {d}')} / {float(n)}", False, "s")
             inv = em.let(f"1.0 / tl.sqrt_rn({var} + {eps})", False, "s")
-            y = f"{d} * {inv}"
-            for j in (1, 2):
-                r = node.inputs[j] if j < len(node.inputs) else None
-                if r is None or (j == 2 and op != "LayerNormalization"):
-                    continue
-                sub = self.broadcast(self.row_idx, self.row, self.spec.values[r].shape)
-                w, wv = self.value(r, sub)
-                wf = self._up((w, self.spec.values[r].dtype, wv))
-                y = f"({y}) * {wf}" if j == 1 else f"({y}) + {wf}"
-            self._set_row(out0, y)
-            outs = node.outputs
-            if len(outs) > 1 and outs[1] is not None:
-                self._set_scalar(outs[1], mean)
-            if len(outs) > 2 and outs[2] is not None:
-                self._set_scalar(outs[2], inv)
+            self._set_row(out0, self._affine(node, f"{d} * {inv}", self.row_idx))
+            self._norm_stats(node, mean, inv)
         else:
             raise Unsupported(f"no row template for {op}")
+
+    def _affine(self, node: NodeSpec, y: str, idx: Idx) -> str:
+        """A norm's normalised value ``y`` at ``idx`` times its scale (plus, for LayerNorm, its bias)."""
+        assert self.row is not None
+        for j in (1, 2):
+            r = node.inputs[j] if j < len(node.inputs) else None
+            if r is None or (j == 2 and node.op != "LayerNormalization"):
+                continue
+            sub = self.broadcast(idx, self.row, self.spec.values[r].shape)
+            w, wv = self.value(r, sub)
+            wf = self._up((w, self.spec.values[r].dtype, wv))
+            y = f"({y}) * {wf}" if j == 1 else f"({y}) + {wf}"
+        return y
+
+    def _norm_stats(self, node: NodeSpec, mean: str, inv: str) -> None:
+        """A LayerNormalization's optional outputs: its mean and inverse standard deviation."""
+        outs = node.outputs
+        if len(outs) > 1 and outs[1] is not None:
+            self._set_scalar(outs[1], mean)
+        if len(outs) > 2 and outs[2] is not None:
+            self._set_scalar(outs[2], inv)
+
+    # -- a norm as a product's prologue: row statistics in loops over K ---------------------
+    def row_stats(self, stats: Sequence[NodeSpec], row_idx: Idx, mask: str, k: int, bk: int, per_row: bool) -> None:
+        """Emit loops over the row (``k`` elements, ``bk`` a step) computing each reduction's statistic.
+
+        ``row_idx`` is the index the product's K loop reads its first operand at (``rk`` the
+        loop's lanes, ``mask`` its bounds); ``per_row``: the index spans several rows (the
+        ``dot`` body: one statistic per row, a vector over ``rm``), else one (a scalar).
+        Every program computes the statistics itself (the row is read once more per pass:
+        cheap at 16 rows or fewer); the K loop then reads the normalised row at its index.
+        """
+        assert self.row is not None
+        n = self.row[-1]
+        zero = "tl.zeros([16], dtype=tl.float32)" if per_row else "tl.full([], 0.0, tl.float32)"
+        sums: dict[int, str] = {}  # node index -> its statistic's accumulator
+
+        def loop(tag: str, terms: dict[int, Callable[[str], str]]) -> None:
+            outer = (self.em, self.memo, self.mask)
+            self.em, self.memo, self.mask = _Emitter(tag=tag, indent="        "), {}, mask
+            body: list[str] = []
+            for j, term in terms.items():
+                src = stats[j].inputs[0]
+                assert src is not None
+                x, xv = self.value(src, row_idx)
+                xf = self.em.let(self._up((x, self.spec.values[src].dtype, xv)), True, "r")
+                axis = ", axis=1" if per_row else ""
+                body.append(f"        {sums[j]} += tl.sum(tl.where({mask}, {term(xf)}, 0.0){axis})")
+            lines = self.em.lines
+            self.em, self.memo, self.mask = outer
+            self.em.lines.append(f"    for k0 in range(0, {k}, {bk}):")
+            self.em.lines.append(f"        rk = k0 + tl.arange(0, {bk})")
+            self.em.lines += [*lines, *body]
+
+        def start(j: int, tag: str) -> None:
+            sums[j] = f"{tag}{j}"
+            self.em.lines.append(f"    {sums[j]} = {zero}")
+
+        first: dict[int, Callable[[str], str]] = {}
+        for j, node in enumerate(stats):
+            if node.op not in LOOPED_REDUCTIONS:
+                raise Unsupported(f"{node.op} as a product's prologue (it computes {sorted(LOOPED_REDUCTIONS)})")
+            src = node.inputs[0]
+            if src is None or tuple(self.spec.values[src].shape) != self.row:
+                raise Unsupported(f"{node.op} reduces other rows than the product's first operand")
+            if self.spec.values[src].dtype not in FLOATS:
+                raise Unsupported(f"{node.op} over {self.spec.values[src].dtype}")
+            start(j, "st")
+            square = node.op in ("ReduceSumSquare", "RMSNormalization", "SimplifiedLayerNormalization")
+            first[j] = _square if square else _same
+        loop("r", first)
+        means = {j: self.em.let(f"{sums[j]} / {float(n)}", False, "s") for j in range(len(stats))}
+
+        def row_scalar(name: str) -> str:
+            return f"{name}[:, None]" if per_row else name
+
+        second: dict[int, Callable[[str], str]] = {}
+        for j, node in enumerate(stats):
+            out0 = node.outputs[0]
+            if node.op in ("ReduceSum", "ReduceSumSquare"):
+                self._set_scalar(out0, row_scalar(sums[j]))
+            elif node.op == "ReduceMean":
+                self._set_scalar(out0, row_scalar(means[j]))
+            elif node.op == "LayerNormalization":  # the variance of x - mean: a second pass
+                start(j, "sv")
+                mean = row_scalar(means[j])
+                second[j] = _centred_square(mean)
+        if second:
+            loop("q", second)
+        for j, node in enumerate(stats):
+            if node.op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"):
+                eps = float(node.attrs.get("epsilon", 1e-5))
+                var = self.em.let(f"{sums[j]} / {float(n)}", False, "s") if j in second else means[j]
+                inv = self.em.let(f"1.0 / tl.sqrt_rn({var} + {eps})", False, "s")
+                mean = row_scalar(means[j]) if node.op == "LayerNormalization" else "0.0"
+                assert node.outputs[0] is not None
+                self.looped_norms[node.outputs[0]] = (mean, row_scalar(inv))
+                self._norm_stats(node, mean, row_scalar(inv))
+
+    def _norm_at(self, node: NodeSpec, v: int, idx: Idx) -> tuple[str, bool]:
+        """A looped norm's output at ``idx`` (in the product's K loop): (x - mean) x inv, scaled."""
+        assert self.row is not None and self.row_idx is not None
+        outer = Idx(self.row_idx.dims[:-1], self.row_idx.lane[:-1])
+        if _strip(self.row[:-1], Idx(idx.dims[:-1], idx.lane[:-1]))[1] != _strip(self.row[:-1], outer)[1]:
+            raise Unsupported(f"{node.op}'s output read at another row than its own")
+        src = node.inputs[0]
+        assert src is not None
+        mean, inv = self.looped_norms[v]
+        x, xv = self.value(src, idx)
+        xf = self._up((x, self.spec.values[src].dtype, xv))
+        d = xf if mean == "0.0" else f"({xf} - {mean})"
+        y = self._affine(node, f"{d} * {inv}", idx)
+        return self.em.let(f"({y}).to({_tl(self.spec.values[v].dtype)})", True, "r"), True
 
     def _set_scalar(self, v: int | None, expr: str) -> None:
         if v is not None:
@@ -673,6 +810,21 @@ class _Gen:
     def _set_row(self, v: int | None, expr: str) -> None:
         if v is not None:
             self.rowvals[v] = self.em.let(f"({expr}).to({_tl(self.spec.values[v].dtype)})", True, "r")
+
+
+def _square(x: str) -> str:
+    return f"{x} * {x}"
+
+
+def _same(x: str) -> str:
+    return x
+
+
+def _centred_square(mean: str) -> Callable[[str], str]:
+    def term(x: str) -> str:
+        return f"({x} - {mean}) * ({x} - {mean})"
+
+    return term
 
 
 def _tl(dtype: str) -> str:
@@ -767,6 +919,19 @@ SUPPORTED_OPS = (
 
 # -- the skinny-product template (T3) ------------------------------------------------------
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
+# Ops that only move elements: a product's lanes map forward through them (to a KV store).
+LAYOUT_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"})
+# Reductions a product's prologue computes in loops over K (a norm feeding the product).
+LOOPED_REDUCTIONS = frozenset(
+    {
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceSumSquare",
+        "LayerNormalization",
+        "RMSNormalization",
+        "SimplifiedLayerNormalization",
+    }
+)
 MAX_PRODUCT_ROWS = 16  # products with more rows stay on cuBLAS (prefill)
 _DOT_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 
@@ -855,7 +1020,9 @@ def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpec:
     """Merged siblings as one product: the joined weights (``MERGED_B``, a [K, sum N] view of a
     [sum N, K] buffer), the joined biases (``MERGED_C``), each part stored by its own lanes."""
-    node = spec.nodes[0]
+    j = merged_index(spec)
+    node = spec.nodes[j]
+    prologue = spec.nodes[:j]  # a norm feeding the product
     weights, biases = merged_operands(node)
     form = str(node.attrs.get("form", "MatMul"))
     trans_b = bool(node.attrs.get("transB", 0)) and form == "Gemm"
@@ -871,25 +1038,29 @@ def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpe
     values[MERGED_Y] = TensorSpec((*first.shape[:-1], sum(widths)), first.dtype)
     a = node.inputs[0]
     assert a is not None
-    inputs: tuple[int, ...] = (a, MERGED_B)
+    operands: tuple[int, ...] = (a, MERGED_B)
     attrs: dict[str, Any] = {}
     if form == "Gemm":
         attrs = {"alpha": node.attrs.get("alpha", 1.0), "beta": node.attrs.get("beta", 1.0)}
         if biases:
             assert bias_shape is not None
             values[MERGED_C] = TensorSpec(bias_shape, spec.values[biases[0]].dtype, tuple(_row_major(bias_shape)))
-            inputs = (a, MERGED_B, MERGED_C)
-    product = NodeSpec(form, inputs, (MERGED_Y,), attrs, node.opset, "", node.name)
-    epilogue = spec.nodes[1:]
-    if epilogue:  # only two siblings of one width, each column of both in one program (gate and up)
+            operands = (a, MERGED_B, MERGED_C)
+    product = NodeSpec(form, operands, (MERGED_Y,), attrs, node.opset, "", node.name)
+    epilogue = spec.nodes[j + 1 :]
+    # A unless a norm prologue makes it, then what the prologue (the residual, the norm's
+    # scale) and the epilogue read, besides the parts' own weights and biases
+    inputs = [r for r in operands if r in spec.inputs or r < 0]
+    outside = [r for r in spec.inputs if r not in (*weights, *biases, a)]
+    to_stores = all(n.op in LAYOUT_OPS or n in kv_store_nodes(spec) for n in epilogue)
+    if epilogue and not to_stores:  # only two siblings of one width, each column of both in one program
         if len(widths) != 2 or widths[0] != widths[1] or form != "MatMul":
             raise Unsupported("an epilogue over merged products other than two MatMuls of one width")
         y0, y1 = node.outputs
         assert y0 is not None and y1 is not None
         paired = {"paired": widths[0], "y0": y0, "y1": y1}
-        nodes = [product, *epilogue]
-        others = [r for r in spec.inputs if r not in (*weights, *biases, a)]  # what the epilogue reads
-        ins = [*inputs, *others]
+        nodes = [*prologue, product, *epilogue]
+        ins = [*inputs, *outside]  # what the prologue and epilogue read
         return GroupSpec("product", nodes, values, ins, list(spec.outputs), spec.constants, params=paired)
     splits: dict[int, tuple[int, int]] = {}
     offset = 0
@@ -897,7 +1068,13 @@ def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpe
         assert y is not None
         splits[y] = (offset, width)
         offset += width
-    return GroupSpec("product", [product], values, list(inputs), list(spec.outputs), spec.constants, splits)
+    nodes = [*prologue, product, *epilogue]  # an epilogue here: a part's way to its KV store
+    return GroupSpec("product", nodes, values, [*inputs, *outside], list(spec.outputs), spec.constants, splits)
+
+
+def merged_index(spec: GroupSpec) -> int:
+    """Where a group's ``dsp::MergedMatMul`` node is (after its prologue), or -1."""
+    return next((j for j, n in enumerate(spec.nodes) if n.op == "MergedMatMul" and n.domain == "dsp"), -1)
 
 
 def _pow2(n: int) -> int:
@@ -984,10 +1161,24 @@ def _product(
         tail = tuple(d if spec.values[v].shape[rank - 2 + j] != 1 else "0" for j, d in enumerate(dims))
         return Idx((*batch_part.dims, *tail), (*batch_part.lane, *(d != "0" for d in tail)))
 
+    a_idx = operand(a, a_mk, shape.trans_a)
+    stats = [n for n in spec.nodes if n.op in _ROW_VALUED]
+    if stats:  # a norm as the prologue: its row statistics first, in loops over K
+        if shape.trans_a:
+            raise Unsupported("a norm prologue of a product that reads A transposed")
+        row_in = stats[0].inputs[0]
+        assert row_in is not None
+        row, a_shape = tuple(spec.values[row_in].shape), tuple(spec.values[a].shape)
+        if tuple(d for d in row if d != 1) != tuple(d for d in a_shape if d != 1):
+            raise Unsupported(f"a norm over rows of {list(row)} feeding a product's {list(a_shape)}")
+        gen.row, gen.row_idx = row, gen.reshape(a_idx, a_shape, row)  # a relabeling: no new index lines
+        gen.row_stats(stats, gen.row_idx, a_mask, shape.k, bk, per_row=body == "dot")
     outer = (gen.em, gen.memo, gen.mask)
     gen.em, gen.memo = _Emitter(tag="k", indent="        "), {}
     gen.mask = a_mask
-    xa, _ = gen.value(a, operand(a, a_mk, shape.trans_a))
+    xa, _ = gen.value(a, a_idx)
+    if stats:  # lanes past K (or past the rows) are zeros, whatever the norm makes of them
+        xa = gen.em.let(f"tl.where({a_mask}, {xa}, 0.0).to({_tl(operand_dtype)})", True, "x")
     gen.mask = b_mask
     xbs = [gen.value(b, operand(b, b_kn, shape.trans_b))[0]]
     if paired:  # the second part's same columns: rows paired further along the joined weights
@@ -1030,20 +1221,61 @@ def _product(
     if not paired:
         gen.lane_values[out] = (em.let(f"({y}).to({_tl(out_spec.dtype)})", True, "p"), lane.dims)
     stores: list[tuple[int, Idx]] = []
-    for v in spec.outputs:
-        if v not in spec.splits or paired:
-            stores += gen.lane_stores([v], lane, out_spec.shape, "a product group")
-            continue
-        offset, width = spec.splits[v]  # a part of merged siblings: its lanes [offset, offset + width)
+    at: dict[int, Idx] = {}  # the product (or a part of merged siblings) and its layout ops: the index its lanes hold
+    whole: tuple[int, ...] = (out,)  # values that exist at the product's own lanes
+    if paired:
+        whole = (int(spec.params["y0"]), int(spec.params["y1"]))
+    elif spec.splits:
+        whole = ()  # each part holds only its own columns (below)
+    at.update({held: lane for held in whole})
+    for v, (offset, width) in [] if paired else spec.splits.items():  # a part: lanes [offset, offset + width)
         n_expr = "rn[None, :]" if body == "dot" else "rn"
-        if tuple(spec.values[v].shape) != (*out_spec.shape[:-1], width) or spec.nodes[-1].outputs[0] != out:
-            raise Unsupported("a merged product's part of another shape, or with an epilogue")
+        if tuple(spec.values[v].shape) != (*out_spec.shape[:-1], width):
+            raise Unsupported("a merged product's part of another shape")
         dims = (*lane.dims[:-1], gen.em.let(f"({n_expr} - {offset})", True, "i"))
         gen.store_masks[v] = f"mask & ({n_expr} >= {offset}) & ({n_expr} < {offset + width})"
         gen.lane_values[v] = (gen.lane_values[out][0], dims)
-        stores.append((v, Idx(dims, (*lane.lane[:-1], True))))
+        at[v] = Idx(dims, (*lane.lane[:-1], True))
+    _forward_layout(gen, spec, node, at)
+    buffers = {n.outputs[0] for n in kv_store_nodes(spec)}  # written in place by the KV stores below
+    for v in spec.outputs:
+        if v in buffers:
+            continue
+        if v in at:
+            stores.append((v, at[v]))
+        elif v not in spec.splits or paired:
+            stores += gen.lane_stores([v], lane, out_spec.shape, "a product group")
+    for n in kv_store_nodes(spec):  # a KV store's row: at the index its lanes hold (generate writes it)
+        update = n.inputs[1]
+        if update not in at:
+            raise Unsupported("a KV store of a product's value that is not a part or its layout")
+        stores.append((update, at[update]))  # type: ignore[index]
     grid = (max(1, batch_numel) * n_blocks, 1, 1)
     return stores, grid, bn, warps
+
+
+def _forward_layout(gen: _Gen, spec: GroupSpec, product: NodeSpec, at: dict[int, Idx]) -> None:
+    """Layout ops after a product (reshape, transpose): each lane's value is its input's, at the mapped index.
+
+    A value computed at a lane exists only there; a reshape or transpose of it is the same
+    value at another index (the reshape's flat position, the permuted dims), so it is stored
+    there rather than asked for at its own index.
+    """
+    for node in spec.nodes[spec.nodes.index(product) + 1 :]:
+        src, out = node.inputs[0] if node.inputs else None, node.outputs[0] if node.outputs else None
+        if node.op not in LAYOUT_OPS or src not in at or out is None:
+            continue
+        idx = at[src]  # type: ignore[index]
+        if node.op == "Transpose":
+            rank = len(spec.values[out].shape)
+            perm = [int(p) for p in node.attrs.get("perm", list(range(rank - 1, -1, -1)))]
+            idx = Idx(tuple(idx.dims[p] for p in perm), tuple(idx.lane[p] for p in perm))
+        else:
+            idx = gen.reshape(idx, spec.values[src].shape, spec.values[out].shape)  # type: ignore[index]
+        at[out] = idx
+        gen.lane_values[out] = (gen.lane_values[src][0], idx.dims)  # type: ignore[index]
+        if src in gen.store_masks:
+            gen.store_masks[out] = gen.store_masks[src]  # type: ignore[index]
 
 
 # -- decode attention (T4): scores, softmax and the weighted sum in one kernel ---------------
@@ -1339,14 +1571,22 @@ def generate(
     The kernel is named after its template and a hash of its source, so identical groups
     (the same layer's norm in every layer) share one compiled binary.
     """
+    kv_nodes = kv_store_nodes(spec)
     for node in spec.nodes:
         if spec.template in ("product", "decode_attention") and node.op in PRODUCT_OPS:
             continue  # the anchors: product_node / attention_nodes check them
+        if node in kv_nodes:
+            continue
         if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
             raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
     gen = _Gen(spec)
     if not spec.outputs:
         raise Unsupported("the group stores nothing")
+    buffers = {n.outputs[0] for n in kv_nodes}
+    plain = [v for v in spec.outputs if v not in buffers]  # stored through their own pointers
+    for n in kv_nodes:
+        if None in n.inputs[:3] or n.outputs[0] is None or n.inputs[1] not in gen.producer:
+            raise Unsupported("a KV store of a row the kernel does not compute")
     for v in spec.outputs:
         _tl(spec.values[v].dtype)
         if spec.values[v].numel == 0:
@@ -1389,14 +1629,18 @@ def generate(
         block_size = rblock
         warps = num_warps or _warps(rblock)
     else:
-        space = max(spec.outputs, key=lambda v: spec.values[v].numel)
+        if kv_nodes and spec.template not in ("pointwise", "copy"):
+            raise Unsupported(f"a KV store in a {spec.template} kernel")  # the product template writes its own
+        # what the lanes store: the outputs, and the rows the KV stores write (not their buffers)
+        targets = list(dict.fromkeys([*plain, *(int(n.inputs[1]) for n in kv_nodes)]))  # type: ignore[arg-type]
+        space = max(targets, key=lambda v: spec.values[v].numel)
         shape = spec.values[space].shape
         numel = max(1, math.prod(shape))
         block_size = block or min(1024, max(32, 1 << (numel - 1).bit_length()))
         gen.em.lines.append("    pid = tl.program_id(0)")
         gen.em.lines.append(f"    i = pid * {block_size} + tl.arange(0, {block_size})")
         gen.em.lines.append(f"    mask = i < {numel}")
-        for v in spec.outputs:
+        for v in targets:
             oshape = spec.values[v].shape
             size = max(1, math.prod(oshape))
             # A smaller output is stored by the first lanes, and again (the same values) by
@@ -1405,12 +1649,15 @@ def generate(
             stores.append((v, gen.unflatten(flat, oshape, lane=True)))
         grid = ((numel + block_size - 1) // block_size, 1, 1)
         warps = num_warps or (4 if block_size >= 512 else 2 if block_size >= 128 else 1)
+    at = dict(stores)  # each stored value (and KV row) at the index its lanes hold
+    kv_lines = [gen.kv_store(n, at[int(n.inputs[1])]) for n in kv_nodes]  # type: ignore[arg-type]
+    stores = [(v, at[v]) for v in dict.fromkeys(v for v, _ in stores) if v in plain]
     stored: list[tuple[str, bool, str, bool, str, str]] = []  # name, varies, offset, varies, dtype, mask
     for v, idx in stores:
         expr, varies = gen.value(v, idx)
         off, off_varies = gen.flatten(idx, spec.values[v].shape)
         stored.append((expr, varies, off, off_varies, _tl(spec.values[v].dtype), gen.store_masks.get(v, "mask")))
-    n_in = len(gen.args)
+    n_in = len(gen.args)  # the KV stores' buffers and positions are among them
     body = list(gen.em.lines)
     for k, (expr, varies, off, off_varies, tl_dtype, store_mask) in enumerate(stored):
         if spec.template in ("product", "decode_attention") and not varies and not spec.params.get("kv_splits"):
@@ -1421,6 +1668,7 @@ def generate(
             body.append(f"    tl.store(out{k} + ({off}), {val}{masked})")
         else:
             body.append(f"    tl.store(out{k} + ({off}), {expr}.to({tl_dtype}))")
+    body += kv_lines
     params = [f"in{j}" for j in range(n_in)] + [f"out{k}" for k in range(len(stored))]
     if len(body) > MAX_SOURCE_LINES:
         raise Unsupported(f"the kernel would have {len(body)} lines")
@@ -1444,7 +1692,16 @@ def generate(
         prefix = "attn_combine"
     name = f"dsp_{prefix}_{tag}"
     source = source.replace("def KERNEL(", f"def {name}(", 1)
-    return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template)
+    kv = tuple(
+        (int(n.outputs[0]), int(n.inputs[0]), int(n.inputs[1]), int(n.inputs[2]), int(n.attrs.get("axis", -2)))  # type: ignore[arg-type]
+        for n in kv_nodes
+    )
+    return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template, kv)
+
+
+def kv_store_nodes(spec: GroupSpec) -> list[NodeSpec]:
+    """The group's ``dsp::KVScatter`` nodes: each the in-place store of a row the kernel computes."""
+    return [n for n in spec.nodes if n.op == "KVScatter" and n.domain == "dsp"]
 
 
 def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis: int, block: int = 1024) -> Kernel:

@@ -37,6 +37,9 @@ from dsp_triton.cache import TuneCache, cache_root, scoped, source_key, write_ch
 log = logging.getLogger("dsp.triton")
 
 Step = tuple[Any, tuple[int, ...], Any, tuple[int, ...]]
+# One kernel of a group: its spec, reference steps before it (a product cuBLAS runs, whose
+# epilogue it is), what it reads instead of constant inputs, reference steps after it.
+Piece = tuple[codegen.GroupSpec, list[Step], dict[int, "Derived"], list[Step]]
 TUNE_RUNS = 5
 TUNE_LAUNCHES = 20  # launches per timed graph
 MIN_TRANSPOSED_WEIGHT = 1 << 16  # weights of at least this many elements get a [N, K] copy for one-row products
@@ -93,6 +96,8 @@ class _Compiled:
         # a group run as several kernels (an attention the one-kernel template declines):
         # each part launched in order, the values between them stored
         self.parts: list[_Compiled] = []
+        # reference steps after the kernel: a product cuBLAS runs after its norm's kernel
+        self.tail: list[Step] = []
 
     def pointer_args(self) -> set[int]:
         """Value ids the kernel(s) read through pointers."""
@@ -234,16 +239,25 @@ class FusedGroup:
                     raise CaptureFailed(f"fusion group {self.report.index}'s weights moved during capture")
                 compiled.substitutes[flat] = derived = Derived.make(cp, derived.sources, sources, derived.build)
             reads[flat] = derived.array
-        for step, ins, out, _ in compiled.head:
-            got = step(*[reads.get(i) for i in ins])
-            made = {out: got} if isinstance(out, int) else dict(zip(out, got))
-            reads.update(made)
-            by_flat.update(made)
+        self._run_steps(compiled.head, reads, by_flat)
         outs = compiled.empty_outputs(cp)
         ptrs = [int(reads[v].data.ptr) for v in kernel.args[: kernel.n_inputs]]
         ptrs += [int(outs[v].data.ptr) for v in kernel.args[kernel.n_inputs :]]
         compiled.launch(ptrs, cp.cuda.get_current_stream().ptr)
+        for out, buffer, *_ in kernel.kv_stores:  # written in place: the output is the buffer
+            outs[out] = reads[buffer]
         by_flat.update(outs)
+        reads.update(outs)
+        self._run_steps(compiled.tail, reads, by_flat)
+
+    @staticmethod
+    def _run_steps(steps: list[Step], reads: dict[int, Any], by_flat: dict[int, Any]) -> None:
+        """Reference steps around a kernel (cuBLAS for a product of more than 16 rows)."""
+        for step, ins, out, _ in steps:
+            got = step(*[reads.get(i) for i in ins])
+            made = {out: got} if isinstance(out, int) else dict(zip(out, got))
+            reads.update(made)
+            by_flat.update(made)
 
     def _spec(self, inputs: Sequence[Any]) -> tuple[codegen.GroupSpec, tuple[Any, ...], dict[int, Any]]:
         ref_outs, local = self.reference(inputs, keep=True)
@@ -304,7 +318,7 @@ class FusedGroup:
             return None
         try:
             pieces = self._pieces(spec, local)
-            kernels = [codegen.generate(piece) for piece, _, _ in pieces]
+            kernels = [codegen.generate(piece[0]) for piece in pieces]
         except codegen.Unsupported as exc:
             self._settle("reference", str(exc))
             return None
@@ -319,14 +333,14 @@ class FusedGroup:
             return None
         built: list[_Compiled] = []
         try:
-            for (piece, head, substitutes), kernel in zip(pieces, kernels):
+            for (piece, head, substitutes, tail), kernel in zip(pieces, kernels):
                 for v in kernel.args[: kernel.n_inputs]:
                     if isinstance(local[v], np.ndarray):
                         self._settle("reference", f"input {v} is a host array")
                         return None
                 shapes = {v: (piece.values[v].shape, np.dtype(piece.values[v].dtype)) for v in piece.outputs}
                 one = self._tune(piece, self._build(kernel, local, shapes), local, shapes)
-                one.head, one.substitutes = head, substitutes
+                one.head, one.substitutes, one.tail = head, substitutes, tail
                 built.append(one)
                 for v, (shape, dtype) in shapes.items():  # a later piece reads this one's scratch
                     if v not in local:
@@ -338,8 +352,10 @@ class FusedGroup:
         compiled = built[0] if len(built) == 1 else _Compiled(built[-1].binary, built[-1].kernel, {})
         if len(built) > 1:
             compiled.parts = built
+        poisoned = _poison_kv_rows([part.kernel for part in built], local, self.cp)
         got = self._launch(compiled, inputs)
-        bad = _mismatch(got, ref_outs, self.tolerance, self.cp)
+        kv_bad = _kv_rows_mismatch(poisoned, self.tolerance, self.cp)  # first: it restores wrong rows
+        bad = _mismatch(got, ref_outs, self.tolerance, self.cp) or kv_bad
         self.report.compile_ms += (time.perf_counter() - start) * 1000
         if bad is not None:
             self._settle("demoted", f"its kernel disagreed with the reference kernels: {bad}")
@@ -353,6 +369,7 @@ class FusedGroup:
             return None
         fresh = _Compiled(compiled.binary, compiled.kernel, compiled.shapes)  # its own record of constants
         fresh.head, fresh.substitutes, fresh.parts = compiled.head, compiled.substitutes, compiled.parts
+        fresh.tail = compiled.tail
         compiled = fresh
         # Inputs whose values shaped the source: shape-like inputs (they fixed the concrete
         # shapes), literals; with a constant computed inside the group, every small input.
@@ -378,32 +395,71 @@ class FusedGroup:
             self.report.reason = f"{len(compiled.parts)} kernels for this layout: {kernels[0].template} rows"
         elif compiled.head:
             self.report.reason = "the product runs on cuBLAS, its epilogue as this kernel"
+        elif compiled.tail:
+            self.report.reason = "the norm runs as this kernel, the product after it on cuBLAS"
         return compiled
 
-    def _pieces(
-        self, spec: codegen.GroupSpec, local: dict[int, Any]
-    ) -> list[tuple[codegen.GroupSpec, list[Step], dict[int, Derived]]]:
+    def _pieces(self, spec: codegen.GroupSpec, local: dict[int, Any]) -> list[Piece]:
         """The kernels that run a group for this layout: one, or an attention's three parts."""
         if spec.template == "decode_attention":
             try:
                 codegen.generate(spec)
                 splits = self._kv_splits(spec)
                 if splits > 1:
-                    return [(piece, [], {}) for piece in codegen.attention_split_specs(spec, splits)]
-                return [(spec, [], {})]
+                    return [(piece, [], {}, []) for piece in codegen.attention_split_specs(spec, splits)]
+                return [(spec, [], {}, [])]
             except codegen.Unsupported as exc:
                 if "query rows" not in str(exc) and "(parts)" not in str(exc):
                     raise
-            pieces = []
+            pieces: list[Piece] = []
             for part, idxs in codegen.attention_parts(spec):
                 if part.template == "product":
-                    pieces.append(self._product_spec(part, local, [self.steps[j] for j in idxs]))
+                    pieces.append((*self._product_spec(part, local, [self.steps[j] for j in idxs]), []))
                 else:
-                    pieces.append((part, [], {}))
+                    pieces.append((part, [], {}, []))
             return pieces
         if spec.template == "product":
-            return [self._product_spec(spec, local, self.steps)]
-        return [(spec, [], {})]
+            return self._product_pieces(spec, local, self.steps)
+        return [(spec, [], {}, [])]
+
+    def _product_pieces(self, spec: codegen.GroupSpec, local: dict[int, Any], steps: list[Step]) -> list[Piece]:
+        """A product group for this layout: one kernel, or (more than 16 rows) cuBLAS between kernels.
+
+        Above 16 rows the product's reference step (cuBLAS) runs; a norm prologue runs
+        before it as one row kernel that stores the normalised rows, the epilogue after it
+        as one pointwise kernel. With no epilogue, the product step is the norm kernel's tail.
+        """
+        j = codegen.merged_index(spec)
+        j = j if j >= 0 else spec.nodes.index(codegen.product_node(spec))
+        if not self._over_rows(spec, j):
+            return [(*self._product_spec(spec, local, steps), [])]
+        prologue = spec.nodes[:j]
+        if not any(n.op in codegen.LOOPED_REDUCTIONS for n in prologue):
+            if codegen.merged_index(spec) >= 0 and not spec.nodes[j + 1 :]:
+                raise codegen.Unsupported("merged products of more than 16 rows: cuBLAS runs each part")
+            return [(self._epilogue_spec(spec, local, j), steps[: j + 1], {}, [])]
+        a = spec.nodes[j].inputs[0]
+        assert a is not None
+        made = {v for n in prologue for v in n.outputs if v is not None}
+        reads = [r for n in prologue for r in n.inputs if r is not None and r not in made and r in spec.inputs]
+        norm = codegen.GroupSpec(
+            "row_reduction", prologue, spec.values, list(dict.fromkeys(reads)), [a], spec.constants
+        )
+        if spec.nodes[j + 1 :]:
+            return [(norm, [], {}, []), (self._epilogue_spec(spec, local, j), steps[j : j + 1], {}, [])]
+        return [(norm, [], {}, steps[j : j + 1])]  # the product (cuBLAS) after the norm's kernel
+
+    @staticmethod
+    def _over_rows(spec: codegen.GroupSpec, j: int) -> bool:
+        """True when product node ``j`` has more rows than the skinny template takes (prefill)."""
+        node = spec.nodes[j]
+        out = next((v for v in node.outputs if v is not None), None)
+        if out is None or out not in spec.values:
+            return False
+        shape = spec.values[out].shape
+        form = str(node.attrs.get("form", "MatMul")) if node.op == "MergedMatMul" else node.op
+        rows = (shape[0] if form == "Gemm" else shape[-2]) if len(shape) >= 2 else 1
+        return rows > codegen.MAX_PRODUCT_ROWS
 
     def _kv_splits(self, spec: codegen.GroupSpec) -> int:
         """KV splits of a decode attention: DSP_TRITON_KV_SPLITS, or enough programs to fill the SMs."""
@@ -432,10 +488,8 @@ class FusedGroup:
         transposed once to [N, K] (each program then streams whole rows of K); the
         original stays for the reference kernels.
         """
-        if spec.nodes and is_merged_node(spec.nodes[0]):
-            merged, head, joined = self._merged_spec(spec, local)
-            codegen.product_shape(merged)  # more than 16 rows: its reference steps (cuBLAS per part)
-            return merged, head, joined
+        if codegen.merged_index(spec) >= 0:
+            return self._merged_spec(spec, local)
         node = codegen.product_node(spec)
         try:
             shape = codegen.product_shape(spec)
@@ -467,7 +521,7 @@ class FusedGroup:
         self, spec: codegen.GroupSpec, local: dict[int, Any]
     ) -> tuple[codegen.GroupSpec, list[Step], dict[int, Derived]]:
         """Merged sibling products as one product over their weights joined along N, read as [N, K]."""
-        node = spec.nodes[0]
+        node = spec.nodes[codegen.merged_index(spec)]
         weights, biases = codegen.merged_operands(node)
         if any(not self.fixed(w) for w in (*weights, *biases)):
             raise codegen.Unsupported("merged products whose weights are not constants")
@@ -716,13 +770,6 @@ def _joined_bias(cp: Any, biases: list[Any]) -> Any:
     return cp.ascontiguousarray(cp.concatenate(biases, axis=-1))
 
 
-def is_merged_node(node: codegen.NodeSpec) -> bool:
-    """True for the core's ``dsp::MergedMatMul`` (sibling products merged at freeze)."""
-    from dsp_core.plan.merge import MERGED_DOMAIN, MERGED_OP
-
-    return node.op == MERGED_OP and node.domain == MERGED_DOMAIN
-
-
 class _Arg:
     """What Triton's specialisation needs of an argument: a pointer and a dtype."""
 
@@ -782,6 +829,35 @@ def _mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, cp: Any
                     return f"output {k}: max abs error {err:.3g} > {tolerance:g} x {scale:.3g}"
         elif not np.array_equal(x, y):
             return f"output {k}: {int(np.sum(x != y))} of {x.size} elements differ"
+    return None
+
+
+def _poison_kv_rows(kernels: Sequence[codegen.Kernel], local: dict[int, Any], cp: Any) -> list[tuple[Any, Any, Any]]:
+    """The rows the kernels' KV stores will write, saved (the reference wrote them) and set to NaN.
+
+    The reference kernels wrote the same buffer in place before the check, so comparing the
+    buffer after the kernel with the reference's would compare it with itself.
+    """
+    poisoned = []
+    for kernel in kernels:
+        for _, buffer, update, position, axis in kernel.kv_stores:
+            buf = local[buffer]
+            ax = axis % buf.ndim
+            p = int(cp.asnumpy(local[position].reshape(-1)[:1])[0])
+            rows = (slice(None),) * ax + (slice(max(p, 0), max(p, 0) + local[update].shape[ax]),)
+            poisoned.append((buf, rows, buf[rows].copy()))
+            buf[rows] = np.nan if buf.dtype.kind == "f" else 0
+    return poisoned
+
+
+def _kv_rows_mismatch(poisoned: list[tuple[Any, Any, Any]], tolerance: float, cp: Any) -> str | None:
+    """None when every poisoned row holds the reference's values again, else why (the rows restored)."""
+    for buf, rows, saved in poisoned:
+        bad = _mismatch([buf[rows]], [saved], tolerance, cp)
+        if bad is not None:
+            for b, r, keep in poisoned:
+                b[r] = keep
+            return f"its KV store wrote other rows than the reference's: {bad}"
     return None
 
 

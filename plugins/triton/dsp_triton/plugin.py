@@ -11,11 +11,21 @@ from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
 from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.plan.fusion import VIEW_OPS, FusionLimits, GroupView, PatternKind, ReferencePolicy, SlotPattern
+from dsp_core.plan.fusion import (
+    VIEW_OPS,
+    FusionLimits,
+    GroupView,
+    PatternKind,
+    ReferencePolicy,
+    SlotPattern,
+    norm_prologue,
+)
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 
+# Ops that only move elements (a bijection of indexes): a product's lanes map forward through them.
+LAYOUT_OPS = VIEW_OPS | frozenset({"Transpose"})
 # Fused kernels accumulate in fp32 and round once per value, the reference once per op:
 # half-precision results differ by an ulp or two of the reference's rounding.
 TOLERANCE = 5e-3
@@ -52,6 +62,8 @@ class TritonPolicy(ReferencePolicy):
         return template
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        if pattern.kind is PatternKind.STORE:
+            return self._store_ok(plan, group, s)
         if group.template == "product":
             if plan.slots[s].op == "Softmax":
                 return self._softmax_ok(plan, group, s, pattern)
@@ -100,8 +112,10 @@ class TritonPolicy(ReferencePolicy):
         why = product_declined(plan, s, pattern)
         if why is not None:
             return why
+        if group.template == "row_reduction":  # a norm: each program computes the row statistic itself
+            return norm_prologue(plan, group, s, self._readers(plan)) or self._looped(plan, group)
         if is_merged(plan.slots[s]):
-            return "a merged product reads its joined weights: no prologue is fused"
+            return "a merged product reads its joined weights: no prologue of index arithmetic is fused"
         if group.template not in ("copy", "view"):
             return f"a {group.template} group is not index arithmetic a product can read through"
         members = {*group.slots, s}
@@ -115,15 +129,37 @@ class TritonPolicy(ReferencePolicy):
                     return f"slot {m}'s output is read outside the product: it must be stored"
         return None
 
+    def _store_ok(self, plan: Plan, group: GroupView, s: int) -> str | None:
+        """The KV store as the last store of the kernel that computes the row it writes (the core
+        checked that this group makes the row): the rotary of K, a product's K or V part."""
+        if (plan.slots[s].domain, plan.slots[s].op) != ("dsp", "KVScatter"):
+            return f"{plan.slots[s].op} has no Triton store"
+        if group.template not in ("pointwise", "copy", "product"):
+            return f"a {group.template} group takes no KV store"
+        return None
+
+    @staticmethod
+    def _looped(plan: Plan, group: GroupView) -> str | None:
+        """None when every reduction of a norm group is one the product's prologue loops compute."""
+        for m in group.reductions:
+            if plan.slots[m].op not in codegen.LOOPED_REDUCTIONS:
+                return f"{plan.slots[m].op} is not a reduction the product's prologue computes"
+        return None
+
     def absorbs(self, plan: Plan, group: GroupView, s: int, other: GroupView) -> bool:
-        """A product takes the index arithmetic of its other operand; a weighted sum, its attention.
+        """A product takes the index arithmetic of its other operand; a weighted sum, its attention;
+        a pointwise group, a pointwise group whose values only it reads.
 
         The second: ``s`` joined V's index arithmetic (GQA's expand) as a product, and
         ``other`` is the scores-and-softmax group its probabilities come from.
         """
+        members = {*group.slots, *other.slots}
+        if group.template in ("pointwise", "copy") and other.template in ("pointwise", "copy"):
+            # Rotary's x*cos, made apart from the rotate-half it is added to: one kernel computes
+            # both (a value the generator computes at whatever index its reader asks).
+            return group.reduction is None and self._only_for(plan, other.slots, members) is None
         if plan.slots[s].op not in codegen.PRODUCT_OPS or group.template not in ("product", "decode_attention"):
             return False
-        members = {*group.slots, *other.slots}
         if self._only_for(plan, other.slots, members) is not None:
             return False
         if all(other.patterns[m].kind is PatternKind.INJECTIVE for m in other.slots):
@@ -202,22 +238,26 @@ class TritonPolicy(ReferencePolicy):
         self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
+        op = plan.slots[s].op
+        if op in LAYOUT_OPS and self._feeds_only_stores(plan, s):
+            return None  # V's reshape and transpose on the way to its KV store: the store's index arithmetic
         merged = [m for m in group.slots if is_merged(plan.slots[m])]
-        if merged:
+        if merged and not self._only_stores_after(plan, group, merged[0]):
             why = _paired(plan, merged[0])
             if why is not None:
                 return why
-        op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
         if not self._generated(plan, s, pattern):
             return f"{op} has no Triton template"
+        if self._feeds_a_norm(plan, group, s):
+            return f"{op} feeds only a norm's reduction: it goes with the norm, which a product may take as prologue"
         if anchor is None:
             anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
         product = group.patterns[anchor].shape
-        if merged:  # lanes are one part's columns
-            part = plan.ref_info(plan.slots[merged[0]].outputs[0])[1]
+        if merged:  # lanes are one part's columns (the first part's: the parts are of one width)
+            part = plan.ref_info(plan.slots[merged[0]].outputs[0])[1] or group.patterns[merged[0]].shape
             product = tuple(part) if part is not None else None
         # Same last axis: lanes stay the product's columns (a reshape that splits heads would not).
         if pattern.shape is None or product is None or not pattern.shape or pattern.shape[-1] != product[-1]:
@@ -226,6 +266,51 @@ class TritonPolicy(ReferencePolicy):
                 f"not the product's {list(product) if product else 'unknown'} lanes"
             )
         return None
+
+    def _feeds_only_stores(self, plan: Plan, s: int) -> bool:
+        """True when everything slot ``s`` makes goes, through layout ops only, to KV stores as their row."""
+        readers = self._readers(plan)
+        stack, seen = [s], set()
+        while stack:
+            m = stack.pop()
+            for v in plan.slots[m].outputs:
+                if v is None:
+                    continue
+                if v in plan.outputs or not readers.get(v):
+                    return False
+                for r in readers[v]:
+                    slot = plan.slots[r]
+                    if (slot.domain, slot.op) == ("dsp", "KVScatter") and slot.inputs[1] == v and slot.inputs[0] != v:
+                        continue
+                    if slot.op not in LAYOUT_OPS or r in seen:
+                        return False
+                    seen.add(r)
+                    stack.append(r)
+        return True
+
+    @staticmethod
+    def _only_stores_after(plan: Plan, group: GroupView, product: int) -> bool:
+        """True when a merged product's group holds, after it, only layout ops and KV stores."""
+        after = [m for m in group.slots if m > product]
+        return all(plan.slots[m].op in LAYOUT_OPS or plan.slots[m].op == "KVScatter" for m in after)
+
+    def _feeds_a_norm(self, plan: Plan, group: GroupView, s: int) -> bool:
+        """True when every reader of ``s`` is a last-axis reduction other than a softmax (a norm's statistic).
+
+        The exported RMSNorm squares the residual (``Pow``) before its ``ReduceMean``: kept
+        with the reduction, the norm reads only the residual and can become the next
+        product's prologue. A softmax's scale and mask stay with the scores (attention).
+        """
+        outs = [v for v in plan.slots[s].outputs if v is not None]
+        readers = [r for v in outs for r in self._readers(plan).get(v, ())]
+        if not readers or any(v in plan.outputs for v in outs):
+            return False
+        return all(
+            r in group.patterns
+            and group.patterns[r].kind is PatternKind.ROW_REDUCTION
+            and plan.slots[r].op not in ("Softmax", "LogSoftmax")
+            for r in readers
+        )
 
     @staticmethod
     def _generated(plan: Plan, s: int, pattern: SlotPattern) -> bool:
@@ -248,7 +333,8 @@ def _paired(plan: Plan, s: int) -> str | None:
     outs = [v for v in slot.outputs if v is not None]
     if len(outs) != 2 or str(slot.attrs.get("form", "MatMul")) != "MatMul":
         return "an epilogue fuses only into two merged MatMuls (gate and up), each column of both in one program"
-    widths = [(plan.ref_info(v)[1] or (None,))[-1] for v in outs]
+    weights = slot.inputs[1:3]  # [K, N_i]: a part's width is its weight's
+    widths = [(plan.ref_info(w)[1] or (None,))[-1] if w is not None else None for w in weights]
     if widths[0] is None or widths[0] != widths[1]:
         return "merged products of different widths take no epilogue"
     return None
