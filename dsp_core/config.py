@@ -171,6 +171,16 @@ OPTIONS: tuple[Option, ...] = (
         "until it splits the KV positions); off: the scores product, the softmax and the weighted sum.",
     ),
     Option(
+        "triton_decode_fusion",
+        "DSP_TRITON_DECODE_FUSION",
+        "bool",
+        False,
+        "dsp-triton's decode fusions: a norm as the prologue of the product that alone reads it, the KV "
+        "store as the last store of the kernel that computes its row, one rotary kernel per q and k "
+        "(about 9 kernels per Llama layer instead of 14). Checked under Triton's interpreter; off by "
+        "default until a GPU run has checked them (docs/fusion.md).",
+    ),
+    Option(
         "triton_kv_splits",
         "DSP_TRITON_KV_SPLITS",
         "int",

@@ -31,6 +31,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
 
 
+@pytest.fixture(autouse=True)
+def _decode_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode fusions are opt-in (DSP_TRITON_DECODE_FUSION); these tests check them on, and
+    test_the_decode_fusions_are_off_by_default checks the default."""
+    monkeypatch.setenv("DSP_TRITON_DECODE_FUSION", "1")
+
+
 def _gpu_missing() -> bool:
     try:
         import cupy
@@ -647,6 +654,20 @@ def test_decode_plans_take_at_most_10_kernels_per_layer(name: str, layers: list[
         assert all(o.count("Mul") == 2 and o[-1] in ("Add", "KVScatter") for o in rotary[2:])  # x*cos + rot*sin
     if name.startswith("gpt2"):
         assert len(stores) == 2 and all(o.count("KVScatter") == 2 for o in stores)  # K and V: one kernel
+
+
+@pytest.mark.parametrize(("name", "total"), [("llama_eager", 38), ("gpt2_eager", 30)])
+def test_the_decode_fusions_are_off_by_default(name: str, total: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off (the default until a GPU run checks them): norms, KV stores and rotary halves are kernels of their own."""
+    from dsp_core.cli import fuse_report
+
+    monkeypatch.delenv("DSP_TRITON_DECODE_FUSION")
+    report = fuse_report(str(FIXTURES / f"{name}.onnx"), backend="triton", decode=True)
+    assert report["kernels"] == total, report["templates"]
+    stores = [g["ops"] for g in report["groups"] if "KVScatter" in g["ops"]]
+    assert stores and all(o == ["KVScatter"] for o in stores), stores
+    monkeypatch.setenv("DSP_TRITON_DECODE_FUSION", "1")
+    assert fuse_report(str(FIXTURES / f"{name}.onnx"), backend="triton", decode=True)["kernels"] < total
 
 
 @pytest.mark.parametrize("name", DECODERS)

@@ -424,12 +424,18 @@ class ReferencePolicy(FusionPolicy):
             return self._epilogue(plan, group, s, pattern)
         return None
 
+    @property
+    def regroup_rows(self) -> bool:
+        """Whether a reshape that only regroups the outer dims (same rows, same last axis) stays in a
+        reduction's row space (``same_rows``); a policy may keep to the exact row space."""
+        return True
+
     def _row_space(self, plan: Plan, group: GroupView, red: SlotPattern, prologue: bool) -> str | None:
         """A prologue must iterate the reduction's row space (outer x row) or its outer space."""
         if red.row is None:
             return "the reduction's rows are not known"
         for m in group.slots:
-            if not _in_row_space(group.patterns[m], red):
+            if not _in_row_space(group.patterns[m], red, self.regroup_rows):
                 return f"prologue slot {m} does not iterate the reduction's row space {_dims(red.row)}"
         return None
 
@@ -437,7 +443,7 @@ class ReferencePolicy(FusionPolicy):
         red = group.reduction
         if red is None or red.row is None:
             return "the reduction's rows are not known"
-        if not _in_row_space(pattern, red):
+        if not _in_row_space(pattern, red, self.regroup_rows):
             return f"slot {s} iterates {_dims(pattern.shape)}: a different row than the reduction's {_dims(red.row)}"
         return None
 
@@ -471,13 +477,14 @@ def _dims(shape: tuple[Dim, ...] | None) -> str:
     return "an unknown shape" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _in_row_space(pattern: SlotPattern, red: SlotPattern) -> bool:
+def _in_row_space(pattern: SlotPattern, red: SlotPattern, regroup: bool = True) -> bool:
     """True when a slot iterates a reduction's rows (outer x row) or its outer space."""
     if pattern.shape is None or red.row is None:
         return False
     outer = tuple(red.row[:-1])
     shape = tuple(pattern.shape)
-    return _strip(shape) in {_strip(tuple(red.row)), _strip(outer), _strip((*outer, 1))} or same_rows(shape, red.row)
+    rows = {_strip(tuple(red.row)), _strip(outer), _strip((*outer, 1))}
+    return _strip(shape) in rows or (regroup and same_rows(shape, red.row))
 
 
 def _factors(dims: Sequence[Dim]) -> tuple[int, tuple[str, ...]] | None:

@@ -254,10 +254,11 @@ def _norm_model(norm: str, m: int, k: int, widths: tuple[int, ...], dtype: str, 
     ],
 )
 def test_norm_prologue_products_match_the_reference(
-    m: int, k: int, widths: tuple[int, ...], norm: str, dtype: str
+    m: int, k: int, widths: tuple[int, ...], norm: str, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows 1..16: one kernel (each program computes its rows' statistics over K, then the product and its
     epilogue); 33 rows: the norm as one row kernel, cuBLAS, the epilogue kernel. Odd K and N throughout."""
+    monkeypatch.setenv("DSP_TRITON_DECODE_FUSION", "1")
     rng = np.random.default_rng(11)
     feeds = {"x": (3 * rng.standard_normal((1, m, k)) + 0.5).astype(dtype)}
     if len(widths) == 1:
@@ -279,9 +280,12 @@ def test_norm_prologue_products_match_the_reference(
 
 
 @pytest.mark.parametrize("name", DECODERS)
-def test_decode_kernels_hold_the_kv_stores_and_norms_and_give_torchs_tokens(name: str) -> None:
+def test_decode_kernels_hold_the_kv_stores_and_norms_and_give_torchs_tokens(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The decode plan on TRITON: each KV store is written by the kernel that computes its row (K's rotary,
     GPT-2's K/V split), each norm by the product it feeds; captured blocks, torch's greedy tokens."""
+    monkeypatch.setenv("DSP_TRITON_DECODE_FUSION", "1")
     g = np.load(FIXTURES / f"{name}.golden.npz")
     pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="triton")
     result = pipe.generate(g["prompt"], 24)

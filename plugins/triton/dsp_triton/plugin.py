@@ -24,6 +24,15 @@ from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 
+OFF = "DSP_TRITON_DECODE_FUSION is off"
+
+
+def decode_fusion() -> bool:
+    """The decode fusions (a norm as its product's prologue, KV stores as epilogues, one rotary
+    kernel): checked under Triton's interpreter, opt-in until a GPU run has checked them."""
+    return bool(config.get("triton_decode_fusion"))
+
+
 # Ops that only move elements (a bijection of indexes): a product's lanes map forward through them.
 LAYOUT_OPS = VIEW_OPS | frozenset({"Transpose"})
 # Fused kernels accumulate in fp32 and round once per value, the reference once per op:
@@ -61,8 +70,15 @@ class TritonPolicy(ReferencePolicy):
             return "product"  # the skinny-product template, its epilogue fused
         return template
 
+    @property
+    def regroup_rows(self) -> bool:
+        """A norm's rows regrouped by a reshape (GPT-2's [batch*seq, K]) join it only with the decode fusions."""
+        return decode_fusion()
+
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         if pattern.kind is PatternKind.STORE:
+            if not decode_fusion():
+                return f"{OFF}: a KV store runs as its own kernel"
             return self._store_ok(plan, group, s)
         if group.template == "product":
             if plan.slots[s].op == "Softmax":
@@ -113,6 +129,8 @@ class TritonPolicy(ReferencePolicy):
         if why is not None:
             return why
         if group.template == "row_reduction":  # a norm: each program computes the row statistic itself
+            if not decode_fusion():
+                return f"{OFF}: a norm runs as its own kernel before the product"
             return norm_prologue(plan, group, s, self._readers(plan)) or self._looped(plan, group)
         if is_merged(plan.slots[s]):
             return "a merged product reads its joined weights: no prologue of index arithmetic is fused"
@@ -154,7 +172,7 @@ class TritonPolicy(ReferencePolicy):
         ``other`` is the scores-and-softmax group its probabilities come from.
         """
         members = {*group.slots, *other.slots}
-        if group.template in ("pointwise", "copy") and other.template in ("pointwise", "copy"):
+        if group.template in ("pointwise", "copy") and other.template in ("pointwise", "copy") and decode_fusion():
             # Rotary's x*cos, made apart from the rotate-half it is added to: one kernel computes
             # both (a value the generator computes at whatever index its reader asks).
             return group.reduction is None and self._only_for(plan, other.slots, members) is None
@@ -239,7 +257,7 @@ class TritonPolicy(ReferencePolicy):
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
         op = plan.slots[s].op
-        if op in LAYOUT_OPS and self._feeds_only_stores(plan, s):
+        if op in LAYOUT_OPS and decode_fusion() and self._feeds_only_stores(plan, s):
             return None  # V's reshape and transpose on the way to its KV store: the store's index arithmetic
         merged = [m for m in group.slots if is_merged(plan.slots[m])]
         if merged and not self._only_stores_after(plan, group, merged[0]):
@@ -251,7 +269,7 @@ class TritonPolicy(ReferencePolicy):
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
         if not self._generated(plan, s, pattern):
             return f"{op} has no Triton template"
-        if self._feeds_a_norm(plan, group, s):
+        if decode_fusion() and self._feeds_a_norm(plan, group, s):
             return f"{op} feeds only a norm's reduction: it goes with the norm, which a product may take as prologue"
         if anchor is None:
             anchor = next(m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL)
