@@ -271,10 +271,10 @@ def _warm(
         # model itself, checked against the same digest, rather than recompiling.
         with progress.step("read cached weights", unit="B") as bar:
 
-            def weight(digest: str, nbytes: int) -> bytearray | None:
+            def weight(digest: str, nbytes: int) -> memoryview | None:
                 data = cache.weight(digest, nbytes)
                 bar.advance(nbytes)
-                return data
+                return None if data is None else memoryview(data)
 
             plan = serialize.loads(payload, by_digest=weight, resolve=initializers.get)
     except Exception as exc:  # noqa: BLE001  (whatever a cache entry does, it only costs a recompile)
