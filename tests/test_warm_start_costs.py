@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 
+import dsp_core as dsp
 from dsp_core.backends import auction, discovery
 from dsp_core.backends.base import Availability, Backend, ModeContract, Registry
 from dsp_core.backends.modes import GraphExecutionMode
+from dsp_core.runtime import loader
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 class _Probed(Backend):
@@ -41,3 +51,39 @@ def test_auto_does_not_probe_a_backend_it_leaves_out(monkeypatch: pytest.MonkeyP
     chain, _ = auction.candidates(registry, GraphExecutionMode.AUTO)
     assert (probed in chain) is not excluded
     assert probed.probes == (0 if excluded else 1)
+
+
+def test_importing_dsp_imports_no_onnx() -> None:
+    """onnx (and protobuf) load only for what needs them: a cold compile, not a warm start's imports."""
+    code = "import sys, dsp_core, dsp_core.llm; print([m for m in ('onnx', 'google.protobuf') if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_warm_start_does_not_parse_a_model_for_its_external_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copytree(FIXTURES / "external_data", tmp_path / "model")
+    path = tmp_path / "model" / "mlp.onnx"
+    golden = np.load(path.with_name("mlp.golden.npz"))
+    cold = dsp.compile(path)
+    name = cold.input_names[0]
+    _fresh_process()
+
+    def no_parse(model: object) -> tuple[str, ...]:
+        raise AssertionError("the model was parsed for its external-data locations on a warm start")
+
+    monkeypatch.setattr(loader, "_external_locations", no_parse)
+    warm = dsp.compile(path)
+    assert warm.stats.disk_hits == 1
+    out = cold.output_names[0]
+    np.testing.assert_array_equal(warm.run({name: golden["x"]})[out], cold.run({name: golden["x"]})[out])
+
+
+def _fresh_process() -> None:
+    """What a new process starts with: no in-process memo of digests or locations."""
+    with loader._memo_lock:
+        loader._memo.clear()
+        loader._locations_memo.clear()

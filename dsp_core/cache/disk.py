@@ -31,6 +31,7 @@ import errno
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import io
 import json
 import logging
@@ -42,7 +43,7 @@ import shutil
 import stat
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,11 @@ def _dsp1_version() -> str:
 
 
 def _library_version(name: str) -> str:
+    """The installed distribution's version (read from its metadata: importing onnx costs a warm start ~40 ms)."""
+    try:
+        return importlib.metadata.version(name)
+    except Exception:  # noqa: BLE001
+        pass
     try:
         return str(importlib.import_module(name).__version__)
     except Exception:  # noqa: BLE001
@@ -1029,7 +1035,7 @@ class DiskCache:
     def _stamped(self, path: Path, st: os.stat_result) -> bool:
         """True when the weight file's stamp records exactly this stat signature (this boot, undamaged)."""
         found = _read_memo(self._stamp_path(path), stat_signature(path, st))
-        return found is not None and found[0] == path.name.removesuffix(WEIGHT_SUFFIX)
+        return found is not None and found["digest"] == path.name.removesuffix(WEIGHT_SUFFIX)
 
     def _stamp_weight(self, path: Path, st: os.stat_result) -> None:
         """Record that the weight file with this stat signature holds the bytes its name is the digest of."""
@@ -1060,7 +1066,8 @@ class DiskCache:
         """
         if not self.enabled or self.force_recompile:
             return None
-        return _read_memo(self._memo_path(signature[0]), signature)
+        memo = _read_memo(self._memo_path(signature[0]), signature)
+        return None if memo is None else (memo["digest"], memo["mentions"])
 
     def remember_digest(self, signature: Signature, digest: str, mentions: bool) -> None:
         """Memoize a settled file's digest for later processes (atomically; a failure only costs a re-hash)."""
@@ -1073,6 +1080,32 @@ class DiskCache:
         except OSError as exc:
             self._write_failed(path, exc)
             return
+        self._prune_memos()
+
+    def recall_locations(self, digest: str) -> tuple[str, ...] | None:
+        """The external-data locations memoized for the model whose content digest this is, or None."""
+        if not self.enabled or self.force_recompile:
+            return None
+        memo = _read_memo(self._memo_path(f"locations:{digest}"), _locations_signature(digest))
+        found = None if memo is None else memo.get("locations")
+        if not isinstance(found, list) or not all(isinstance(x, str) for x in found):
+            return None
+        return tuple(found)
+
+    def remember_locations(self, digest: str, locations: tuple[str, ...]) -> None:
+        """Memoize the external-data locations a model's content names, so a warm start does not parse it."""
+        if not self.enabled:
+            return
+        path = self._memo_path(f"locations:{digest}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_memo(path, _locations_signature(digest), digest, True, locations=list(locations))
+        except OSError as exc:
+            self._write_failed(path, exc)
+            return
+        self._prune_memos()
+
+    def _prune_memos(self) -> None:
         memos = [(st.st_mtime, e.path) for e in _files(self._layout.digests) if (st := _stat(e)) is not None]
         for _, old in sorted(memos)[:-MEMO_KEEP]:
             _unlink(old)
@@ -1330,11 +1363,12 @@ class DiskCache:
         return found is not None
 
 
-def _read_memo(path: Path, signature: Signature) -> tuple[str, bool] | None:
-    """(digest, mentions) of the memo at ``path`` when it records exactly ``signature`` in this boot; else None.
+def _read_memo(path: Path, signature: Sequence[object]) -> dict[str, Any] | None:
+    """The memo at ``path`` when it records exactly ``signature`` in this boot; else None.
 
     It must be a regular file of at most _MAX_MEMO_BYTES of JSON of MEMO_FORMAT whose
-    check matches; anything else (absent, damaged, odd, of another boot) is None.
+    check matches, with a digest of hex digits and a boolean ``mentions``; anything else
+    (absent, damaged, odd, of another boot) is None.
     """
     try:
         got = _read_file(path, _MAX_MEMO_BYTES)
@@ -1348,15 +1382,22 @@ def _read_memo(path: Path, signature: Signature) -> tuple[str, bool] | None:
     digest, mentions = memo.get("digest"), memo.get("mentions")
     if memo.get("boot_id") != boot_id() or not isinstance(digest, str) or not isinstance(mentions, bool):
         return None
-    return (digest, mentions) if re.fullmatch(r"[0-9a-f]{16,128}", digest) else None
+    return memo if re.fullmatch(r"[0-9a-f]{16,128}", digest) else None
 
 
-def _write_memo(path: Path, signature: Signature, digest: str, mentions: bool, durable: bool = True) -> None:
+def _write_memo(
+    path: Path, signature: Sequence[object], digest: str, mentions: bool, durable: bool = True, **extra: Any
+) -> None:
     """Write a memo: this file signature (in this boot) has this digest; atomically; OSError on failure."""
     memo: dict[str, Any] = {"format": MEMO_FORMAT, "signature": list(signature), "boot_id": boot_id()}
-    memo.update(digest=digest, mentions=mentions)
+    memo.update(digest=digest, mentions=mentions, **extra)
     memo["check"] = _memo_check(memo)
     _atomic_write(path, json.dumps(memo, sort_keys=True).encode() + b"\n", durable=durable)
+
+
+def _locations_signature(digest: str) -> tuple[str, str]:
+    """What a locations memo is keyed by: the model's content digest alone (its locations are a function of it)."""
+    return ("external-data locations", digest)
 
 
 def _memo_check(memo: dict[str, Any]) -> str:

@@ -21,21 +21,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from dsp_core import diag, progress
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.cache.disk import DiskCache
 from dsp_core.cache.memory import CacheStats
 from dsp_core.errors import DSPError
-from dsp_core.ir import onnx_scan
-from dsp_core.ir.onnx_import import import_model
 from dsp_core.plan import merge, serialize
 from dsp_core.plan.plan import ExternalClass, Plan
 from dsp_core.runtime.model import CompiledModel
 
 log = logging.getLogger("dsp.cache")
 INLINE_LIMIT = 1 << 16  # constants larger than this live in weight files
+
+
+def import_model(source: Any, base_dir: str | os.PathLike[str] | None = None) -> Any:
+    """``dsp_core.ir.onnx_import.import_model``, imported on first use: it imports onnx, which a warm start skips."""
+    from dsp_core.ir import onnx_import
+
+    return onnx_import.import_model(source, base_dir=base_dir)
 
 
 def model_key(
@@ -144,16 +147,8 @@ def _hash_file(path: Path) -> tuple[str, bool]:
 
 def _external_parts(digest: str, model: Path | bytes, base: Path | None, cache: DiskCache | None) -> list[str]:
     """``location=<digest of that file>`` for every external-data file the model names."""
-    with _memo_lock:
-        locations = _locations_memo.get(digest)
-    if locations is None:
-        locations = _external_locations(model)
-        with _memo_lock:
-            if len(_locations_memo) >= _MEMO_MAX:
-                _locations_memo.pop(next(iter(_locations_memo)))
-            _locations_memo[digest] = locations
     parts = []
-    for location in locations:
+    for location in _locations(digest, model, cache):
         if base is None:
             parts.append(f"{location}=no base_dir")
             continue
@@ -163,6 +158,24 @@ def _external_parts(digest: str, model: Path | bytes, base: Path | None, cache: 
         except OSError as exc:
             parts.append(f"{location}=unreadable: {exc.strerror}")
     return parts
+
+
+def _locations(digest: str, model: Path | bytes, cache: DiskCache | None) -> tuple[str, ...]:
+    """The external-data locations of the model whose content digest this is: memoized in-process and on disk."""
+    with _memo_lock:
+        locations = _locations_memo.get(digest)
+    if locations is not None:
+        return locations
+    locations = cache.recall_locations(digest) if cache is not None else None
+    if locations is None:  # a function of the content alone: parsed once, then read back by every start
+        locations = _external_locations(model)
+        if cache is not None:
+            cache.remember_locations(digest, locations)
+    with _memo_lock:
+        if len(_locations_memo) >= _MEMO_MAX:
+            _locations_memo.pop(next(iter(_locations_memo)))
+        _locations_memo[digest] = locations
+    return locations
 
 
 def _external_locations(model: Path | bytes) -> tuple[str, ...]:
@@ -185,8 +198,13 @@ def _external_locations(model: Path | bytes) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _structure(model: Path | bytes) -> onnx.ModelProto | None:
-    """The model without its big initializers' bytes (never read: the scanner seeks past them); None if unreadable."""
+def _structure(model: Path | bytes) -> Any:
+    """The model (an onnx.ModelProto) without its big initializers' bytes (never read: the scanner seeks past
+    them); None if unreadable."""
+    import onnx  # here, not at the top: a warm start keys a model without importing onnx
+
+    from dsp_core.ir import onnx_scan
+
     try:
         if isinstance(model, Path):
             with open(model, "rb", buffering=1 << 20) as f:
@@ -214,6 +232,8 @@ def _node_tensors(nodes: Any, found: set[str], graphs: list[Any]) -> None:
 
 
 def _tensor_location(t: Any, found: set[str]) -> None:
+    import onnx
+
     if t.data_location == onnx.TensorProto.EXTERNAL:
         found.update(e.value for e in t.external_data if e.key == "location")
 
