@@ -9,30 +9,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dsp_cpu_ref.plugin import SlotBySlotBackend
 
 import dsp_core as dsp
 from dsp_core.backends import auction, discovery
-from dsp_core.backends.base import Availability, Backend, ModeContract, Registry
+from dsp_core.backends.base import Availability, Registry
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.runtime import loader
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
-class _Probed(Backend):
-    """A CPU backend whose availability probe is counted (a real one may import a whole runtime)."""
+class _Probed(SlotBySlotBackend):
+    """A CPU runtime's place in AUTO's chain, with its availability probe counted (a real one may import
+    a whole runtime)."""
 
     name = "probed_cpu_runtime"
     mode = GraphExecutionMode.OPENVINO
-    platform = "cpu"
-    contract = ModeContract(
-        deterministic=True,
-        needs_stable_addresses=False,
-        can_update_in_place=False,
-        tf32=False,
-        dtypes=frozenset({"float32"}),
-        tolerance=0.0,
-    )
 
     def __init__(self) -> None:
         super().__init__()
