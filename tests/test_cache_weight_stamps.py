@@ -95,6 +95,25 @@ def test_a_weight_changed_with_its_mtime_kept_is_hashed_and_quarantined(
     assert healed.stats.quarantines == 0 and hashed == [128 * 256 * 4]
 
 
+def test_a_write_while_a_start_reads_the_file_is_hashed(
+    cache_dir: Path, warm: Path, hashed: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    victim = _weight_file(cache_dir)
+    real = disk._read_exactly
+
+    def read_then_damage(f: object, n: int) -> object:
+        data = real(f, n)  # type: ignore[arg-type]
+        _rewrite_keeping_size_and_times(victim, victim.stat().st_size - 100)  # lands after the read's fstat
+        return data
+
+    monkeypatch.setattr(disk, "_read_exactly", read_then_damage)
+    model = dsp.compile(warm)
+    assert hashed == [128 * 256 * 4]  # the signature moved during the read: the stamp was not trusted
+    np.testing.assert_allclose(_y(model), weight_matmul_expected(1.0), rtol=1e-5)  # the bytes read were good
+    monkeypatch.setattr(disk, "_read_exactly", real)
+    assert dsp.compile(warm).stats.quarantines == 1  # and the damage is caught by the next start
+
+
 @pytest.mark.parametrize("how", ["truncate", "append", "replace"])
 def test_any_other_change_of_the_file_is_hashed(cache_dir: Path, warm: Path, hashed: list[int], how: str) -> None:
     victim = _weight_file(cache_dir)

@@ -351,6 +351,11 @@ def settled(st: os.stat_result) -> bool:
     return time.time_ns() - max(st.st_ctime_ns, st.st_mtime_ns) > RACY_NS
 
 
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    """True when two stats of one file have the same signature (nothing changed it in between)."""
+    return stat_signature("", a) == stat_signature("", b)
+
+
 def _fine_times(st: os.stat_result) -> bool:
     """True when the file system keeps sub-second times (not FAT's or an old NFS's whole seconds)."""
     return bool(st.st_mtime_ns % 1_000_000_000 or st.st_ctime_ns % 1_000_000_000)
@@ -1008,7 +1013,8 @@ class DiskCache:
                 data = _read_exactly(f, length)
                 if data is None:
                     raise _Invalid("truncated while reading")
-                stamped = start and self.trust_stamps and self._stamped(path, st)
+                # The signature after the read too: a write while it read moved ctime, and is hashed.
+                stamped = start and self.trust_stamps and self._stamped(path, st) and _same(st, os.fstat(f.fileno()))
                 if not stamped and weight_digest(data) != digest:
                     raise _Invalid("weight bytes do not match their digest")
             except _Invalid as bad:
