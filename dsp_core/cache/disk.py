@@ -83,8 +83,8 @@ MEMO_KEEP = 1024  # digest memos kept (one per model or external-data file path)
 _MAX_MEMO_BYTES = 8192
 STAMP_SUFFIX = ".stamp"
 _STAMP_RE = re.compile(r"[0-9a-f]{32}\.stamp")
-# A file changed less than this long ago may change again within the same timestamp tick
-# (file times are coarse, and a clock can lag): only a stamp its own writer records may be that fresh.
+# A file changed less than this long ago may change again within the same timestamp tick (file
+# times are coarse, and a clock can lag): a digest memo or a hashing reader's stamp waits this long.
 RACY_NS = 2_000_000_000
 WEIGHT_TOUCH_SECONDS = 3600  # a weight file's mtime (its LRU clock) is moved at most this often: see _read_weight
 _HUGE_BUFFER = 4 << 20  # weights at least this big are read into memory advised to use huge pages

@@ -17,13 +17,12 @@ import logging
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from dsp_core import diag, progress
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.cache.disk import DiskCache
+from dsp_core.cache.disk import DiskCache, Signature, settled, stat_signature
 from dsp_core.cache.memory import CacheStats
 from dsp_core.errors import DSPError
 from dsp_core.plan import merge, serialize
@@ -78,18 +77,11 @@ def model_key(
 _DIGEST_SIZE = 32
 _CHUNK = 1 << 22
 _LOCATION_KEY = b"location"  # the key of every external-data entry, stored verbatim in the protobuf
-# A file changed less than this long ago may change again within the same timestamp tick
-# (file times are coarse, and a clock can lag): its digest is not memoized (git's "racy" rule).
-_RACY_NS = 2_000_000_000
 _MEMO_MAX = 256
-# (path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) -> (blake2b hex, mentions "location")
-_memo: dict[tuple[str, int, int, int, int, int], tuple[str, bool]] = {}
+# disk.stat_signature -> (blake2b hex, mentions "location")
+_memo: dict[Signature, tuple[str, bool]] = {}
 _locations_memo: dict[str, tuple[str, ...]] = {}  # model content digest -> its external-data locations
 _memo_lock = threading.Lock()
-
-
-def _signature(path: Path, st: os.stat_result) -> tuple[str, int, int, int, int, int]:
-    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def file_digest(path: Path, cache: DiskCache | None = None) -> tuple[str, bool]:
@@ -97,13 +89,14 @@ def file_digest(path: Path, cache: DiskCache | None = None) -> tuple[str, bool]:
 
     The memo is only a shortcut: it is keyed by everything stat says about the file,
     ctime included (cp -p, rsync -t and tar keep mtime and size, but any write or rename
-    moves ctime, which no user call can set back), and a file changed within _RACY_NS of
-    being hashed is never memoized. In-process first, then on disk in ``cache`` (which
-    also checks the boot id, so neither a reboot nor a copied cache directory can
-    make a memo stale), so a warm start in a new process does not read a big model at all.
+    moves ctime, which no user call can set back), and a file changed within disk.RACY_NS of
+    being hashed is never memoized (git's "racy" rule: it could change again within its
+    timestamp tick). In-process first, then on disk in ``cache`` (which also checks the boot
+    id, so neither a reboot nor a copied cache directory can make a memo stale), so a warm
+    start in a new process does not read a big model at all.
     """
     st = os.stat(path)
-    sig = _signature(path, st)
+    sig = stat_signature(path, st)
     with _memo_lock:
         hit = _memo.get(sig)
     if hit is None and cache is not None:
@@ -114,15 +107,14 @@ def file_digest(path: Path, cache: DiskCache | None = None) -> tuple[str, bool]:
         return hit
     found = _hash_file(path)
     after = os.stat(path)
-    settled = time.time_ns() - max(after.st_ctime_ns, after.st_mtime_ns) > _RACY_NS
-    if _signature(path, after) == sig and settled:
+    if stat_signature(path, after) == sig and settled(after):
         _memoize(sig, found)
         if cache is not None:
             cache.remember_digest(sig, *found)
     return found
 
 
-def _memoize(sig: tuple[str, int, int, int, int, int], found: tuple[str, bool]) -> None:
+def _memoize(sig: Signature, found: tuple[str, bool]) -> None:
     with _memo_lock:
         if len(_memo) >= _MEMO_MAX:
             _memo.pop(next(iter(_memo)))
