@@ -1028,7 +1028,10 @@ class DiskCache:
     def _touch(self, path: Path, f: io.FileIO) -> None:
         """Move the mtime of a weight file just read and checked (open as ``f``) to now, and stamp it anew."""
         try:
-            os.utime(f.fileno())  # the very inode that was read, whatever is at ``path`` now
+            if os.utime in os.supports_fd:
+                os.utime(f.fileno())  # the very inode that was read, whatever is at ``path`` now
+            else:
+                os.utime(path)
             after = os.fstat(f.fileno())
         except OSError:  # a read-only cache: the file keeps its place in the LRU order
             return
