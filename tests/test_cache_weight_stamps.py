@@ -300,3 +300,41 @@ def test_warm_weights_live_in_private_anonymous_memory(cache_dir: Path, tmp_path
     assert len(fields) == 5 or fields[5].startswith("["), f"a file-backed mapping: {fields}"  # no path: anonymous
     assert "s" not in fields[1], f"a shared mapping: {fields}"
     np.testing.assert_array_equal(model.run({"x": x})["y"], expected)
+
+
+@pytest.fixture
+def split_reads(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Reads split among threads from 64 KiB on (32 MiB in use), as many parts as cores allow (at least 2 here)."""
+    monkeypatch.setattr(disk, "_PARALLEL_READ", 1 << 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    return 1 << 20
+
+
+def test_a_split_read_gives_the_bytes_and_leaves_the_file_after_them(tmp_path: Path, split_reads: int) -> None:
+    data = np.random.default_rng(1).integers(0, 256, split_reads + 4096, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    with open(path, "rb", buffering=0) as f:
+        f.seek(100)
+        got = disk._read_exactly(f, split_reads)  # type: ignore[arg-type]
+        assert got is not None and bytes(got) == data[100 : 100 + split_reads]
+        assert f.tell() == 100 + split_reads
+        f.seek(len(data) - 10)
+        assert disk._read_exactly(f, split_reads) is None  # type: ignore[arg-type]  # the file ends first
+
+
+def test_an_io_error_in_a_split_read_is_raised_not_taken_for_damage(
+    tmp_path: Path, split_reads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(split_reads))
+    real = os.preadv
+
+    def failing(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset >= split_reads // 2:
+            raise OSError(5, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with open(path, "rb", buffering=0) as f, pytest.raises(OSError, match="Input/output"):
+        disk._read_exactly(f, split_reads)  # type: ignore[arg-type]

@@ -42,6 +42,7 @@ import secrets
 import shutil
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,8 @@ _STAMP_RE = re.compile(r"[0-9a-f]{32}\.stamp")
 RACY_NS = 2_000_000_000
 WEIGHT_TOUCH_SECONDS = 3600  # a weight file's mtime (its LRU clock) is moved at most this often: see _read_weight
 _HUGE_BUFFER = 4 << 20  # weights at least this big are read into memory advised to use huge pages
+_PARALLEL_READ = 32 << 20  # a read is split among threads in parts of at least this many bytes ...
+_READ_THREADS = 4  # ... and at most this many threads
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _FLAG_VALUES = "1/0, true/false, yes/no, on/off"
@@ -468,16 +471,43 @@ def _owned_buffer(n: int) -> Buffer:
 
 
 def _read_exactly(f: io.FileIO, n: int) -> Buffer | None:
-    """The next ``n`` bytes of ``f`` into memory this process owns; None if the file ends first."""
+    """The next ``n`` bytes of ``f`` into memory this process owns; None if the file ends first.
+
+    A big read is split among a few threads (``os.preadv`` releases the GIL), so copying
+    from the page cache and the page faults of the fresh memory use more than one core.
+    """
     buf = _owned_buffer(n)
     view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = f.readinto(view[got:])
-        if not k:
-            return None
-        got += k
-    return buf
+    start = f.tell()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    parts = min(_READ_THREADS, cores, max(1, n // _PARALLEL_READ))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    outcome: list[bool | OSError] = [False] * parts  # True: read whole; False: the file ended; or the error
+
+    def read(i: int) -> None:
+        got, end = bounds[i], bounds[i + 1]
+        try:
+            while got < end:
+                k = os.preadv(f.fileno(), [view[got:end]], start + got)
+                if not k:
+                    return
+                got += k
+        except OSError as exc:  # raised below, in the caller's thread: an I/O error is not damage
+            outcome[i] = exc
+            return
+        outcome[i] = True
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(1, parts)]
+    for t in threads:
+        t.start()
+    read(0)
+    for t in threads:
+        t.join()
+    for result in outcome:
+        if isinstance(result, OSError):
+            raise result
+    f.seek(start + n)
+    return buf if all(outcome) else None
 
 
 def _read_file(path: Path, limit: int) -> tuple[bytes, int] | None:
