@@ -17,7 +17,6 @@ from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import DSPError
 from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
-from dsp_core.ir.typecheck import check_types
 from dsp_core.runtime.loader import compile_cached
 from dsp_core.runtime.model import CompiledModel
 
@@ -58,6 +57,8 @@ def compile(  # noqa: A001  (the public name the API promises)
     parsed: GraphExecutionMode = config.get("mode", mode)
     strict = bool(config.get("strict", strict))
     if isinstance(model, Graph):
+        from dsp_core.ir.typecheck import check_types  # onnx's schemas: a warm start from the cache needs none
+
         model.validate()
         check_types(model)
         compiled = CompiledModel(model, parsed, strict=strict, placement=placement)

@@ -105,6 +105,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("force_recompile", "DSP_FORCE_RECOMPILE", "bool", False, "Ignore cached plans (they are still written)."),
     Option(
+        "cache_verify_weights",
+        "DSP_CACHE_VERIFY_WEIGHTS",
+        "choice",
+        "changed",
+        "When a start hashes a cached weight file: changed = only when its stat signature moved since DSP last "
+        "knew its bytes (docs/cache.md); always = every start.",
+        choices=("changed", "always"),
+    ),
+    Option(
         "freeze_after",
         "DSP_FREEZE_AFTER",
         "int",

@@ -380,7 +380,7 @@ def _fresh_process() -> None:
 @pytest.fixture
 def hashed(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Every file hashed; the racy window off, so a just-written file is memoized at once."""
-    monkeypatch.setattr(loader, "_RACY_NS", -(10**18))
+    monkeypatch.setattr(disk, "RACY_NS", -(10**18))
     seen: list[Path] = []
     real = loader._hash_file
     monkeypatch.setattr(loader, "_hash_file", lambda p: seen.append(p) or real(p))

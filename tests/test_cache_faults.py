@@ -67,7 +67,7 @@ def test_model_replaced_with_same_size_and_mtime_is_not_served_stale(cache_dir: 
 
 def test_digest_memo_is_revalidated_by_ctime(cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the memo trusted at once (no racy window), an in-place replacement still re-hashes."""
-    monkeypatch.setattr(loader, "_RACY_NS", -(10**18))
+    monkeypatch.setattr(disk, "RACY_NS", -(10**18))
     hashed: list[Path] = []
     real = loader._hash_file
     monkeypatch.setattr(loader, "_hash_file", lambda p: hashed.append(p) or real(p))

@@ -146,7 +146,8 @@ def candidates(registry: Registry, mode: GraphExecutionMode, strict: bool = Fals
                 b
                 for m in FALLBACK_CHAINS[platform]
                 for b in registry.for_mode(m)
-                if b.platform in (platform, "cpu") and available(b) and b.name not in left_out
+                # Left-out backends are not probed: a probe may import a whole runtime (openvino: ~0.1 s).
+                if b.platform in (platform, "cpu") and b.name not in left_out and available(b)
             ]
             if any(b.platform == platform for b in chain):
                 return _with_reference(chain, registry), notes

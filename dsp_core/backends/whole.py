@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,8 +46,10 @@ from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
-from dsp_core.plan.subgraph import SubgraphIO, c_order, segment_model, serialized
 from dsp_core.runtime.units import unit_io  # a segment's I/O is split as a capturing unit's is
+
+if TYPE_CHECKING:  # plan.subgraph imports onnx: loaded when a segment is built, not when a plugin is
+    from dsp_core.plan.subgraph import SubgraphIO
 
 # (shape, dtype) of each input: which compiled model a call uses.
 ShapeKey = tuple[tuple[tuple[int, ...], str], ...]
@@ -61,6 +63,8 @@ def segment_io(plan: Plan, slots: tuple[int, ...]) -> tuple[SubgraphIO, tuple[in
     else the slots read from outside is a graph input; outputs are the values read by
     slots outside the segment, or requested by the caller.
     """
+    from dsp_core.plan.subgraph import SubgraphIO
+
     inputs, outputs, embedded = unit_io(plan, slots, frozenset(sealed_slots(plan)))
     return SubgraphIO(inputs, outputs), embedded
 
@@ -69,8 +73,11 @@ class WholeSegment(CompiledSegment):
     """A segment compiled into one model of another runtime; see the module docstring."""
 
     def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
+        from dsp_core.plan import subgraph
+
         super().__init__(backend, segment)
         self.plan = plan
+        self._subgraph = subgraph
         self.io, self.embedded = segment_io(plan, segment.slots)
         self._models: dict[ShapeKey, Any] = {}
         self._buffers: list[np.ndarray] = []
@@ -102,8 +109,8 @@ class WholeSegment(CompiledSegment):
         if compiled is None:
             feeds = {f: (dtypes.normalize(a.dtype), tuple(a.shape)) for f, a in zip(self._inputs, arrays)}
             constants = {f: np.asarray(values[f]) for f in self.embedded}
-            model = segment_model(self.plan, self.segment.slots, self.io, feeds, constants)
-            compiled = self._build(serialized(model), key)
+            model = self._subgraph.segment_model(self.plan, self.segment.slots, self.io, feeds, constants)
+            compiled = self._build(self._subgraph.serialized(model), key)
             self._models[key] = compiled
         return compiled
 
@@ -111,6 +118,7 @@ class WholeSegment(CompiledSegment):
     def run(self, values: list[Any]) -> None:
         """One eager call on the arrays in ``values``."""
         compiled = self.compiled_for(values)
+        c_order = self._subgraph.c_order
         outs = self._infer(compiled, [c_order(values[i]) for i in self._inputs])
         for flat, out in zip(self._outputs, outs):
             values[flat] = out

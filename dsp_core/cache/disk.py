@@ -31,17 +31,20 @@ import errno
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import io
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
 import shutil
 import stat
 import struct
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,15 @@ _MEMO_RE = re.compile(r"[0-9a-f]{32}\.memo")
 MEMO_FORMAT = "dsp-digest-memo/1"
 MEMO_KEEP = 1024  # digest memos kept (one per model or external-data file path); the oldest go first
 _MAX_MEMO_BYTES = 8192
+STAMP_SUFFIX = ".stamp"
+_STAMP_RE = re.compile(r"[0-9a-f]{32}\.stamp")
+# A file changed less than this long ago may change again within the same timestamp tick (file
+# times are coarse, and a clock can lag): a digest memo or a hashing reader's stamp waits this long.
+RACY_NS = 2_000_000_000
+WEIGHT_TOUCH_SECONDS = 3600  # a weight file's mtime (its LRU clock) is moved at most this often: see _read_weight
+_HUGE_BUFFER = 4 << 20  # weights at least this big are read into memory advised to use huge pages
+_PARALLEL_READ = 32 << 20  # a read is split among threads in parts of at least this many bytes ...
+_READ_THREADS = 4  # ... and at most this many threads
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _FLAG_VALUES = "1/0, true/false, yes/no, on/off"
@@ -152,6 +164,11 @@ def _dsp1_version() -> str:
 
 
 def _library_version(name: str) -> str:
+    """The installed distribution's version (read from its metadata: importing onnx costs a warm start ~40 ms)."""
+    try:
+        return importlib.metadata.version(name)
+    except Exception:  # noqa: BLE001
+        pass
     try:
         return str(importlib.import_module(name).__version__)
     except Exception:  # noqa: BLE001
@@ -314,27 +331,61 @@ def check_weight_header(head: bytes, digest: bytes, nbytes: int | None) -> int:
     return int(length)
 
 
-def weight_digest(data: bytes | bytearray | memoryview) -> bytes:
+def weight_digest(data: bytes | bytearray | memoryview | mmap.mmap) -> bytes:
     """plan.constant_digest of an array whose C-order bytes are ``data``."""
     return constant_digest(np.frombuffer(data, np.uint8))
 
 
+# -- stat signatures (what digest memos and weight stamps are keyed by) ------------------
+Signature = tuple[str, int, int, int, int, int]
+
+
+def stat_signature(path: Path | str, st: os.stat_result) -> Signature:
+    """(path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): any write, truncation or rename moves one of them.
+
+    ctime is the field no user call can set back: ``cp -p``, ``rsync -t``, ``tar x`` and
+    ``touch -r`` restore mtime, but the write (or the utime call itself) moves ctime.
+    """
+    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def settled(st: os.stat_result) -> bool:
+    """True when the file last changed more than RACY_NS ago, so a later change gets another timestamp (git's rule)."""
+    return time.time_ns() - max(st.st_ctime_ns, st.st_mtime_ns) > RACY_NS
+
+
+def _same(a: os.stat_result, b: os.stat_result) -> bool:
+    """True when two stats of one file have the same signature (nothing changed it in between)."""
+    return stat_signature("", a) == stat_signature("", b)
+
+
+def _fine_times(st: os.stat_result) -> bool:
+    """True when the file system keeps sub-second times (not FAT's or an old NFS's whole seconds)."""
+    return bool(st.st_mtime_ns % 1_000_000_000 or st.st_ctime_ns % 1_000_000_000)
+
+
 # -- files ------------------------------------------------------------------------------
-def _atomic_write(path: Path, *parts: bytes | memoryview) -> None:
-    """Write ``parts`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+def _atomic_write(path: Path, *parts: bytes | memoryview, durable: bool = True) -> None:
+    """Write ``parts`` to ``path`` so that readers see the old file or the whole new one, never a part.
+
+    ``durable=False`` skips the fsyncs: for hints (a weight stamp) whose loss in a crash
+    costs only a re-check, and whose own checksum rejects a torn copy.
+    """
     tmp = path.with_name(f"{_TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{path.name}")
     try:
         with open(tmp, "xb") as f:
             for data in parts:
                 f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def atomic_write(path: Path, *parts: bytes | memoryview) -> None:
@@ -400,17 +451,63 @@ def _lstat_inode(path: Path) -> int:
         return -1
 
 
-def _read_exactly(f: io.FileIO, n: int) -> bytearray | None:
-    """The next ``n`` bytes of ``f`` into memory this process owns; None if the file ends first."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = f.readinto(view[got:])
-        if not k:
-            return None
-        got += k
+Buffer = bytearray | mmap.mmap  # bytes read into memory this process owns
+
+
+def _owned_buffer(n: int) -> Buffer:
+    """``n`` writable bytes of private memory: for a big one, anonymous memory advised to use huge pages.
+
+    Reading a weight into fresh memory costs a page fault per page first touched; with
+    2 MiB pages instead of 4 KiB ones that cost falls from about half of the read to
+    little (a bytearray's memory gets no such advice). Never file-backed: a later change
+    to the file cannot reach these bytes.
+    """
+    if n < _HUGE_BUFFER or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return bytearray(n)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # only advice: a kernel without transparent huge pages says no
+        buf.madvise(mmap.MADV_HUGEPAGE)
     return buf
+
+
+def _read_exactly(f: io.FileIO, n: int) -> Buffer | None:
+    """The next ``n`` bytes of ``f`` into memory this process owns; None if the file ends first.
+
+    A big read is split among a few threads (``os.preadv`` releases the GIL), so copying
+    from the page cache and the page faults of the fresh memory use more than one core.
+    """
+    buf = _owned_buffer(n)
+    view = memoryview(buf)
+    start = f.tell()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    parts = min(_READ_THREADS, cores, max(1, n // _PARALLEL_READ))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    outcome: list[bool | OSError] = [False] * parts  # True: read whole; False: the file ended; or the error
+
+    def read(i: int) -> None:
+        got, end = bounds[i], bounds[i + 1]
+        try:
+            while got < end:
+                k = os.preadv(f.fileno(), [view[got:end]], start + got)
+                if not k:
+                    return
+                got += k
+        except OSError as exc:  # raised below, in the caller's thread: an I/O error is not damage
+            outcome[i] = exc
+            return
+        outcome[i] = True
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(1, parts)]
+    for t in threads:
+        t.start()
+    read(0)
+    for t in threads:
+        t.join()
+    for result in outcome:
+        if isinstance(result, OSError):
+            raise result
+    f.seek(start + n)
+    return buf if all(outcome) else None
 
 
 def _read_file(path: Path, limit: int) -> tuple[bytes, int] | None:
@@ -569,6 +666,10 @@ class _Layout:
     def digests(self) -> Path:
         return self.root / "digests"
 
+    @property
+    def stamps(self) -> Path:
+        return self.root / "stamps"
+
     def refs_of(self, tag: str) -> Path:
         """The directory of one build's refs."""
         return self.refs / tag
@@ -599,6 +700,7 @@ class DiskCache:
     enabled: bool = True
     max_bytes: int = DEFAULT_MAX_BYTES
     force_recompile: bool = False
+    trust_stamps: bool = True  # DSP_CACHE_VERIFY_WEIGHTS=changed: an unchanged, stamped weight file is not re-hashed
     build_fingerprint: str = field(default_factory=lambda: fingerprint())
     stats: CacheStats = field(default_factory=CacheStats)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -640,6 +742,7 @@ class DiskCache:
             enabled=_env_flag(env, "DSP_DISK_CACHE", default=True),
             max_bytes=int(config.get("cache_max_bytes", env=env)),  # the one size parser: 4G, 512M, bytes
             force_recompile=_env_flag(env, "DSP_FORCE_RECOMPILE", default=False),
+            trust_stamps=config.get("cache_verify_weights", env=env) == "changed",
         )
 
     @staticmethod
@@ -860,6 +963,7 @@ class DiskCache:
 
         Plans keep big constants by reference (their digest) with their dtype and shape;
         the file holds a 32-byte header and the raw C-order bytes, nothing to interpret.
+        The writer stamps the file it wrote (``_read_weight`` says what a stamp is for).
         """
         _check_key(digest)
         if not self.enabled:
@@ -871,18 +975,22 @@ class DiskCache:
             data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             self._layout.weights.mkdir(parents=True, exist_ok=True)
             _atomic_write(path, weight_header(bytes.fromhex(digest), data.nbytes), data.data)
+            st = os.stat(path)
         except (OSError, ValueError) as exc:
             self._write_failed(path, exc)
             return None
+        if _fine_times(st):  # these are the bytes just written: no need to read them back
+            self._stamp_weight(path, st)
         self._enforce_bound(keep=path.name)
         return path
 
-    def weight(self, digest: str, nbytes: int) -> bytearray | None:
+    def weight(self, digest: str, nbytes: int) -> Buffer | None:
         """A stored constant's ``nbytes`` bytes, read into memory (override dir first); None if absent or bad.
 
         Read, not memory-mapped: a later change to the file cannot reach a live model. The
-        bytes are checked against the digest here: a damaged file (or one that is not a
-        regular file) is quarantined (an override one reported) and never returned.
+        bytes are checked against the digest here, or trusted by the file's stamp when it is
+        unchanged since DSP last knew its bytes (``_read_weight``): a damaged file (or one
+        that is not a regular file) is quarantined (an override one reported) and never returned.
         """
         _check_key(digest)
         if not self.enabled or self.force_recompile:
@@ -892,26 +1000,32 @@ class DiskCache:
         for layout, is_override in candidates:
             path = layout.weights / f"{digest}{WEIGHT_SUFFIX}"
             try:
-                data = self._read_weight(path, nbytes)
+                data = self._read_weight(path, nbytes, start=not is_override)
             except _BadFile as bad:
                 self._reject_weight(bad, is_override)
                 continue
             except OSError as exc:
                 self._emit("read_error", path, f"{type(exc).__name__}: {exc}")
                 continue
-            if data is None:
-                continue
-            if not is_override:
-                with contextlib.suppress(OSError):
-                    os.utime(path)  # LRU: a read is a use
-            return data
+            if data is not None:
+                return data
         return None
 
-    def _read_weight(self, path: Path, nbytes: int | None) -> bytearray | None:
+    def _read_weight(self, path: Path, nbytes: int | None, start: bool = False) -> Buffer | None:
         """The verified bytes of a weight file; None when absent; _BadFile when damaged.
 
         ``nbytes`` is what the plan declares (None in verify: the header's length, bounded
-        by the file's size); nothing beyond it is read.
+        by the file's size); nothing beyond it is read. The file's kind, size and header
+        are checked every time. Its bytes are hashed unless ``start`` (a model starting
+        from the cache, not ``verify``) and the file's **stamp** vouches for them: the
+        stat signature (inode, size, mtime, ctime) it had when DSP last knew its bytes,
+        having written them, or hashed them in a file settled for RACY_NS. Any write,
+        truncation or replacement moves ctime, so a changed file is hashed in full.
+        ``verify`` and DSP_CACHE_VERIFY_WEIGHTS=always never trust a stamp.
+
+        ``start`` also moves the mtime, the LRU clock, but only once every
+        WEIGHT_TOUCH_SECONDS: a touch moves ctime as well and so costs the stamp, which is
+        then recorded again with the signature after the touch.
         """
         try:
             digest = bytes.fromhex(path.name.removesuffix(WEIGHT_SUFFIX))
@@ -929,11 +1043,49 @@ class DiskCache:
                 data = _read_exactly(f, length)
                 if data is None:
                     raise _Invalid("truncated while reading")
-                if weight_digest(data) != digest:
+                # The signature after the read too: a write while it read moved ctime, and is hashed.
+                stamped = start and self.trust_stamps and self._stamped(path, st) and _same(st, os.fstat(f.fileno()))
+                if not stamped and weight_digest(data) != digest:
                     raise _Invalid("weight bytes do not match their digest")
             except _Invalid as bad:
                 raise _BadFile(path, bad.reason, st.st_ino) from None
+            if start and time.time() - st.st_mtime > WEIGHT_TOUCH_SECONDS:
+                self._touch(path, f)  # LRU: a read is a use
+            elif not stamped and settled(st):
+                self._stamp_weight(path, st)  # hashed just now, and it cannot change within its tick
         return data
+
+    def _touch(self, path: Path, f: io.FileIO) -> None:
+        """Move the mtime of a weight file just read and checked (open as ``f``) to now, and stamp it anew."""
+        try:
+            if os.utime in os.supports_fd:
+                os.utime(f.fileno())  # the very inode that was read, whatever is at ``path`` now
+            else:
+                os.utime(path)
+            after = os.fstat(f.fileno())
+        except OSError:  # a read-only cache: the file keeps its place in the LRU order
+            return
+        if _fine_times(after):
+            self._stamp_weight(path, after)
+
+    def _stamp_path(self, weight: Path) -> Path:
+        return self._layout.stamps / f"{weight.name.removesuffix(WEIGHT_SUFFIX)}{STAMP_SUFFIX}"
+
+    def _stamped(self, path: Path, st: os.stat_result) -> bool:
+        """True when the weight file's stamp records exactly this stat signature (this boot, undamaged)."""
+        found = _read_memo(self._stamp_path(path), stat_signature(path, st))
+        return found is not None and found["digest"] == path.name.removesuffix(WEIGHT_SUFFIX)
+
+    def _stamp_weight(self, path: Path, st: os.stat_result) -> None:
+        """Record that the weight file with this stat signature holds the bytes its name is the digest of."""
+        if path.parent != self._layout.weights:
+            return  # the override dir's files are hashed on every read: it is the user's, never written
+        stamp = self._stamp_path(path)
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            _write_memo(stamp, stat_signature(path, st), path.name.removesuffix(WEIGHT_SUFFIX), False, durable=False)
+        except OSError as exc:
+            self._write_failed(stamp, exc)
 
     def _reject_weight(self, bad: _BadFile, is_override: bool) -> None:
         """Quarantine a bad weight file of the cache; only report one of the override dir."""
@@ -943,45 +1095,56 @@ class DiskCache:
         self._quarantine(bad)
 
     # -- digest memos (the loader's file_digest) ------------------------------------------
-    def recall_digest(self, signature: tuple[str, int, int, int, int, int]) -> tuple[str, bool] | None:
+    def recall_digest(self, signature: Signature) -> tuple[str, bool] | None:
         """The digest memoized for a file whose stat ``signature`` this is, or None.
 
-        ``signature`` is (resolved path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns).
-        A memo counts only if it is a regular file of the right format whose signature,
-        boot id and check all match: a memo of an earlier boot (inode numbers and times
-        can repeat), a cache directory copied from elsewhere, or a damaged or odd file is
-        ignored, and the file is hashed again.
+        ``signature`` is ``stat_signature`` of the resolved path. A memo counts only if it
+        is a regular file of the right format whose signature, boot id and check all match:
+        a memo of an earlier boot (inode numbers and times can repeat), a cache directory
+        copied from elsewhere, or a damaged or odd file is ignored, and the file is hashed again.
         """
         if not self.enabled or self.force_recompile:
             return None
-        try:
-            got = _read_file(self._memo_path(signature[0]), _MAX_MEMO_BYTES)
-            memo = json.loads(got[0]) if got else None
-        except (_BadFile, OSError, ValueError):
-            return None
-        if not isinstance(memo, dict) or memo.get("check") != _memo_check(memo):
-            return None
-        if memo.get("format") != MEMO_FORMAT or memo.get("signature") != list(signature):
-            return None
-        digest, mentions = memo.get("digest"), memo.get("mentions")
-        if memo.get("boot_id") != boot_id() or not isinstance(digest, str) or not isinstance(mentions, bool):
-            return None
-        return (digest, mentions) if re.fullmatch(r"[0-9a-f]{16,128}", digest) else None
+        memo = _read_memo(self._memo_path(signature[0]), signature)
+        return None if memo is None else (memo["digest"], memo["mentions"])
 
-    def remember_digest(self, signature: tuple[str, int, int, int, int, int], digest: str, mentions: bool) -> None:
+    def remember_digest(self, signature: Signature, digest: str, mentions: bool) -> None:
         """Memoize a settled file's digest for later processes (atomically; a failure only costs a re-hash)."""
         if not self.enabled:
             return
-        memo: dict[str, Any] = {"format": MEMO_FORMAT, "signature": list(signature), "boot_id": boot_id()}
-        memo.update(digest=digest, mentions=mentions)
-        memo["check"] = _memo_check(memo)
         path = self._memo_path(signature[0])
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(path, json.dumps(memo, sort_keys=True).encode() + b"\n")
+            _write_memo(path, signature, digest, mentions)
         except OSError as exc:
             self._write_failed(path, exc)
             return
+        self._prune_memos()
+
+    def recall_locations(self, digest: str) -> tuple[str, ...] | None:
+        """The external-data locations memoized for the model whose content digest this is, or None."""
+        if not self.enabled or self.force_recompile:
+            return None
+        memo = _read_memo(self._memo_path(f"locations:{digest}"), _locations_signature(digest))
+        found = None if memo is None else memo.get("locations")
+        if not isinstance(found, list) or not all(isinstance(x, str) for x in found):
+            return None
+        return tuple(found)
+
+    def remember_locations(self, digest: str, locations: tuple[str, ...]) -> None:
+        """Memoize the external-data locations a model's content names, so a warm start does not parse it."""
+        if not self.enabled:
+            return
+        path = self._memo_path(f"locations:{digest}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_memo(path, _locations_signature(digest), digest, True, locations=list(locations))
+        except OSError as exc:
+            self._write_failed(path, exc)
+            return
+        self._prune_memos()
+
+    def _prune_memos(self) -> None:
         memos = [(st.st_mtime, e.path) for e in _files(self._layout.digests) if (st := _stat(e)) is not None]
         for _, old in sorted(memos)[:-MEMO_KEEP]:
             _unlink(old)
@@ -997,6 +1160,7 @@ class DiskCache:
         _remove_stale_temps(self._layout.refs_of(self.build), now)
         _remove_stale_temps(self._layout.weights, now)
         _remove_stale_temps(self._layout.digests, now)
+        _remove_stale_temps(self._layout.stamps, now)
         objects = self._objects()
         total = sum(size for _, size, _ in objects)
         victims = []
@@ -1008,6 +1172,9 @@ class DiskCache:
                 total -= size
         if victims:
             self.stats.evictions += sum(_unlink(p) for p in victims)
+            for path in victims:
+                if path.parent == self._layout.weights:
+                    _unlink(self._stamp_path(path))
             self._drop_dangling_refs()
 
     def _objects(self) -> list[tuple[Path, int, float]]:
@@ -1046,6 +1213,8 @@ class DiskCache:
                 return False
             os.replace(bad.path, dest)
             dest.with_name(dest.name + ".reason").write_text(f"{bad.path}\n{bad.reason}\n")
+            if bad.path.parent == self._layout.weights:
+                _unlink(self._stamp_path(bad.path))  # it vouched for the file now gone
         except FileNotFoundError:  # another process quarantined or evicted it first
             return False
         except OSError as exc:
@@ -1145,8 +1314,9 @@ class DiskCache:
         }
 
     def clear(self, include_quarantine: bool = False) -> int:
-        """Remove every object, ref (of every build), weight and digest memo (and quarantine/ when asked)."""
-        dirs = [self._layout.objects, self._layout.refs, self._layout.weights, self._layout.digests]
+        """Remove every object, ref (of every build), weight, stamp and digest memo (and quarantine/ when asked)."""
+        layout = self._layout
+        dirs = [layout.objects, layout.refs, layout.weights, layout.stamps, layout.digests]
         if include_quarantine:
             dirs.append(self._layout.quarantine)
         removed = 0
@@ -1192,6 +1362,7 @@ class DiskCache:
             judge = functools.partial(self._read_weight, path, None) if _WEIGHT_RE.fullmatch(entry.name) else None
             report["weights_ok"] += self._judge(judge or functools.partial(_stray, path), report)
         report["dangling_refs_removed"] = self._drop_dangling_refs()
+        report["stale_stamps_removed"] = self._drop_stale_stamps()
         if self._override is not None:
             for path, key, tag in _ref_entries(self._override)[0]:
                 expected = self.build_fingerprint if tag == self.build else None
@@ -1200,6 +1371,17 @@ class DiskCache:
                 report["override_ok" if ok else "override_bad"] += 1
         report["quarantined"] = self.stats.quarantines - before
         return report
+
+    def _drop_stale_stamps(self) -> int:
+        """Remove stamps (hints, never trusted alone) whose weight file is gone, and anything odd among them."""
+        dropped = 0
+        if _is_file_in_place_of_dir(self._layout.stamps):
+            return int(_remove_any(self._layout.stamps))
+        for entry in _entries(self._layout.stamps):
+            weight = self._layout.weights / f"{entry.name.removesuffix(STAMP_SUFFIX)}{WEIGHT_SUFFIX}"
+            if not (_STAMP_RE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False) and weight.exists()):
+                dropped += _remove_any(Path(entry.path))
+        return dropped
 
     def _judge(self, check: Callable[[], object], report: dict[str, Any], override: _Layout | None = None) -> bool:
         """Run one check; record a bad file and quarantine it (report it only, in the override dir)."""
@@ -1218,6 +1400,43 @@ class DiskCache:
         if found is None and override is not None:  # the cache's own dangling refs are swept, not reported
             report["problems"].append({"path": str(override.root), "reason": "a ref names a missing object"})
         return found is not None
+
+
+def _read_memo(path: Path, signature: Sequence[object]) -> dict[str, Any] | None:
+    """The memo at ``path`` when it records exactly ``signature`` in this boot; else None.
+
+    It must be a regular file of at most _MAX_MEMO_BYTES of JSON of MEMO_FORMAT whose
+    check matches, with a digest of hex digits and a boolean ``mentions``; anything else
+    (absent, damaged, odd, of another boot) is None.
+    """
+    try:
+        got = _read_file(path, _MAX_MEMO_BYTES)
+        memo = json.loads(got[0]) if got else None
+    except (_BadFile, OSError, ValueError):
+        return None
+    if not isinstance(memo, dict) or memo.get("check") != _memo_check(memo):
+        return None
+    if memo.get("format") != MEMO_FORMAT or memo.get("signature") != list(signature):
+        return None
+    digest, mentions = memo.get("digest"), memo.get("mentions")
+    if memo.get("boot_id") != boot_id() or not isinstance(digest, str) or not isinstance(mentions, bool):
+        return None
+    return memo if re.fullmatch(r"[0-9a-f]{16,128}", digest) else None
+
+
+def _write_memo(
+    path: Path, signature: Sequence[object], digest: str, mentions: bool, durable: bool = True, **extra: Any
+) -> None:
+    """Write a memo: this file signature (in this boot) has this digest; atomically; OSError on failure."""
+    memo: dict[str, Any] = {"format": MEMO_FORMAT, "signature": list(signature), "boot_id": boot_id()}
+    memo.update(digest=digest, mentions=mentions, **extra)
+    memo["check"] = _memo_check(memo)
+    _atomic_write(path, json.dumps(memo, sort_keys=True).encode() + b"\n", durable=durable)
+
+
+def _locations_signature(digest: str) -> tuple[str, str]:
+    """What a locations memo is keyed by: the model's content digest alone (its locations are a function of it)."""
+    return ("external-data locations", digest)
 
 
 def _memo_check(memo: dict[str, Any]) -> str:

@@ -17,25 +17,27 @@ import logging
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from dsp_core import diag, progress
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.cache.disk import DiskCache
+from dsp_core.cache.disk import DiskCache, Signature, settled, stat_signature
 from dsp_core.cache.memory import CacheStats
 from dsp_core.errors import DSPError
-from dsp_core.ir import onnx_scan
-from dsp_core.ir.onnx_import import import_model
 from dsp_core.plan import merge, serialize
 from dsp_core.plan.plan import ExternalClass, Plan
 from dsp_core.runtime.model import CompiledModel
 
 log = logging.getLogger("dsp.cache")
 INLINE_LIMIT = 1 << 16  # constants larger than this live in weight files
+
+
+def import_model(source: Any, base_dir: str | os.PathLike[str] | None = None) -> Any:
+    """``dsp_core.ir.onnx_import.import_model``, imported on first use: it imports onnx, which a warm start skips."""
+    from dsp_core.ir import onnx_import
+
+    return onnx_import.import_model(source, base_dir=base_dir)
 
 
 def model_key(
@@ -75,18 +77,11 @@ def model_key(
 _DIGEST_SIZE = 32
 _CHUNK = 1 << 22
 _LOCATION_KEY = b"location"  # the key of every external-data entry, stored verbatim in the protobuf
-# A file changed less than this long ago may change again within the same timestamp tick
-# (file times are coarse, and a clock can lag): its digest is not memoized (git's "racy" rule).
-_RACY_NS = 2_000_000_000
 _MEMO_MAX = 256
-# (path, st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) -> (blake2b hex, mentions "location")
-_memo: dict[tuple[str, int, int, int, int, int], tuple[str, bool]] = {}
+# disk.stat_signature -> (blake2b hex, mentions "location")
+_memo: dict[Signature, tuple[str, bool]] = {}
 _locations_memo: dict[str, tuple[str, ...]] = {}  # model content digest -> its external-data locations
 _memo_lock = threading.Lock()
-
-
-def _signature(path: Path, st: os.stat_result) -> tuple[str, int, int, int, int, int]:
-    return (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def file_digest(path: Path, cache: DiskCache | None = None) -> tuple[str, bool]:
@@ -94,13 +89,14 @@ def file_digest(path: Path, cache: DiskCache | None = None) -> tuple[str, bool]:
 
     The memo is only a shortcut: it is keyed by everything stat says about the file,
     ctime included (cp -p, rsync -t and tar keep mtime and size, but any write or rename
-    moves ctime, which no user call can set back), and a file changed within _RACY_NS of
-    being hashed is never memoized. In-process first, then on disk in ``cache`` (which
-    also checks the boot id, so neither a reboot nor a copied cache directory can
-    make a memo stale), so a warm start in a new process does not read a big model at all.
+    moves ctime, which no user call can set back), and a file changed within disk.RACY_NS of
+    being hashed is never memoized (git's "racy" rule: it could change again within its
+    timestamp tick). In-process first, then on disk in ``cache`` (which also checks the boot
+    id, so neither a reboot nor a copied cache directory can make a memo stale), so a warm
+    start in a new process does not read a big model at all.
     """
     st = os.stat(path)
-    sig = _signature(path, st)
+    sig = stat_signature(path, st)
     with _memo_lock:
         hit = _memo.get(sig)
     if hit is None and cache is not None:
@@ -111,15 +107,14 @@ def file_digest(path: Path, cache: DiskCache | None = None) -> tuple[str, bool]:
         return hit
     found = _hash_file(path)
     after = os.stat(path)
-    settled = time.time_ns() - max(after.st_ctime_ns, after.st_mtime_ns) > _RACY_NS
-    if _signature(path, after) == sig and settled:
+    if stat_signature(path, after) == sig and settled(after):
         _memoize(sig, found)
         if cache is not None:
             cache.remember_digest(sig, *found)
     return found
 
 
-def _memoize(sig: tuple[str, int, int, int, int, int], found: tuple[str, bool]) -> None:
+def _memoize(sig: Signature, found: tuple[str, bool]) -> None:
     with _memo_lock:
         if len(_memo) >= _MEMO_MAX:
             _memo.pop(next(iter(_memo)))
@@ -144,16 +139,8 @@ def _hash_file(path: Path) -> tuple[str, bool]:
 
 def _external_parts(digest: str, model: Path | bytes, base: Path | None, cache: DiskCache | None) -> list[str]:
     """``location=<digest of that file>`` for every external-data file the model names."""
-    with _memo_lock:
-        locations = _locations_memo.get(digest)
-    if locations is None:
-        locations = _external_locations(model)
-        with _memo_lock:
-            if len(_locations_memo) >= _MEMO_MAX:
-                _locations_memo.pop(next(iter(_locations_memo)))
-            _locations_memo[digest] = locations
     parts = []
-    for location in locations:
+    for location in _locations(digest, model, cache):
         if base is None:
             parts.append(f"{location}=no base_dir")
             continue
@@ -163,6 +150,24 @@ def _external_parts(digest: str, model: Path | bytes, base: Path | None, cache: 
         except OSError as exc:
             parts.append(f"{location}=unreadable: {exc.strerror}")
     return parts
+
+
+def _locations(digest: str, model: Path | bytes, cache: DiskCache | None) -> tuple[str, ...]:
+    """The external-data locations of the model whose content digest this is: memoized in-process and on disk."""
+    with _memo_lock:
+        locations = _locations_memo.get(digest)
+    if locations is not None:
+        return locations
+    locations = cache.recall_locations(digest) if cache is not None else None
+    if locations is None:  # a function of the content alone: parsed once, then read back by every start
+        locations = _external_locations(model)
+        if cache is not None:
+            cache.remember_locations(digest, locations)
+    with _memo_lock:
+        if len(_locations_memo) >= _MEMO_MAX:
+            _locations_memo.pop(next(iter(_locations_memo)))
+        _locations_memo[digest] = locations
+    return locations
 
 
 def _external_locations(model: Path | bytes) -> tuple[str, ...]:
@@ -185,8 +190,13 @@ def _external_locations(model: Path | bytes) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _structure(model: Path | bytes) -> onnx.ModelProto | None:
-    """The model without its big initializers' bytes (never read: the scanner seeks past them); None if unreadable."""
+def _structure(model: Path | bytes) -> Any:
+    """The model (an onnx.ModelProto) without its big initializers' bytes (never read: the scanner seeks past
+    them); None if unreadable."""
+    import onnx  # here, not at the top: a warm start keys a model without importing onnx
+
+    from dsp_core.ir import onnx_scan
+
     try:
         if isinstance(model, Path):
             with open(model, "rb", buffering=1 << 20) as f:
@@ -214,6 +224,8 @@ def _node_tensors(nodes: Any, found: set[str], graphs: list[Any]) -> None:
 
 
 def _tensor_location(t: Any, found: set[str]) -> None:
+    import onnx
+
     if t.data_location == onnx.TensorProto.EXTERNAL:
         found.update(e.value for e in t.external_data if e.key == "location")
 
@@ -271,10 +283,10 @@ def _warm(
         # model itself, checked against the same digest, rather than recompiling.
         with progress.step("read cached weights", unit="B") as bar:
 
-            def weight(digest: str, nbytes: int) -> bytearray | None:
+            def weight(digest: str, nbytes: int) -> memoryview | None:
                 data = cache.weight(digest, nbytes)
                 bar.advance(nbytes)
-                return data
+                return None if data is None else memoryview(data)
 
             plan = serialize.loads(payload, by_digest=weight, resolve=initializers.get)
     except Exception as exc:  # noqa: BLE001  (whatever a cache entry does, it only costs a recompile)

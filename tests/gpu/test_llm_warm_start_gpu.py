@@ -26,3 +26,38 @@ def test_a_second_process_reuses_the_plans_in_cuda_graphs(tmp_path: Path, name: 
     assert warm["calls"] == {}
     assert warm["warm"]["hits"] == 4 and warm["warm"]["graph_imports"] == 0 and warm["warm"]["rewrites"] == 0
     assert warm["block_counters"]["captures"] == cold["block_counters"]["captures"] == 1
+
+
+def _kernel_files(cache: Path) -> dict[str, tuple[int, int]]:
+    """(inode, mtime_ns) of every file in the kernel caches: dsp-triton's binaries and tuning choices
+    (<cache>/triton), CuPy's kernels and Triton's own builds (the dirs the test points them at)."""
+    found = {}
+    for sub in ("triton", "cupy", "triton-default"):
+        for p in sorted((cache / sub).rglob("*")):
+            if p.is_file():
+                st = p.stat()
+                found[str(p.relative_to(cache))] = (st.st_ino, st.st_mtime_ns)
+    return found
+
+
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
+def test_a_second_process_compiles_and_tunes_no_kernel_in_triton(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Every kernel binary and tuning choice of the cold process is reused as it is: the warm one writes none."""
+    try:
+        import dsp_triton  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"dsp-triton or triton is not installed ({exc})")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cupy"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-default"))
+    cold = run_child(tmp_path, name, mode="triton")
+    kernels = _kernel_files(tmp_path)
+    assert any(k.startswith("triton/bin/") for k in kernels), sorted(kernels)[:20]
+    warm = run_child(tmp_path, name, mode="triton")
+    want = [int(t) for t in np.load(FIXTURES / f"{name}.golden.npz")["greedy_tokens"]]
+    assert cold["greedy"] == warm["greedy"] == [want]
+    assert warm["calls"] == {} and warm["warm"]["hits"] == 4
+    after = _kernel_files(tmp_path)
+    assert after == kernels, f"written by the warm process: {sorted(set(after.items()) - set(kernels.items()))[:20]}"
