@@ -30,12 +30,13 @@ def session_options(threads: int, alone: bool = False) -> ort.SessionOptions:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3  # errors only: DSP reports what matters
     if threads != 1 and not alone:
-        # Pool threads that spin after a call keep the cores busy while the next segment (on
-        # another runtime, or the reference) runs: with several threads they starve it. They
-        # spin within a call (fast hand-off between its ops) and stop when it returns. A
-        # session that is the whole step keeps ORT's default (spinning between calls too):
-        # the CNN fixture at 2 threads, 46 -> 31 us a call.
-        opts.add_session_config_entry("session.force_spinning_stop", "1")
+        # Pool threads that spin keep the cores busy while the next segment (on another
+        # runtime, or the reference) runs: with several threads they starve it (GPT-2 124M
+        # decode at 2 threads: 8 -> 29 tokens/s without spinning; spinning only within a
+        # call, session.force_spinning_stop, measured 6.8 against 12.3 tokens/s without). A
+        # session that is the whole step keeps ORT's default spinning: the CNN fixture at 2
+        # threads, 46 -> 31 us a call.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 
