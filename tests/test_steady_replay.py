@@ -256,3 +256,24 @@ def test_a_unit_that_fails_on_the_steady_path_goes_to_the_reference(replay_fault
     (unit,) = runtime.units
     assert unit.phase is SegmentPhase.FAILED and unit.backend.name == "slot_by_slot"
     assert "test_fault_capture failed" in unit.reason
+
+
+@pytest.mark.parametrize("mode", ("onnxruntime", "emulated_replay"))
+def test_diagnostics_switched_on_take_the_full_path_and_off_the_steady_one(mode: str, mlp_graph: dsp.Graph) -> None:
+    from dsp_core import diag
+
+    model = dsp.compile(mlp_graph, mode=mode)
+    x = x_of(2)
+    runtime = until_steady(model, {"x": x})
+    want = model.run({"x": x})["y"]
+    copies = runtime.staging.copies
+    diag.enable("EXECUTE", "detailed")
+    try:
+        diag.clear()
+        assert np.array_equal(model.run({"x": x})["y"], want)
+        steps = [e for e in diag.events() if e.code == "step" and e.plan == runtime.diag_id]
+        assert len(steps) == 1  # the full path: it reports the step
+    finally:
+        diag.disable()
+    assert runtime._steady is not None and np.array_equal(model.run({"x": x})["y"], want)
+    assert runtime.staging.copies == copies + 2

@@ -607,6 +607,7 @@ class PlanRuntime:
         clean = True
         if now != unit.keys.input_addresses or self._constant_ids(unit, values) != unit.keys.constant_ids:
             clean = False
+            self._steady = None  # its calls were made for the recording as it was
             changed = [i for i, a, b in zip(unit.inputs, now, unit.keys.input_addresses) if a != b]
             if unit.compiled.refresh(values, changed):
                 unit.counters.refreshes += 1
@@ -640,6 +641,7 @@ class PlanRuntime:
             if redispatched:
                 raise DSPError(f"segment {unit.index} ({unit.backend.name}): buffers still stale after re-dispatch")
             unit.counters.stale_redispatches += 1
+            self._steady = None  # the unit records again: the steady program's calls are old
             self._diag(Category.GRAPH_REPLAY, "stale_redispatch", unit, "a recorded buffer was replaced", 1)
             unit.compiled.capture(values)  # re-record against the buffers in values now
             unit.counters.captures += 1
