@@ -312,20 +312,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows: list[dict[str, Any]] = []
     for threads in args.threads:
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "OPENBLAS_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "DSP_CPU_THREADS": str(threads),
-            "DSP_CACHE_DIR": tempfile.mkdtemp(prefix="cpu-race-cache-"),
-        }
-        env["DSP_AUTO_EXCLUDE"] = "none"  # the race: AUTO with the native runtimes let in
-        cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--runs", str(args.runs)]
-        cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
-        if args.gpt2_124m is not None:
-            cmd += ["--gpt2-124m", str(args.gpt2_124m)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        # a fresh DSP cache per thread count, removed after (GPT-2 124M's runtime caches are GBs)
+        with tempfile.TemporaryDirectory(prefix="cpu-race-cache-") as cache_dir:
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": str(threads),
+                "OPENBLAS_NUM_THREADS": str(threads),
+                "MKL_NUM_THREADS": str(threads),
+                "DSP_CPU_THREADS": str(threads),
+                "DSP_CACHE_DIR": cache_dir,
+            }
+            env["DSP_AUTO_EXCLUDE"] = "none"  # the race: AUTO with the native runtimes let in
+            cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--runs", str(args.runs)]
+            cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
+            if args.gpt2_124m is not None:
+                cmd += ["--gpt2-124m", str(args.gpt2_124m)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stderr.write(done.stderr[-3000:])
         line = next((x for x in done.stdout.splitlines() if x.startswith("ROWS=")), None)
         if line is None:
