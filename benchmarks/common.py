@@ -35,3 +35,16 @@ def write_results(out: str | Path, meta: dict[str, Any], results: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {path}")
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions of DSP's distributions and of the runtimes a CPU benchmark races."""
+    import importlib.metadata
+
+    found = {}
+    for dist in ("dsp-core", "dsp-openvino", "dsp-onnxruntime", "onnxruntime", "openvino", "onnx"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = "not installed"
+    return found

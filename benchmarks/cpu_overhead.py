@@ -1,15 +1,27 @@
-"""Host time per step: legacy interpreter vs SLOT_BY_SLOT vs ONNX Runtime (run_with_iobinding).
+"""Host time per step: legacy interpreter vs SLOT_BY_SLOT vs ONNX Runtime; DSP's own time per call.
 
     python benchmarks/cpu_overhead.py [--repeats 7] [--out benchmarks/results/cpu_overhead.json]
+    python benchmarks/cpu_overhead.py --per-call [--out benchmarks/results/cpu_overhead_race.json]
 
 Cases: (a) a chain of 200 small elementwise ops on a [1, 16] tensor; (b) the GPT-2
 fixture's decode step (past length 7). Each figure is the median over ``--repeats`` runs
-of the mean time of a batch of calls. A benchmark, not a test: it never fails on timing.
+of the mean time of a batch of calls.
+
+``--per-call``: DSP's own time per call on a frozen plan (the 3-node MLP of the CPU race,
+batch 1, one thread), per CPU runtime backend: the runtime's own bound call, a full
+``model.run``, and DSP's own time, measured as ``model.run`` with the runtime call
+replaced by a no-op (on a shared machine, the difference of the first two carries both
+timings' noise); and a plan-cache hit (acquire + release of the live plan). Each figure
+is the best over rounds of the mean of a batch of calls.
+
+A benchmark, not a test: it never fails on timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 import sys
 import time
@@ -18,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import machine_meta, write_results
+from common import machine_meta, runtime_versions, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = ROOT / "tests" / "fixtures" / "gpt2_eager.onnx"
@@ -116,12 +128,111 @@ def gpt2_case() -> tuple[Any, Any, dict[str, np.ndarray]] | None:
     return graph, proto, feeds
 
 
+def mlp3_model(batch: int = 1) -> tuple[Path, dict[str, np.ndarray]]:
+    """The CPU race's 3-node MLP (x[n, 8] -> MatMul -> Relu -> MatMul -> y[n, 4]) in a file, and its feeds."""
+    import tempfile
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((16, 4)).astype(np.float32), "w2")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp3",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        [w1, w2],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    path = Path(tempfile.mkdtemp(prefix="dsp-mlp3-")) / "mlp3.onnx"
+    onnx.save(model, str(path))
+    return path, {"x": rng.standard_normal((batch, 8)).astype(np.float32)}
+
+
+def best_per_call_us(step: Callable[[], Any], rounds: int, calls: int) -> float:
+    """The best over ``rounds`` of the mean µs per call of ``calls`` calls (noise only adds time)."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def per_call_overhead(rounds: int = 30, calls: int = 2000) -> dict[str, Any]:
+    """Per CPU runtime backend: its bound call, ``model.run``, DSP's own time (no-op runtime call), a cache hit."""
+    import os
+
+    import dsp_core as dsp
+
+    os.environ.setdefault("DSP_CPU_THREADS", "1")
+    path, feeds = mlp3_model()
+    found: dict[str, Any] = {}
+    for mode in ("onnxruntime", "openvino"):
+        model = dsp.compile(path, mode=mode)
+        for _ in range(8):  # freeze, capture, settle into the steady replay
+            model.run(feeds)
+        live = model.last_live
+        assert live is not None and live.runtime._steady is not None, f"{mode}: no steady replay"
+        runtime = live.runtime
+        (unit,) = runtime.units
+        bound = unit.compiled._bound  # the runtime's own call on pre-bound buffers
+        own = best_per_call_us(bound, rounds, calls)
+        full = best_per_call_us(functools.partial(model.run, feeds), rounds, calls)
+        # DSP's own time: the same path with the runtime call a no-op (the steady program is
+        # rebuilt around it by the next clean steps)
+        unit.compiled._bound = _no_op
+        runtime._steady = None
+        for _ in range(3):
+            model.run(feeds)
+        assert runtime._steady is not None and runtime._steady.units[0][1] is _no_op
+        dsp_own = best_per_call_us(functools.partial(model.run, feeds), rounds, calls) - best_per_call_us(
+            _no_op, rounds, calls
+        )
+        cache = model.cache
+
+        def hit_once(cache: Any = cache, signature: Any = live.signature) -> None:
+            cache.release(cache.acquire(signature))
+
+        found[mode] = {
+            "backend_call_us": round(own, 2),
+            "dsp_run_us": round(full, 2),
+            "dsp_own_us": round(dsp_own, 2),
+            "dsp_run_minus_backend_call_us": round(full - own, 2),
+            "plan_cache_hit_us": round(best_per_call_us(hit_once, rounds, calls), 2),
+        }
+        print(json.dumps({mode: found[mode]}), flush=True)
+    return found
+
+
+def _no_op() -> None:
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the cases, print a table, write JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_overhead.json"))
+    p.add_argument("--out", default=None, help="JSON results (default under benchmarks/results/)")
+    p.add_argument("--per-call", action="store_true", help="DSP's own time per call on the 3-node MLP, per backend")
     args = p.parse_args(argv)
+    results_dir = ROOT / "benchmarks" / "results"
+    if args.per_call:
+        meta = machine_meta(
+            threads=1, statistic="best over 30 rounds of the mean of 2000 calls", versions=runtime_versions()
+        )
+        write_results(args.out or results_dir / "cpu_overhead_race.json", meta, per_call_overhead())
+        return 0
+    args.out = args.out or str(results_dir / "cpu_overhead.json")
 
     from dsp_core.ir.onnx_export import to_onnx
 

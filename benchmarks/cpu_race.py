@@ -9,7 +9,7 @@ their thread settings once).
 
     python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
-    python benchmarks/cpu_race.py --overhead            # DSP's per-call overhead, plan cache hit
+    python benchmarks/cpu_race.py --overhead            # DSP's own time per call (cpu_overhead.py --per-call)
 
 Writes benchmarks/results/cpu_race.json (versions, machine, date) and prints the table.
 GPT-2 124M decode (GenerationPipeline vs an ONNX Runtime loop feeding the past each
@@ -20,7 +20,6 @@ step) runs with ``--gpt2-124m PATH``, a model exported by benchmarks/export_gpt2
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.metadata
 import json
 import os
@@ -37,7 +36,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_meta, write_results  # noqa: E402
+from common import machine_meta, runtime_versions, write_results  # noqa: E402
+from cpu_overhead import mlp3_model  # noqa: E402
 
 DSP_MODES = ("auto", "openvino", "onnxruntime", "slot_by_slot")
 PEERS = ("ort_run", "ort_iobinding", "openvino_direct")
@@ -45,29 +45,7 @@ PEERS = ("ort_run", "ort_iobinding", "openvino_direct")
 
 # -- the models ---------------------------------------------------------------------------
 def _mlp(batch: int) -> tuple[Any, dict[str, np.ndarray]]:
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    w1 = numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), "w1")
-    w2 = numpy_helper.from_array(rng.standard_normal((16, 4)).astype(np.float32), "w2")
-    nodes = [
-        helper.make_node("MatMul", ["x", "w1"], ["h"]),
-        helper.make_node("Relu", ["h"], ["r"]),
-        helper.make_node("MatMul", ["r", "w2"], ["y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "mlp3",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
-        [w1, w2],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    path = Path(tempfile.mkdtemp(prefix="cpu-race-")) / "mlp3.onnx"
-    onnx.save(model, str(path))
-    return path, {"x": rng.standard_normal((batch, 8)).astype(np.float32)}
+    return mlp3_model(batch)
 
 
 def _fixture_feeds(name: str, step: int, batch: int) -> dict[str, np.ndarray]:
@@ -272,61 +250,6 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS) -> dict[s
     }
 
 
-# -- DSP's own per-call overhead (the 3-node MLP, each CPU backend named) ------------------
-def overhead(rounds: int = 30, calls: int = 2000) -> dict[str, Any]:
-    """Per backend: its own bound call, a full `model.run` and the difference (best of ``rounds``); a cache hit."""
-    import dsp_core as dsp
-
-    path, feeds = _mlp(1)
-    found: dict[str, Any] = {}
-
-    def per_call(step: Callable[[], Any]) -> float:
-        best = float("inf")
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(calls):
-                step()
-            best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        return best
-
-    for mode in ("onnxruntime", "openvino"):
-        model = dsp.compile(path, mode=mode)
-        for _ in range(6):
-            model.run(feeds)
-        runtime = model.last_live.runtime  # type: ignore[union-attr]
-        (unit,) = runtime.units
-        bound = unit.compiled._bound  # the runtime's own call on pre-bound buffers
-        own, full = per_call(bound), per_call(functools.partial(model.run, feeds))
-        names = model._default_outputs
-        entry = model._prepare(names)
-        signature = model._signature(names, entry, model._stage(feeds))
-        cache = model.cache
-
-        def hit_once(cache: Any = cache, signature: Any = signature) -> None:
-            cache.release(cache.acquire(signature))
-
-        hit = per_call(hit_once)
-        found[mode] = {
-            "backend_call_us": round(own, 2),
-            "dsp_run_us": round(full, 2),
-            "dsp_overhead_us": round(full - own, 2),
-            "plan_cache_hit_us": round(hit, 2),
-        }
-        print(json.dumps({mode: found[mode]}), flush=True)
-    return found
-
-
-def versions() -> dict[str, str]:
-    """Versions of what races."""
-    found = {}
-    for dist in ("dsp-core", "dsp-openvino", "dsp-onnxruntime", "onnxruntime", "openvino", "onnx"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the README."""
     head = (
@@ -377,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.overhead:
-        meta = machine_meta(versions=versions(), threads=1)
-        write_results(Path(args.out).with_name("cpu_overhead_race.json"), meta, overhead())
-        return 0
+        from cpu_overhead import main as overhead_main
+
+        return overhead_main(["--per-call", "--out", str(Path(args.out).with_name("cpu_overhead_race.json"))])
     if args.child:
         rows = run_one(args.threads[0], args.only, args.batches, args.runs) if args.only else []
         if args.gpt2_124m is not None:
@@ -389,20 +312,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows: list[dict[str, Any]] = []
     for threads in args.threads:
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "OPENBLAS_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "DSP_CPU_THREADS": str(threads),
-            "DSP_CACHE_DIR": tempfile.mkdtemp(prefix="cpu-race-cache-"),
-        }
-        env["DSP_AUTO_EXCLUDE"] = "none"  # the race: AUTO with the native runtimes let in
-        cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--runs", str(args.runs)]
-        cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
-        if args.gpt2_124m is not None:
-            cmd += ["--gpt2-124m", str(args.gpt2_124m)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        # a fresh DSP cache per thread count, removed after (GPT-2 124M's runtime caches are GBs)
+        with tempfile.TemporaryDirectory(prefix="cpu-race-cache-") as cache_dir:
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": str(threads),
+                "OPENBLAS_NUM_THREADS": str(threads),
+                "MKL_NUM_THREADS": str(threads),
+                "DSP_CPU_THREADS": str(threads),
+                "DSP_CACHE_DIR": cache_dir,
+            }
+            env["DSP_AUTO_EXCLUDE"] = "none"  # the race: AUTO with the native runtimes let in
+            cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--runs", str(args.runs)]
+            cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
+            if args.gpt2_124m is not None:
+                cmd += ["--gpt2-124m", str(args.gpt2_124m)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stderr.write(done.stderr[-3000:])
         line = next((x for x in done.stdout.splitlines() if x.startswith("ROWS=")), None)
         if line is None:
@@ -412,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = []
     if args.gpt2_124m is None:
         notes.append("GPT-2 124M decode not run: export it with benchmarks/export_gpt2_124m.py, pass --gpt2-124m")
-    write_results(args.out, machine_meta(versions=versions(), notes=notes), rows)
+    write_results(args.out, machine_meta(versions=runtime_versions(), notes=notes), rows)
     print(table(rows))
     return 0
 

@@ -449,12 +449,17 @@ def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
 # takes whatever nobody else does) takes every slot of a segment, the chain's order
 # alone does not say which is faster on this machine, for these shapes. At freeze, each
 # candidate runs the segment on the step's real inputs: a capturing one warm -> prepare ->
-# capture, then TRIALS replays; an eager one TRIALS runs. The fastest wins (the best of
-# its runs: a shared machine's noise only ever adds time); candidates within TIE of the
+# capture, and one untimed replay (what only a first run pays); an eager one runs once.
+# Then the candidates are timed in turns, TRIALS replays (or runs) each per turn, for
+# TRIAL_ROUNDS turns or until TRIAL_BUDGET_S is spent (at least one turn): turns spread
+# a shared machine's passing load over every candidate instead of one. The fastest wins
+# (the best of its runs: noise only ever adds time); candidates within TIE of the
 # fastest count as tied, and the chain's order breaks ties. The result is kept in the
 # partition (per segment and feed shapes) and in the disk cache, so a later freeze of the
 # same shapes, here or in another process, does not time again.
 TIE = 0.05
+TRIAL_ROUNDS = 3
+TRIAL_BUDGET_S = 0.5
 TRIAL_FORMAT = "dsp-auction-trial/1"
 
 
@@ -532,21 +537,27 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
 def _time_segment(
     plan: Plan, seg: Segment, candidates: list[Backend], current: CompiledSegment, values: list[Any], runs: int
 ) -> Trial:
-    times: dict[str, float] = {}
-    for backend in candidates:
-        trial_seg = dataclasses.replace(seg, backend=backend.name, mode=backend.mode.name)
-        try:
-            compiled = current if backend.name == seg.backend else backend.compile(plan, trial_seg)
-        except Exception as exc:  # noqa: BLE001  (a candidate that cannot compile is out of the trial)
-            log.info("DSP auction trial: %s cannot compile segment %d: %s", backend.name, seg.index, describe(exc))
-            continue
-        try:
-            times[backend.name] = _best_time(backend, compiled, values, runs)
-        except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
-            log.info("DSP auction trial: %s failed on segment %d: %s", backend.name, seg.index, describe(exc))
-        finally:
+    """Every candidate made ready (compiled, captured, warmed), then timed in turns: see TRIAL_ROUNDS."""
+    steps: dict[str, Callable[[], Any]] = {}
+    made: list[CompiledSegment] = []
+    try:
+        for backend in candidates:
+            trial_seg = dataclasses.replace(seg, backend=backend.name, mode=backend.mode.name)
+            try:
+                compiled = current if backend.name == seg.backend else backend.compile(plan, trial_seg)
+            except Exception as exc:  # noqa: BLE001  (a candidate that cannot compile is out of the trial)
+                log.info("DSP auction trial: %s cannot compile segment %d: %s", backend.name, seg.index, describe(exc))
+                continue
             if compiled is not current:
-                release_quietly(compiled)
+                made.append(compiled)
+            try:
+                steps[backend.name] = _ready_step(backend, compiled, values)
+            except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
+                log.info("DSP auction trial: %s failed on segment %d: %s", backend.name, seg.index, describe(exc))
+        times = _timed_turns(steps, runs, seg.index)
+    finally:
+        for compiled in made:
+            release_quietly(compiled)
     if not times:
         return Trial({}, seg.backend, "measured")
     best = min(times.values())
@@ -554,9 +565,12 @@ def _time_segment(
     return Trial(times, winner, "measured")
 
 
-def _best_time(backend: Backend, compiled: CompiledSegment, values: list[Any], runs: int) -> float:
-    """The best of ``runs`` timed steady-state runs: replays for a capturing backend, eager runs otherwise."""
-    best = math.inf
+def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) -> Callable[[], Any]:
+    """A candidate's steady-state step (a replay for a capturing backend, an eager run otherwise), run once untimed.
+
+    The untimed run pays what only a first run pays (a runtime's allocations, lazy
+    initialisation), which would otherwise count against that candidate.
+    """
     step: Callable[[], Any]
     if backend.captures:
         compiled.warm(list(values))
@@ -567,11 +581,27 @@ def _best_time(backend: Backend, compiled: CompiledSegment, values: list[Any], r
     else:
         compiled.run(list(values))
         step = lambda: compiled.run(list(values))  # noqa: E731
-    for _ in range(runs):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
+    step()
+    return step
+
+
+def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> dict[str, float]:
+    """Best seconds of each step over TRIAL_ROUNDS turns of ``runs`` runs each (fewer past TRIAL_BUDGET_S)."""
+    times = {name: math.inf for name in steps}
+    started = time.perf_counter()
+    for turn in range(TRIAL_ROUNDS):
+        if turn and time.perf_counter() - started > TRIAL_BUDGET_S:
+            break
+        for name in list(steps):
+            try:
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    steps[name]()
+                    times[name] = min(times[name], time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001  (a candidate that fails while timed is out)
+                log.info("DSP auction trial: %s failed on segment %d: %s", name, index, describe(exc))
+                del steps[name], times[name]
+    return times
 
 
 def _hand_over(executor: Any, k: int, winner: Backend) -> None:

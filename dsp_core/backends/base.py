@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -178,6 +179,19 @@ class CompiledSegment:
 
     def _replay(self, values: list[Any]) -> ReplayStatus:
         raise CaptureFailed(f"backend {self.backend.name} does not replay")
+
+    def replay_call(self, values: list[Any]) -> Callable[[], Any] | None:
+        """A zero-argument call that replays the recording on the buffers now in ``values``, or None.
+
+        The core's steady replay (every unit replaying, nothing able to move) calls it in
+        place of ``replay``, for as long as the recording and ``values`` stay as they
+        are: the call reads the same inputs and writes the outputs ``replay`` put in
+        ``values``. None (the default) keeps ``replay``.
+        """
+        return self._replay_call(values)
+
+    def _replay_call(self, values: list[Any]) -> Callable[[], Any] | None:
+        return None
 
     def refresh(self, values: list[Any], changed: list[int]) -> bool:
         """Patch the recording for the inputs at flat indexes ``changed``; False means recapture."""

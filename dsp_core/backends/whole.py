@@ -55,7 +55,9 @@ if TYPE_CHECKING:  # plan.subgraph imports onnx: loaded when a segment is built,
 ShapeKey = tuple[tuple[tuple[int, ...], str], ...]
 
 
-def segment_io(plan: Plan, slots: tuple[int, ...]) -> tuple[SubgraphIO, tuple[int, ...]]:
+def segment_io(
+    plan: Plan, slots: tuple[int, ...], sealed: frozenset[int] | None = None
+) -> tuple[SubgraphIO, tuple[int, ...]]:
     """(the model's fed inputs and outputs, the flat indexes it embeds as initializers).
 
     Embedded: the plan's constants and the values of sealed slots (computed once at
@@ -65,7 +67,8 @@ def segment_io(plan: Plan, slots: tuple[int, ...]) -> tuple[SubgraphIO, tuple[in
     """
     from dsp_core.plan.subgraph import SubgraphIO
 
-    inputs, outputs, embedded = unit_io(plan, slots, frozenset(sealed_slots(plan)))
+    frozen = frozenset(sealed_slots(plan)) if sealed is None else sealed
+    inputs, outputs, embedded = unit_io(plan, slots, frozen)
     return SubgraphIO(inputs, outputs), embedded
 
 
@@ -78,7 +81,12 @@ class WholeSegment(CompiledSegment):
         super().__init__(backend, segment)
         self.plan = plan
         self._subgraph = subgraph
-        self.io, self.embedded = segment_io(plan, segment.slots)
+        sealed = frozenset(sealed_slots(plan))
+        self.io, self.embedded = segment_io(plan, segment.slots, sealed)
+        # Every other slot of the plan is sealed (computed once at freeze): once frozen, a
+        # step runs this segment's model and nothing else (a runtime may keep its threads hot).
+        mine = set(segment.slots)
+        self.alone = all(s in mine or s in sealed for s in range(len(plan.slots)))
         self._models: dict[ShapeKey, Any] = {}
         self._buffers: list[np.ndarray] = []
         self._bound: Callable[[], Any] | None = None
@@ -158,6 +166,16 @@ class WholeSegment(CompiledSegment):
         for o, b in zip(self._outputs, self._buffers):
             values[o] = b
         return ReplayStatus.OK
+
+    def _replay_call(self, values: list[Any]) -> Callable[[], Any] | None:
+        # The runtime call itself, when ``values`` holds the bound inputs and this segment's buffers.
+        if self._bound is None:
+            return None
+        if any(values[i] is not a for i, a in zip(self._inputs, self._bound_inputs)):
+            return None
+        if any(values[o] is not b for o, b in zip(self._outputs, self._buffers)):
+            return None
+        return self._bound
 
     def _refresh(self, values: list[Any], changed: list[int]) -> bool:
         inputs = [values[i] for i in self._inputs]

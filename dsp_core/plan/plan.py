@@ -80,6 +80,58 @@ class Region:
     outer: tuple[str, ...]  # names of the implicit inputs, in slot-input order
 
 
+class ConstantTable(dict[int, np.ndarray]):
+    """A plan's constants (external index -> array) that counts every change to its entries.
+
+    A frozen plan snapshots its constants, and a step must reject a weight replaced since
+    (``ConstantSnapshot.check_identity``). Comparing every constant's identity costs one
+    lookup per weight on each replay; with ``version`` a replay compares one integer, and
+    only a table that changed is checked entry by entry.
+    """
+
+    version = 0
+
+    def _changed(self) -> None:
+        self.version += 1
+
+    def __setitem__(self, key: int, value: np.ndarray) -> None:
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: int) -> None:
+        self._changed()
+        super().__delitem__(key)
+
+    def __ior__(self, other: Any) -> ConstantTable:  # type: ignore[override,misc]
+        self._changed()
+        return super().__ior__(other)  # type: ignore[no-any-return]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """``dict.update``, counted."""
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: int, default: Any = None) -> Any:
+        """``dict.setdefault``, counted."""
+        self._changed()
+        return super().setdefault(key, default)
+
+    def pop(self, key: int, *default: Any) -> Any:
+        """``dict.pop``, counted."""
+        self._changed()
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[int, np.ndarray]:
+        """``dict.popitem``, counted."""
+        self._changed()
+        return super().popitem()
+
+    def clear(self) -> None:
+        """``dict.clear``, counted."""
+        self._changed()
+        super().clear()
+
+
 @dataclass
 class Plan:
     """A compiled, backend-neutral program for one graph and one set of requested outputs."""
@@ -90,7 +142,7 @@ class Plan:
     outputs: tuple[int, ...]  # refs (value id or external ref) of the requested outputs
     output_names: tuple[str, ...]
     release: tuple[tuple[int, ...], ...]  # per slot: value ids whose last use is that slot
-    constants: dict[int, np.ndarray] = field(default_factory=dict)  # external index -> array
+    constants: dict[int, np.ndarray] = field(default_factory=ConstantTable)  # external index -> array
     content_hash: str = ""
     graph_name: str = "graph"
     regions: dict[int, Region] = field(default_factory=dict)  # slot index -> its sub-plans
@@ -105,6 +157,10 @@ class Plan:
     # dsp_core.devices.execution.Placed (the Placement, the mover, the transfer recorder).
     # Not part of the content hash nor of DSP1: a model places its plan when it starts.
     placement: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.constants, ConstantTable):
+            self.constants = ConstantTable(self.constants)
 
     def digest_of(self, k: int) -> bytes:
         """The digest of constant ``k`` (computed on first use)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -323,7 +323,7 @@ class CompiledModel:
         finally:
             self.cache.release(live)
         if names == self._default_outputs and all(a.__class__ is np.ndarray for a in staged):
-            checked = [(s.name, s.flat, a.shape, a.dtype) for s, a in zip(self._feeds, staged)]
+            checked = tuple((s.name, s.flat, a.shape, a.dtype) for s, a in zip(self._feeds, staged))
             self._repeat = _Repeat(live.signature, checked)
         return {name: _as_output(r, self.outputs_on_device) for name, r in zip(names, results)}
 
@@ -334,15 +334,17 @@ class CompiledModel:
     # shape signature (looked up in the plan cache as usual, so pins, LRU order and hit
     # counts are unchanged). Anything else takes the full path.
     def _run_repeat(self, feeds: Mapping[str, Any], repeat: _Repeat) -> dict[str, np.ndarray] | None:
-        if feeds.__class__ is not dict or len(feeds) != len(repeat.feeds):
+        if feeds.__class__ is not dict or len(feeds) != repeat.count:
             return None
         staged: list[tuple[int, Any]] = []
+        get = feeds.get
         for name, flat, shape, dtype in repeat.feeds:
-            array = feeds.get(name)
-            if array.__class__ is not np.ndarray or array.shape != shape or array.dtype is not dtype:
+            array = get(name)
+            if array.__class__ is not np.ndarray or array.dtype is not dtype or array.shape != shape:
                 return None
             staged.append((flat, array))
-        live = self.cache.acquire(repeat.signature)
+        cache = self.cache
+        live = cache.acquire(repeat.signature)
         if live is None:  # evicted since: the full path rebuilds it
             self._repeat = None
             return None
@@ -353,12 +355,12 @@ class CompiledModel:
             flight.record_failure(exc, live.runtime.diag_id)
             raise
         finally:
-            self.cache.release(live)
-        on_device = self.outputs_on_device
-        return {
-            name: r if r.__class__ is np.ndarray else _as_output(r, on_device)
-            for name, r in zip(self._default_outputs, results)
-        }
+            cache.release(live)
+        for r in results:
+            if r.__class__ is not np.ndarray:  # a sequence, None, a device array: as the full path returns them
+                on_device = self.outputs_on_device
+                return {name: _as_output(r, on_device) for name, r in zip(self._default_outputs, results)}
+        return dict(zip(self._default_outputs, results))
 
     def live_plan(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> LivePlan:
         """The live plan of this call's shape signature (pinned: release it after the run)."""
@@ -459,7 +461,11 @@ class _Repeat:
     """A call's shape signature and its feeds as checked: (name, flat index, shape, dtype)."""
 
     signature: ShapeSignature
-    feeds: list[tuple[str, int, tuple[int, ...], np.dtype[Any]]]
+    feeds: tuple[tuple[str, int, tuple[int, ...], np.dtype[Any]], ...]
+    count: int = field(init=False)  # len(feeds)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "count", len(self.feeds))
 
 
 def _other_feed_key(value: Any) -> tuple[tuple[int, ...], Any]:

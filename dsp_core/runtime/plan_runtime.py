@@ -41,7 +41,7 @@ from dsp_core.backends.guard import describe
 from dsp_core.diag import Category, Level
 from dsp_core.errors import DSPError
 from dsp_core.plan.fusion import sealed_slots
-from dsp_core.plan.plan import ExternalClass, Plan, Segment
+from dsp_core.plan.plan import ConstantTable, ExternalClass, Plan, Segment
 from dsp_core.runtime.islands import Gap, after_failure, check_capture_fault, remember_gap
 from dsp_core.runtime.lifecycle import (
     PLAN_TRANSITIONS,
@@ -160,8 +160,9 @@ class PlanRuntime:
             self.executions += 1
             if diag.ON:
                 diag.emit(Category.EXECUTE, Level.DETAILED, "step", self.phase.name, self.executions, self.diag_id)
-            if self._steady is not None and not diag.ON:
-                return self._steady_step(feeds)
+            steady = self._steady
+            if steady is not None and not diag.ON:
+                return self._steady_step(steady, feeds)
             if self.phase is PlanPhase.SLOT_BY_SLOT:
                 if not self._should_freeze():
                     return self.executor.run(feeds)
@@ -334,7 +335,7 @@ class PlanRuntime:
         except BaseException as exc:  # noqa: BLE001  (a backend's fault: the reference takes the unit)
             self._fail_unit(self._timed_unit if diag.TIMED else unit, exc)
             return self._frozen_step(feeds)  # again from the feeds; ends: each fault moves a unit to the reference
-        self._after_step(step_clean)
+        self._after_step(step_clean, values)
         owned = self._owned_flats
         return [_owned(values[i]) if i in owned else values[i] for i in self.executor.output_flat]
 
@@ -342,32 +343,35 @@ class PlanRuntime:
     # Once the plan is REPLAYING and a step was clean, with every unit an island replaying
     # its recording, every feed a staged placeholder (no variable: nothing whose address can
     # drift) and diagnostics off, a step needs only: copy the feeds into their staging
-    # buffers, check the constants' identity, replay each unit, copy the outputs out. The
-    # identity keys cannot drift there (every input a unit reads is a staging buffer or a
-    # buffer another unit owns), so they are not recomputed; anything unusual (a replay
-    # that is not OK, a raise, an injected staging fault) leaves this path for good and
-    # runs the step again on the full one, which handles it. Measured per call on the
-    # 3-node MLP: benchmarks/cpu_race.py, docs/cpu-backends.md.
-    def _steady_step(self, feeds: list[tuple[int, Any]]) -> list[Any]:
-        steady = self._steady
-        assert steady is not None and self.template is not None
-        if _STAGING_FAULT in _ENVIRON:  # the test switch, looked up without os.environ's key encoding
-            self._steady = None
-            return self._frozen_step(feeds)
-        values = self.template.copy()
-        for (flat, array), buf in zip(feeds, steady.buffers):
-            buf[...] = array
-            values[flat] = buf
-        self.staging.copies += len(steady.buffers)
+    # buffers, check that no constant was replaced, replay each unit, copy the outputs out.
+    # The identity keys cannot drift there (every input a unit reads is a staging buffer or
+    # a buffer another unit owns), so they are not recomputed; the constants' table counts
+    # its changes (plan.ConstantTable), so the check is one integer unless a weight was
+    # touched; the value list is the steady program's own (the template with the staging
+    # buffers in place, the units writing the same buffers every replay), so it is not
+    # rebuilt. Anything unusual (a changed constants table, a replay that is not OK, a
+    # raise, an injected staging fault) leaves this path for good and runs the step again
+    # on the full one, which handles it. Measured per call on the 3-node MLP:
+    # benchmarks/cpu_overhead.py, docs/cpu-backends.md.
+    def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]]) -> list[Any]:
         constants = self.plan.constants
-        for k, ident in steady.constant_ids:
-            if id(constants.get(k)) != ident:
-                self._steady = None
-                return self._frozen_step(feeds)  # raises, naming the constant
+        if (
+            _STAGING_FAULT in _ENVIRON  # the test switch, looked up without os.environ's key encoding
+            or constants is not steady.constants
+            or constants.version != steady.version  # type: ignore[attr-defined]
+        ):
+            self._steady = None
+            return self._frozen_step(feeds)  # checks each constant: raises naming a replaced one
+        for (_, array), buf in zip(feeds, steady.buffers):
+            buf[...] = array
+        self.staging.copies += steady.n_buffers
+        values = steady.values
         unit: Unit | None = None
         try:
-            for unit in self.units:
-                if unit.compiled.replay(values) is not ReplayStatus.OK:
+            for unit, call in steady.units:
+                if call is not None:
+                    call()
+                elif unit.compiled.replay(values) is not ReplayStatus.OK:
                     self._steady = None
                     return self._frozen_step(feeds)
                 unit.counters.replays += 1
@@ -377,7 +381,11 @@ class PlanRuntime:
             self._fail_unit(unit, exc)
             return self._frozen_step(feeds)
         # replay buffers: the caller gets copies
-        return [v.copy() if (v := values[i]).__class__ is np.ndarray else _owned(v) for i in self.executor.output_flat]
+        out = []
+        for i in steady.outputs:
+            v = values[i]
+            out.append(v.copy() if v.__class__ is np.ndarray else _owned(v))
+        return out
 
     @property
     def _has_islands(self) -> bool:
@@ -599,6 +607,7 @@ class PlanRuntime:
         clean = True
         if now != unit.keys.input_addresses or self._constant_ids(unit, values) != unit.keys.constant_ids:
             clean = False
+            self._steady = None  # its calls were made for the recording as it was
             changed = [i for i, a, b in zip(unit.inputs, now, unit.keys.input_addresses) if a != b]
             if unit.compiled.refresh(values, changed):
                 unit.counters.refreshes += 1
@@ -632,6 +641,7 @@ class PlanRuntime:
             if redispatched:
                 raise DSPError(f"segment {unit.index} ({unit.backend.name}): buffers still stale after re-dispatch")
             unit.counters.stale_redispatches += 1
+            self._steady = None  # the unit records again: the steady program's calls are old
             self._diag(Category.GRAPH_REPLAY, "stale_redispatch", unit, "a recorded buffer was replaced", 1)
             unit.compiled.capture(values)  # re-record against the buffers in values now
             unit.counters.captures += 1
@@ -682,7 +692,7 @@ class PlanRuntime:
     def _constant_ids(self, unit: Unit, values: list[Any]) -> tuple[int, ...]:
         return tuple(id(values[i]) for i in unit.constants)
 
-    def _after_step(self, clean: bool) -> None:
+    def _after_step(self, clean: bool, values: list[Any]) -> None:
         islands = [u for u in self.units if u.kind is UnitKind.ISLAND]
         if self.phase is PlanPhase.SHAPES_FROZEN:
             if not islands:  # every slot of every island turned out to be a gap
@@ -702,7 +712,7 @@ class PlanRuntime:
                     PlanPhase.REPLAYING, "every island replayed twice with stable addresses", self.executions
                 )
         elif self.phase is PlanPhase.REPLAYING and clean and self._steady is None:
-            self._steady = _Steady.of(self)
+            self._steady = _Steady.of(self, values)
         recent = [e for e in self.recent_recaptures if e > self.executions - RECAPTURE_WINDOW]
         if len(recent) >= RECAPTURE_FLAG and "recapturing every step" not in self.flags:
             self.flags.append("recapturing every step")
@@ -812,24 +822,35 @@ def _owned(value: Any) -> Any:
 
 
 class _Steady:
-    """What ``PlanRuntime._steady_step`` needs, computed once when the plan settles into replaying."""
+    """What ``PlanRuntime._steady_step`` needs, computed once when the plan settles into replaying.
 
-    def __init__(self, buffers: list[Any], constant_ids: list[tuple[int, int]]) -> None:
+    ``values``: the value list of the clean step it is made from (template, staging
+    buffers, the units' output buffers); each replay writes the same buffers, so steps
+    reuse it. ``units``: each unit with its backend's ``replay_call`` (None: ``replay``).
+    """
+
+    def __init__(self, runtime: PlanRuntime, buffers: list[np.ndarray], values: list[Any]) -> None:
         self.buffers = buffers  # the staging buffer of each feed, in feed order
-        self.constant_ids = constant_ids  # (external index, id of its array at freeze)
+        self.n_buffers = len(buffers)
+        self.values = values
+        self.units = [(u, u.compiled.replay_call(values)) for u in runtime.units]
+        self.outputs = runtime.executor.output_flat
+        self.constants = runtime.plan.constants  # the table and its version when the step was clean
+        self.version = getattr(self.constants, "version", -1)
 
     @classmethod
-    def of(cls, runtime: PlanRuntime) -> _Steady | None:
-        """The steady program of ``runtime``, or None when its steps need the full path."""
+    def of(cls, runtime: PlanRuntime, values: list[Any]) -> _Steady | None:
+        """The steady program of ``runtime`` from a clean step's ``values``, or None when steps need the full path."""
         units = runtime.units
         if not units or any(u.kind is not UnitKind.ISLAND or u.phase is not S.REPLAYING or u.unchecked for u in units):
             return None
+        if not isinstance(runtime.plan.constants, ConstantTable):
+            return None  # a table that does not count its changes: every step checks each constant
         staged = runtime._staged_flats
         flats = [flat for flat, _, _ in runtime.feed_shapes]
         if any(f not in staged or f in runtime.staging.placement for f in flats):
             return None  # a variable (read in place), or a feed a device backend stages
         buffers = [runtime.staging.buffers.get(f) for f in flats]
-        if any(not isinstance(b, np.ndarray) for b in buffers):
+        if any(not isinstance(b, np.ndarray) or values[f] is not b for f, b in zip(flats, buffers)):
             return None
-        assert runtime.snapshot is not None
-        return cls(buffers, list(runtime.snapshot.ids.items()))
+        return cls(runtime, buffers, values)  # type: ignore[arg-type]
