@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dsp_cpu_ref.slot_by_slot import plan_values
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -27,29 +28,6 @@ class GroupCheck:
     ops: list[str]
     status: str  # "ok", "mismatch", "unsupported", "error"
     detail: str = ""
-
-
-def plan_values(model: Any, feeds: dict[str, np.ndarray]) -> tuple[Any, Any, list[Any]]:
-    """The plan of ``feeds``' signature and every value of one slot-by-slot run of it."""
-    from dsp_cpu_ref.slot_by_slot import bind_steps
-
-    model.run(feeds)
-    plan, part = model.plan(), model.partition()
-    values: list[Any] = [None] * plan.n_flat
-    for k, array in plan.constants.items():
-        values[plan.flat(plan.external_ref(k))] = array
-    for k, e in enumerate(plan.externals):
-        if e.name in feeds:
-            values[plan.flat(plan.external_ref(k))] = np.asarray(feeds[e.name])
-    for seg in part.segments:
-        for kernel, ins, outs, _ in bind_steps(plan, seg):
-            got = kernel(*[values[i] for i in ins])
-            if isinstance(outs, int):
-                values[outs] = got
-            else:
-                for o, x in zip(outs, got):
-                    values[o] = x
-    return plan, part, values
 
 
 def check_model(model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-3) -> list[GroupCheck]:

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core.plan.kernelspec import NodeSpec, TensorSpec
+
 # numpy dtype name -> Triton dtype
 TL_DTYPES = {
     "float16": "tl.float16",
@@ -64,32 +66,6 @@ MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 
 class Unsupported(Exception):
     """A group the templates cannot generate; the message says why."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A value of one step: shape, dtype (numpy name), element strides (inputs only)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    strides: tuple[int, ...] | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One slot of the group."""
-
-    op: str
-    inputs: tuple[int | None, ...]  # value ids
-    outputs: tuple[int | None, ...]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 17
-    domain: str = ""
-    name: str = ""
 
 
 @dataclass

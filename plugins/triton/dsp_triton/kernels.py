@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from dsp_cuda_graphs.fusion import mismatch
 
 from dsp_core.backends.base import CaptureFailed
 from dsp_triton import codegen
@@ -807,29 +808,7 @@ def _device_name(cp: Any) -> str:
 
 def _mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, cp: Any) -> str | None:
     """None when every output agrees within ``tolerance`` (relative to the reference's scale), else why not."""
-    for k, (a, b) in enumerate(zip(got, want)):
-        if b is None:
-            continue
-        x, y = cp.asnumpy(a), cp.asnumpy(b)
-        if x.shape != y.shape:
-            return f"output {k} has shape {x.shape}, the reference {y.shape}"
-        if x.dtype.kind in "fc":
-            xf, yf = x.astype(np.float64), y.astype(np.float64)
-            if not np.array_equal(np.isnan(xf), np.isnan(yf)):
-                return f"output {k}: NaNs in different places"
-            finite = np.isfinite(yf)
-            if not np.array_equal(np.isinf(xf) & ~finite, np.isinf(yf) & ~finite) or not np.array_equal(
-                xf[~finite & ~np.isnan(yf)], yf[~finite & ~np.isnan(yf)]
-            ):
-                return f"output {k}: infinities differ"
-            if finite.any():
-                err = float(np.max(np.abs(xf[finite] - yf[finite])))
-                scale = max(1.0, float(np.max(np.abs(yf[finite]))))
-                if err > tolerance * scale:
-                    return f"output {k}: max abs error {err:.3g} > {tolerance:g} x {scale:.3g}"
-        elif not np.array_equal(x, y):
-            return f"output {k}: {int(np.sum(x != y))} of {x.size} elements differ"
-    return None
+    return mismatch(got, want, tolerance, cp.asnumpy)
 
 
 def _poison_kv_rows(kernels: Sequence[codegen.Kernel], local: dict[int, Any], cp: Any) -> list[tuple[Any, Any, Any]]:
