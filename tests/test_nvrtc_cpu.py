@@ -487,3 +487,79 @@ def test_bfloat16_is_held_as_bits_computed_in_float_and_rounded_per_op() -> None
     assert got[4].dtype == ml_dtypes.bfloat16
     np.testing.assert_allclose(got[4].astype(np.float64), want, atol=2e-2, rtol=1e-2)
     np.testing.assert_array_equal(got[5], got[4].astype(np.float32))  # the cast reads the rounded value
+
+
+class _Dev:
+    """A stand-in device array: GroupStep keys it by layout alone, as it does a CuPy array."""
+
+    def __init__(self, a: Any) -> None:
+        self.a = np.asarray(a)
+        self.shape, self.dtype, self.strides, self.size, self.data = (
+            self.a.shape,
+            self.a.dtype,
+            self.a.strides,
+            self.a.size,
+            None,
+        )
+
+
+def _fake_cupy() -> Any:
+    import contextlib
+    import types
+
+    pool = types.SimpleNamespace(malloc=None)
+    cuda = types.SimpleNamespace(using_allocator=lambda _: contextlib.nullcontext())
+    return types.SimpleNamespace(asnumpy=lambda x: x.a, cuda=cuda, get_default_memory_pool=lambda: pool)
+
+
+def test_a_kernel_that_baked_a_device_value_is_rebuilt_when_the_value_changes() -> None:
+    """A segment serves every input signature of its plan: a shape piece computed on the device keeps
+    its layout, (1,), and changes its value (7 prompt tokens, then 1 decode token). The kernel that
+    folded 7 into its source must not run for 1: found on the H200, where GPT-2's decode step
+    reshaped its rows with the prompt's length."""
+    import types
+
+    from dsp_cuda_graphs.fusion import GroupReport, GroupStep
+
+    class Baking(GroupStep):
+        builds = 0
+
+        def _build(self, inputs: Any, local: Any) -> Any:
+            Baking.builds += 1
+            value = inputs[0].a.copy()
+            return types.SimpleNamespace(value=value, constants={5: (inputs[0], value)})
+
+        def launch(self, built: Any, inputs: Any) -> Any:
+            return (_Dev(built.value * 10),)
+
+    step = Baking(
+        GroupReport(0, "copy", (3,)),
+        [(lambda x: _Dev(x.a * 10), (5,), 9, ())],
+        (5,),
+        (9,),
+        _fake_cupy(),
+        lambda: False,
+        0.0,
+    )
+    seven = _Dev([7])
+    assert step(seven).a.tolist() == [70] and step(seven).a.tolist() == [70] and Baking.builds == 1
+    assert step(_Dev([7])).a.tolist() == [70] and Baking.builds == 1  # another array, the same value
+    assert step(_Dev([1])).a.tolist() == [10] and Baking.builds == 2  # the value changed: built again
+    assert step.report.status == "fused"
+
+
+def test_the_nvrtc_group_records_the_inputs_its_source_depends_on() -> None:
+    """Inputs the kernel does not read (their values were folded in), inputs whose contents the
+    generator asked for, and, when it asked for a value computed inside the group, every small one."""
+    import types
+
+    from dsp_nvrtc.kernels import NvrtcGroup
+
+    group = NvrtcGroup.__new__(NvrtcGroup)
+    group.in_flats, group.cp = (1, 2, 3), _fake_cupy()
+    kernel: Any = types.SimpleNamespace(args=(1, 2, 9), n_inputs=2)
+    big, read, folded = _Dev(np.zeros(5000)), _Dev([2]), _Dev([7])
+    assert set(group._baked(kernel, [big, read, folded], set())) == {3}
+    assert set(group._baked(kernel, [big, read, folded], {2})) == {2, 3}
+    assert set(group._baked(kernel, [big, read, folded], {8})) == {2, 3}  # 8: made inside the group
+    assert group._baked(kernel, [big, read, folded], set())[3][1].tolist() == [7]

@@ -95,6 +95,29 @@ def mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, to_host:
     return None
 
 
+def constants_match(
+    cp: Any, in_flats: Sequence[int], baked: dict[int, tuple[Any, np.ndarray]], inputs: Sequence[Any]
+) -> bool:
+    """True when the inputs a kernel baked into its source still hold the values it was made for.
+
+    ``baked``: input flat -> (the array seen when the kernel was made, its host value). A
+    segment serves every input signature of its plan, so a shape vector computed on the
+    device (the same layout, another value) must not reuse a kernel made for an older one.
+    The same array object costs nothing; another is read back once (never during capture)
+    and remembered.
+    """
+    by_flat = dict(zip(in_flats, inputs))
+    for flat, (seen, value) in list(baked.items()):
+        x = by_flat.get(flat)
+        if x is seen:
+            continue
+        host = np.asarray(x) if isinstance(x, np.ndarray | np.generic) else cp.asnumpy(x)
+        if host.shape != value.shape or not np.array_equal(host, value):
+            return False
+        baked[flat] = (x, value)
+    return True
+
+
 class GroupStep:
     """The one step that runs a fusion group: its built kernel per input layout, or its reference steps."""
 
@@ -158,6 +181,9 @@ class GroupStep:
     def _fused(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         key = self.signature(inputs)
         built = self.built.get(key)
+        baked = getattr(built, "constants", None)
+        if baked and not self.capturing() and not constants_match(self.cp, self.in_flats, baked, inputs):
+            built = None  # a value the kernel baked in changed (the segment runs for another signature)
         if built is None:
             if self.capturing():
                 raise CaptureFailed(

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dsp_cuda_graphs.fusion import GroupReport, GroupStep, Step, Unfusable
+from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable
 
 from dsp_nvrtc import codegen, compiler
 from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_digest
@@ -34,6 +34,9 @@ class Built:
     function: Any  # cupy.cuda.function.Function
     kernel: codegen.Kernel
     shapes: dict[int, tuple[tuple[int, ...], np.dtype[Any]]]  # output value -> (shape, dtype)
+    # input flat -> (the array seen at build time, its value): inputs whose values shaped the
+    # source (GroupStep checks them before reusing the kernel for another signature)
+    constants: dict[int, tuple[Any, np.ndarray]] = field(default_factory=dict)
 
 
 def device_target(cp: Any) -> compiler.Target:
@@ -102,8 +105,9 @@ class NvrtcGroup(GroupStep):
         self.constants = constants  # (flat, value) -> host copy of a small input that never changes, or None
         self.cache = cache
 
-    def spec(self, inputs: Sequence[Any], local: dict[int, Any]) -> codegen.GroupSpec:
-        """The generator's view of this layout (every value's shape and dtype from a reference run)."""
+    def spec(self, inputs: Sequence[Any], local: dict[int, Any], asked: set[int] | None = None) -> codegen.GroupSpec:
+        """The generator's view of this layout (every value's shape and dtype from a reference run);
+        ``asked`` collects the values whose contents the generator read."""
         values: dict[int, codegen.TensorSpec] = {}
         for flat, x in local.items():
             if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -124,11 +128,33 @@ class NvrtcGroup(GroupStep):
             values,
             device_inputs,
             list(self.out_flats),
-            lambda v: self.constants(v, local.get(v)),
+            lambda v: self._asked(v, local, asked),
         )
 
+    def _asked(self, flat: int, local: dict[int, Any], asked: set[int] | None) -> np.ndarray | None:
+        got = self.constants(flat, local.get(flat))
+        if got is not None and asked is not None:
+            asked.add(flat)
+        return got
+
+    def _baked(self, kernel: codegen.Kernel, inputs: Sequence[Any], asked: set[int]) -> dict[int, tuple[Any, Any]]:
+        """The small inputs whose values the source depends on: those the kernel does not read
+        (their values fixed the shapes or were folded in), those whose contents the generator
+        read, and, where it read a value computed inside the group, every small input."""
+        pointers = set(kernel.args[: kernel.n_inputs])
+        inside = any(v not in self.in_flats for v in asked)
+        baked: dict[int, tuple[Any, Any]] = {}
+        for flat, x in zip(self.in_flats, inputs):
+            if x is None or getattr(x, "size", MAX_KEYED_ELEMENTS + 1) > MAX_KEYED_ELEMENTS:
+                continue
+            if flat in pointers and flat not in asked and not inside:
+                continue
+            baked[flat] = (x, np.asarray(x) if isinstance(x, np.ndarray | np.generic) else self.cp.asnumpy(x))
+        return baked
+
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
-        spec = self.spec(inputs, local)
+        asked: set[int] = set()
+        spec = self.spec(inputs, local, asked)
         try:
             kernel = codegen.generate(spec)
         except codegen.Unsupported as exc:
@@ -141,7 +167,7 @@ class NvrtcGroup(GroupStep):
         self.report.kernel = kernel.name
         self.report.cached = hit
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
-        return Built(load(self.cp, kernel, binary, target), kernel, shapes)
+        return Built(load(self.cp, kernel, binary, target), kernel, shapes, self._baked(kernel, inputs, asked))
 
     def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
         cp = self.cp

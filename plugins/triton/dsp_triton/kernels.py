@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dsp_cuda_graphs.fusion import mismatch
+from dsp_cuda_graphs.fusion import constants_match, mismatch
 
 from dsp_core.backends.base import CaptureFailed
 from dsp_triton import codegen
@@ -191,23 +191,14 @@ class FusedGroup:
                 sig.append((type(x).__name__, repr(x)[:200]))
         return tuple(sig)
 
-    def _constants_match(self, compiled: _Compiled, inputs: Sequence[Any]) -> bool:
-        """True when the inputs baked into the kernel still hold the values it was made for."""
-        by_flat = dict(zip(self.in_flats, inputs))
-        for flat, (seen, value) in list(compiled.constants.items()):
-            x = by_flat.get(flat)
-            if x is seen:
-                continue
-            host = np.asarray(x) if isinstance(x, np.ndarray | np.generic) else self.cp.asnumpy(x)
-            if host.shape != value.shape or not np.array_equal(host, value):
-                return False
-            compiled.constants[flat] = (x, value)
-        return True
-
     def _fused(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         key = self._signature(inputs)
         compiled = self.compiled.get(key)
-        if compiled is not None and not self.capturing() and not self._constants_match(compiled, inputs):
+        if (
+            compiled is not None
+            and not self.capturing()
+            and not constants_match(self.cp, self.in_flats, compiled.constants, inputs)
+        ):
             compiled = None  # a value the kernel baked in changed (a segment run for another signature)
         if compiled is None:
             if self.capturing():
