@@ -175,3 +175,22 @@ def test_sessions_in_threads_are_serialised_and_keep_their_tokens() -> None:
         t.join()
     assert [got[i] for i in range(len(prompts))] == want
     assert want[0] == g["greedy_tokens"][:20].tolist()
+
+
+def test_the_first_token_is_out_before_the_decode_plans_warm_up() -> None:
+    """The first token needs the prefill alone: the decode plan's warm-up (a capture on a GPU) runs
+    after it reaches ``on_tokens``, and the tokens are the same as with the warm-up done first."""
+    pipe = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_size=4)
+    golden = np.load(FIXTURES / "gpt2_eager.golden.npz")
+    seen: list[tuple[int, bool, bool]] = []
+
+    def on_tokens(tokens: np.ndarray) -> None:
+        seen.append((tokens.shape[1], pipe.decoder(1).warmed, "decode warm-up" in pipe.timings))
+
+    result = pipe.generate(golden["prompt"], 12, on_tokens=on_tokens)
+    assert seen[0] == (1, False, False), seen
+    assert all(warmed for _, warmed, _ in seen[1:]) and pipe.decode_model.dsp.phase is PlanPhase.REPLAYING
+    assert result.tokens[0].tolist() == golden["greedy_tokens"][:12].tolist()
+    ahead = GenerationPipeline(FIXTURES / "gpt2_eager.onnx", max_length=64, mode="emulated_replay", block_size=4)
+    ahead.warmup(1)
+    assert ahead.generate(golden["prompt"], 12).tokens.tolist() == result.tokens.tolist()

@@ -206,3 +206,24 @@ def test_backends_list_says_what_auto_leaves_out() -> None:
         [sys.executable, "-m", "dsp_core.cli", "backends", "list"], capture_output=True, text=True, env=env
     ).stdout
     assert "left out of AUTO by DSP_AUTO_EXCLUDE: onnxruntime, openvino" in out
+
+
+def test_onnxruntimes_kernel_table_is_kept_so_discovery_does_not_import_it(tmp_path: Path) -> None:
+    """Discovery asks every backend's predicate once; for onnxruntime that meant importing it and
+    walking its kernel definitions in every process. The table is kept per onnxruntime version:
+    a second process discovers the backends without importing onnxruntime, with the same table;
+    a damaged file is made again."""
+    from dsp_onnxruntime import plugin
+
+    env = {**os.environ, "DSP_CACHE_DIR": str(tmp_path), "DSP_DISK_CACHE": "1"}
+    probe = (
+        "import sys; from dsp_core.backends.discovery import discover; discover(); print('onnxruntime' in sys.modules)"
+    )
+    runs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True) for _ in range(2)]
+    assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr[-2000:] for r in runs]
+    (kept,) = (tmp_path / "onnxruntime").glob("kernels-*.json")
+    assert plugin._read_table(kept) == plugin._table_from_onnxruntime()
+    kept.write_bytes(kept.read_bytes()[:-40])  # cut short: damaged
+    assert plugin._read_table(kept) is None
+    again = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert again.stdout.strip() == "True" and plugin._read_table(kept) == plugin._table_from_onnxruntime()

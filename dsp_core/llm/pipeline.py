@@ -870,7 +870,8 @@ class GenerationPipeline:
         if ids.ndim == 2:
             self.check_request(ids, max_new_tokens)
         with self.lock:
-            self.warmup(ids.shape[0])
+            # The decode plan's warm-up (on a GPU, its capture) runs after the first token is out
+            # (GenerationSession._generate): the first token needs the prefill alone.
             session = self._session(ids.shape[0])
             session.reset_position()
             session.append(ids)

@@ -7,6 +7,11 @@ backend still registers and lists as unavailable, with the reason.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import json
+import logging
+import os
+from pathlib import Path
 from typing import Any
 
 from dsp_core import hookimpl
@@ -23,6 +28,8 @@ from dsp_core.backends.base import (
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.backends.whole import common_decline, written_view
 from dsp_core.plan.plan import Plan, Segment
+
+log = logging.getLogger(__name__)
 
 # DSP's dtype table for this backend: what its CPU kernels compute and IOBinding binds.
 # Not float16: the CPU provider has few float16 kernels (no Add, Mul, ...).
@@ -42,12 +49,34 @@ PROVIDER = "CPUExecutionProvider"
 DOMAINS = frozenset({"", "com.microsoft"})
 
 
+Table = dict[tuple[str, str], list[tuple[int, int, frozenset[str]]]]
+TABLE_FORMAT = 1  # the layout of the kernel table's file
+
+
 @functools.lru_cache(maxsize=1)
-def kernel_table() -> dict[tuple[str, str], list[tuple[int, int, frozenset[str]]]]:
-    """(op, domain) -> [(first opset, last opset, tensor types)] of the CPU provider's kernels."""
+def kernel_table() -> Table:
+    """(op, domain) -> [(first opset, last opset, tensor types)] of the CPU provider's kernels.
+
+    Asking ONNX Runtime costs its import and a walk of every kernel definition (about 55 ms,
+    paid by every process that discovers the backends, even where AUTO leaves this one out),
+    so the table is kept under DSP's cache directory per installed onnxruntime version. A
+    file that does not read back whole is made again.
+    """
+    path = _table_file()
+    if path is not None:
+        got = _read_table(path)
+        if got is not None:
+            return got
+    table = _table_from_onnxruntime()
+    if path is not None:
+        _write_table(path, table)
+    return table
+
+
+def _table_from_onnxruntime() -> Table:
     from onnxruntime.capi import _pybind_state as C
 
-    table: dict[tuple[str, str], list[tuple[int, int, frozenset[str]]]] = {}
+    table: Table = {}
     for k in C.get_all_opkernel_def():
         if k.provider != PROVIDER:
             continue
@@ -56,6 +85,46 @@ def kernel_table() -> dict[tuple[str, str], list[tuple[int, int, frozenset[str]]
         lo, hi = k.version_range
         table.setdefault((k.op_name, domain), []).append((int(lo), int(hi), types))
     return table
+
+
+def _table_file() -> Path | None:
+    """Where the table of the installed onnxruntime is kept; None without a disk cache or a version."""
+    from dsp_core import config
+    from dsp_core.cache.disk import default_cache_dir
+
+    if not config.get("disk_cache"):
+        return None
+    try:
+        version = importlib.metadata.version("onnxruntime")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # a build without its metadata: ask it every time
+    root = config.get("cache_dir")
+    base = Path(root).expanduser() if root else default_cache_dir(os.environ)
+    safe = "".join(c if c.isalnum() or c in ".-_+" else "_" for c in version)
+    return base / "onnxruntime" / f"kernels-{safe}-{PROVIDER}.json"
+
+
+def _read_table(path: Path) -> Table | None:
+    try:
+        doc = json.loads(path.read_bytes())
+        if doc.get("format") != TABLE_FORMAT:
+            return None
+        table: Table = {}
+        for op, domain, lo, hi, types in doc["kernels"]:
+            table.setdefault((str(op), str(domain)), []).append((int(lo), int(hi), frozenset(map(str, types))))
+        return table if table else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None  # absent or damaged: asked again and written anew
+
+
+def _write_table(path: Path, table: Table) -> None:
+    from dsp_core.cache.disk import atomic_write
+
+    rows = [[op, domain, lo, hi, sorted(types)] for (op, domain), ks in table.items() for lo, hi, types in ks]
+    try:
+        atomic_write(path, json.dumps({"format": TABLE_FORMAT, "kernels": rows}).encode())
+    except OSError as exc:
+        log.debug("DSP onnxruntime: cannot keep the kernel table at %s (%s)", path, exc)
 
 
 class OnnxRuntimeBackend(Backend):
