@@ -117,7 +117,9 @@ def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: 
     result = propose_groups(plan, slots, NvrtcPolicy())
     if name != "cnn":
         assert result.kernels < len(slots) * 0.6, (result.kernels, len(slots))
-        assert any(g.template == "row_reduction" and len(g.slots) > 1 for g in result.groups)
+        assert any(g.template == "row_reduction" for g in result.groups)
+        # the skinny products (T3) take their epilogue: the bias or the residual add
+        assert any(g.template == "product" and len(g.slots) > 1 for g in result.groups), result.groups
 
 
 def test_plan_explain_shows_each_groups_chain_ending_at_the_winners_kernel() -> None:
@@ -563,3 +565,88 @@ def test_the_nvrtc_group_records_the_inputs_its_source_depends_on() -> None:
     assert set(group._baked(kernel, [big, read, folded], {2})) == {2, 3}
     assert set(group._baked(kernel, [big, read, folded], {8})) == {2, 3}  # 8: made inside the group
     assert group._baked(kernel, [big, read, folded], set())[3][1].tolist() == [7]
+
+
+# -- the skinny product (T3): a dot product per output, its epilogue fused -------------------
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize(
+    "op, attrs, a_shape, b_shape",
+    [
+        ("MatMul", {}, (2, 3, 33), (33, 17)),  # batch dims of the rows, odd K and N
+        ("Gemm", {"transB": 1, "alpha": 0.5, "beta": 2.0}, (5, 40), (9, 40)),  # bias C, transposed weight
+        ("Gemm", {}, (1, 7), (7, 300)),  # one row, wider than a block
+    ],
+)
+def test_products_with_their_epilogue_match_numpy_on_the_host(
+    op: str, attrs: dict[str, Any], a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: str
+) -> None:
+    """y = Relu(product) + r: one kernel, each thread one output's dot product over K (accumulated in
+    float, or double), rounded to the dtype as the reference rounds the product, then its epilogue."""
+    n = codegen.NodeSpec
+    rng = np.random.default_rng(len(a_shape) + b_shape[0])
+    a = rng.standard_normal(a_shape).astype(dtype)
+    b = rng.standard_normal(b_shape).astype(dtype)
+    w = b.T if attrs.get("transB") else b
+    out = (*a_shape[:-1], w.shape[1])
+    c = rng.standard_normal((w.shape[1],)).astype(dtype)
+    r = rng.standard_normal(out).astype(dtype)
+    ins = (1, 2, 3) if op == "Gemm" else (1, 2)
+    nodes = [n(op, ins, (4,), attrs), n("Relu", (4,), (5,)), n("Add", (5, 6), (7,))]
+    values = {1: (a_shape, dtype), 2: (b_shape, dtype), 3: (c.shape, dtype), 4: (out, dtype), 5: (out, dtype)}
+    values |= {6: (out, dtype), 7: (out, dtype)}
+    spec = _spec("product", nodes, values, [*ins, 6], [7])
+    kernel = codegen.generate(spec)
+    assert kernel.name.startswith("dsp_mm_") and kernel.grid * kernel.threads >= int(np.prod(out))
+    got = hostcheck.run_on_host(kernel, spec, {1: a, 2: b, 3: c, 6: r})[7]
+    f = np.float64
+    prod = (a.astype(f) @ w.astype(f)).astype(dtype)
+    if op == "Gemm":
+        prod = (f(attrs.get("alpha", 1.0)) * prod.astype(f)).astype(dtype).astype(f) + f(attrs.get("beta", 1.0)) * c
+        prod = prod.astype(dtype)
+    want = (np.maximum(prod, 0) + r).astype(dtype)
+    tol = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got.astype(f), want.astype(f), rtol=tol, atol=tol * 4)
+
+
+def test_the_product_template_says_why_it_declines() -> None:
+    n = codegen.NodeSpec
+    rows = codegen.MAX_PRODUCT_ROWS + 1
+    too_many = _spec(
+        "product",
+        [n("MatMul", (1, 2), (3,))],
+        {1: ((rows, 8), "float32"), 2: ((8, 4), "float32"), 3: ((rows, 4), "float32")},
+        [1, 2],
+        [3],
+    )
+    with pytest.raises(codegen.Unsupported, match="rows: cuBLAS"):
+        codegen.generate(too_many)
+    batched = _spec(
+        "product",
+        [n("MatMul", (1, 2), (3,))],
+        {1: ((2, 3, 8), "float32"), 2: ((2, 8, 4), "float32"), 3: ((2, 3, 4), "float32")},
+        [1, 2],
+        [3],
+    )
+    with pytest.raises(codegen.Unsupported, match=r"\[K, N\]"):
+        codegen.generate(batched)
+
+
+def test_big_products_stay_on_cublas_and_small_ones_take_their_epilogue() -> None:
+    """The policy gives the template products of at most MAX_PRODUCT_WEIGHTS weights (one thread per
+    output is for small products); a bigger one runs alone on cuBLAS with its epilogue a kernel of its own."""
+    rng = np.random.default_rng(0)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [1, 4, 64])
+    small = g.constant(rng.standard_normal((64, 32)).astype(np.float32))
+    big = g.constant(rng.standard_normal((32, codegen.MAX_PRODUCT_WEIGHTS // 32 + 1)).astype(np.float32))
+    h = g.Relu(x @ small)
+    g.output(g.Sigmoid(h @ big), "y")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    model.run({"x": np.full((1, 4, 64), 0.01, np.float32)})
+    plan = model.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())
+    ops = [(g.template, [plan.slots[s].op for s in g.slots]) for g in result.groups]
+    assert ("product", ["MatMul", "Relu"]) in ops and ("matmul", ["MatMul"]) in ops, ops
+    assert any(t == "pointwise" and o[0] == "Sigmoid" for t, o in ops), ops

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,6 +253,38 @@ def infer_shapes(plan: Plan) -> dict[int, tuple[Dim, ...] | None]:
                     got = tuple(1 if k in drop else d for k, d in enumerate(first) if keep or k not in drop)
         shapes[out] = got
     return shapes
+
+
+def value_readers(plan: Plan) -> dict[int, list[int]]:
+    """Value id -> the slots that read it (plan order)."""
+    readers: dict[int, list[int]] = {}
+    for slot in plan.slots:
+        for r in slot.inputs:
+            if r is not None and r >= 0:
+                readers.setdefault(r, []).append(slot.index)
+    return readers
+
+
+def feeds_only_norm_statistics(
+    plan: Plan, patterns: Mapping[int, SlotPattern], readers: Mapping[int, Sequence[int]], s: int
+) -> bool:
+    """True when every reader of slot ``s`` is a last-axis reduction other than a softmax (a norm's statistic).
+
+    The exported RMSNorm squares the residual (``Pow``) before its ``ReduceMean``: kept with
+    the reduction, the norm reads only the residual, and a product's epilogue that ends at the
+    residual add stores one value instead of two. A softmax's scale and mask stay with the
+    scores (attention).
+    """
+    outs = [v for v in plan.slots[s].outputs if v is not None]
+    found = [r for v in outs for r in readers.get(v, ())]
+    if not found or any(v in plan.outputs for v in outs):
+        return False
+    return all(
+        r in patterns
+        and patterns[r].kind is PatternKind.ROW_REDUCTION
+        and plan.slots[r].op not in ("Softmax", "LogSoftmax")
+        for r in found
+    )
 
 
 def classify(plan: Plan, s: int, shapes: dict[int, tuple[Dim, ...] | None] | None = None) -> SlotPattern:
@@ -579,16 +611,6 @@ def _dependencies(plan: Plan, slots: Sequence[int]) -> dict[int, set[int]]:
     return deps
 
 
-def _readers(plan: Plan, slots: Sequence[int]) -> dict[int, list[int]]:
-    """Value id -> every slot of the plan that reads it."""
-    readers: dict[int, list[int]] = {}
-    for slot in plan.slots:
-        for r in slot.inputs:
-            if r is not None and r >= 0:
-                readers.setdefault(r, []).append(slot.index)
-    return readers
-
-
 class _Grouper:
     """The greedy pass; groups only ever grow, so a group's index is stable."""
 
@@ -596,7 +618,7 @@ class _Grouper:
         self.plan, self.policy = plan, policy
         self.slots = sorted(slots)
         self.deps = _dependencies(plan, self.slots)
-        self.readers = _readers(plan, self.slots)
+        self.readers = value_readers(plan)
         shapes = infer_shapes(plan)
         self.patterns = {s: classify(plan, s, shapes) for s in self.slots}
         self.group_of: dict[int, int] = {}

@@ -387,7 +387,54 @@ class _Gen:
             return self._concat(node, v, idx)
         if op == "Gather":
             return self._gather(node, idx)
+        if op in PRODUCT_OPS:
+            return self._product(node, v, idx)
         return self._elementwise(node, v, idx)
+
+    # -- the skinny product (T3): one output element per thread, K looped -------------------
+    def _product(self, node: NodeSpec, v: int, idx: Idx) -> str:
+        """``v`` (a MatMul or Gemm of up to MAX_PRODUCT_ROWS rows) at ``idx``: the dot product over K,
+        accumulated in float (double for float64), then rounded to the output's dtype as the
+        reference rounds the product's result; the epilogue reads it like any other value."""
+        out = self.spec.values[v]
+        a, b = node.inputs[0], node.inputs[1]
+        if a is None or b is None:
+            raise Unsupported(f"a {node.op} without both operands")
+        sa, sb = self.spec.values[a].shape, self.spec.values[b].shape
+        if len(sb) != 2 or len(sa) < 2 or len(out.shape) != len(sa):
+            raise Unsupported(f"a {node.op} of {list(sa)} and {list(sb)} (the template takes [..., M, K] x [K, N])")
+        gemm = node.op == "Gemm"
+        trans_a = gemm and int(node.attrs.get("transA", 0)) == 1
+        trans_b = gemm and int(node.attrs.get("transB", 0)) == 1
+        if trans_a:
+            raise Unsupported("a Gemm with transA")
+        rows = math.prod(out.shape[:-1])
+        if rows > MAX_PRODUCT_ROWS:
+            raise Unsupported(f"{rows} rows: cuBLAS runs products of more than {MAX_PRODUCT_ROWS}")
+        k_len = sa[-1]
+        if k_len != (sb[1] if trans_b else sb[0]):
+            raise Unsupported(f"operands of {list(sa)} and {list(sb)} do not share K")
+        ct = "double" if out.dtype == "float64" else "float"
+        acc = f"acc{self.count}"
+        kv = f"k{self.count}"
+        self.count += 1
+        self.line(f"{ct} {acc} = 0;")
+        with self.block(f"for (long long {kv} = 0; {kv} < {k_len}; ++{kv})"):
+            xa = self.value(a, Idx((*idx.dims[:-1], kv)))
+            xb = self.value(b, Idx((idx.dims[-1], kv) if trans_b else (kv, idx.dims[-1])))
+            self.line(f"{acc} += ({ct})({xa}) * ({ct})({xb});")
+        expr = acc
+        if gemm:
+            alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
+            if alpha != 1.0:
+                expr = f"({ct})({alpha!r}) * {expr}"
+            c = node.inputs[2] if len(node.inputs) > 2 else None
+            if c is not None and beta != 0.0:
+                xc = self.value(c, self.broadcast(idx, out.shape, self.spec.values[c].shape))
+                term = f"({ct})({xc})" if beta == 1.0 else f"({ct})({beta!r}) * ({ct})({xc})"
+                # the reference rounds the product before the bias where it computes in halves
+                expr = f"{_round(expr, out.dtype)} + {term}"
+        return self.let(_round(expr, out.dtype), self.ctype(v), "p")
 
     # -- injective ops -----------------------------------------------------------------------
     def _host(self, node: NodeSpec, k: int) -> list[int]:
@@ -786,7 +833,10 @@ _OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "
 INJECTIVE_OPS = frozenset(
     {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Transpose", "Slice", "Split", "Concat", "Gather"}
 )
-SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | _OTHER | _ROW_VALUED | INJECTIVE_OPS
+PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
+MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
+MAX_PRODUCT_WEIGHTS = 1 << 20  # weight elements of a product the policy gives the template (above: cuBLAS)
+SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | _OTHER | _ROW_VALUED | INJECTIVE_OPS | PRODUCT_OPS
 # Ops whose reference kernel is a view on CuPy (no kernel at all): a group of only these
 # runs them; inside a bigger group they are index arithmetic.
 VIEW_ON_CUPY = frozenset(
@@ -818,7 +868,7 @@ def generate(spec: GroupSpec) -> Kernel:
     gen = _Gen(spec)
     if spec.template == "row_reduction":
         stores, grid = _row_template(gen, spec)
-    elif spec.template in ("pointwise", "copy"):
+    elif spec.template in ("pointwise", "copy", "product"):
         stores, grid = _pointwise_template(gen, spec)
     else:
         raise Unsupported(f"no CUDA C template for a {spec.template} group")
@@ -837,7 +887,7 @@ def generate(spec: GroupSpec) -> Kernel:
         ]
     )
     tag = hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
-    prefix = {"row_reduction": "row", "copy": "cp"}.get(spec.template, "pw")
+    prefix = {"row_reduction": "row", "copy": "cp", "product": "mm"}.get(spec.template, "pw")
     name = f"dsp_{prefix}_{tag}"
     source = source.replace(" KERNEL(", f" {name}(", 1)
     args = (*gen.args, *(v for v, _ in stores))

@@ -11,7 +11,18 @@ from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
 from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
-from dsp_core.plan.fusion import VIEW_OPS, FusionLimits, Group, GroupView, PatternKind, ReferencePolicy, SlotPattern
+from dsp_core.plan.fusion import (
+    VIEW_OPS,
+    FusionLimits,
+    Group,
+    GroupView,
+    PatternKind,
+    ReferencePolicy,
+    SlotPattern,
+    feeds_only_norm_statistics,
+    value_readers,
+)
+from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen, compiler
 
@@ -40,14 +51,19 @@ class NvrtcPolicy(ReferencePolicy):
 
     def __init__(self) -> None:
         self._ops: dict[int, str] = {}
+        self._readers_of: tuple[Plan | None, dict[int, list[int]]] = (None, {})
 
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         template = super().seed(plan, s, pattern)
+        if template == "matmul":
+            return "product" if product_declined(plan, s, pattern) is None else template
         if template in ("pointwise", "row_reduction", "copy") and not _generated(plan, s):
             return "opaque"  # no template generates it: alone, on the reference kernels
         return template
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        if group.template == "product":
+            return self._product_epilogue(plan, group, s, pattern)
         if pattern.kind not in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE) and not _generated(
             plan, s
         ):
@@ -57,7 +73,36 @@ class NvrtcPolicy(ReferencePolicy):
             return None  # a transpose, slice, concat or gather of a pointwise group's values: index arithmetic
         return super().merge_ok(plan, group, s, pattern)
 
+    def _product_epilogue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """A product's epilogue: generated pointwise ops over its output's elements (bias, activation,
+        residual add, cast), each thread computing them on its own dot product."""
+        op = plan.slots[s].op
+        view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
+        if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
+            return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its elements"
+        if not _generated(plan, s):
+            return f"{op} has no CUDA C template (dsp-nvrtc generates {len(codegen.SUPPORTED_OPS)} ops)"
+        if self._readers_of[0] is not plan:
+            self._readers_of = (plan, value_readers(plan))
+        if feeds_only_norm_statistics(plan, group.patterns, self._readers_of[1], s):
+            return f"{op} feeds only a norm's reduction: it goes with the norm"
+        # The same elements (a view may regroup the rows): each thread computes one dot product.
+        anchor = group.patterns[group.slots[0]]
+        shape, product = pattern.shape, anchor.shape
+        if (
+            shape is None
+            or product is None
+            or not shape
+            or shape[-1] != product[-1]
+            or not _same_elements(shape, product, pattern.numel, anchor.numel)
+        ):
+            got = list(shape) if shape is not None else "unknown"
+            return f"{op}'s output {got} is not the product's {list(product) if product else 'unknown'} elements"
+        return None
+
     def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
+        if group.template == "product":
+            return "product"
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
             return group.template if self._ops.get(s) in VIEW_OPS else "copy"
         return super().joined(group, s, pattern)
@@ -71,6 +116,64 @@ class NvrtcPolicy(ReferencePolicy):
         from dsp_nvrtc.segment import unfused_reason
 
         return unfused_reason(plan, group)
+
+
+def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
+    """Why the skinny-product template (T3) does not take product slot ``s`` (None: it may).
+
+    A MatMul of [..., M, K] by a [K, N] matrix, or a Gemm without transA, in a float dtype, of
+    up to 16 rows where the rows are known (symbolic rows are decided per layout, when the
+    kernel is generated), whose weight holds at most ``codegen.MAX_PRODUCT_WEIGHTS`` elements
+    (one thread per output loops over K: for small products, where a kernel launch is the
+    cost); a merged product (the core's sibling rewrite) stays on cuBLAS.
+    """
+    slot = plan.slots[s]
+    if is_merged(slot) or slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx"):
+        return f"{slot.op} is not a MatMul or Gemm the template takes"
+    shape = pattern.shape
+    if shape is None or len(shape) < 2:
+        return "its output is of unknown rank or a vector"
+    ins = [plan.ref_info(r) if r is not None else (None, None) for r in slot.inputs[:2]]
+    if len(ins) < 2 or ins[1][1] is None or len(ins[1][1]) != 2:
+        return "its second operand is not a matrix"
+    if any(dt not in codegen.FLOATS for dt, _ in ins):
+        return "operands other than floats"
+    if slot.op == "Gemm" and int(slot.attrs.get("transA", 0)):
+        return "a Gemm with transA"
+    weights = ins[1][1]
+    if all(isinstance(d, int) for d in weights) and math.prod(int(d) for d in weights) > codegen.MAX_PRODUCT_WEIGHTS:
+        return (
+            f"a weight of {list(weights)}: the template's one thread per output is for products of at most "
+            f"{codegen.MAX_PRODUCT_WEIGHTS} weights; cuBLAS streams bigger ones faster"
+        )
+    lead = shape[:-1]
+    rows = math.prod(int(d) for d in lead) if all(isinstance(d, int) for d in lead) else None
+    if rows is not None and rows > codegen.MAX_PRODUCT_ROWS:
+        return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
+    return None
+
+
+def _same_elements(a: Sequence[object], b: Sequence[object], numel_a: int | None, numel_b: int | None) -> bool:
+    """Whether two shapes (dims may be symbolic) hold as many elements: equal counts, else equal dims but 1s."""
+    if numel_a is not None and numel_b is not None:
+        return numel_a == numel_b
+    return _factors(a) == _factors(b)
+
+
+def _factors(shape: Sequence[object]) -> tuple[int, tuple[str, ...]]:
+    """A shape's element count as (the product of its fixed dims, its symbols sorted): a dim
+    ``batch*seq`` and the dims ``batch``, ``seq`` count alike."""
+    fixed, names = 1, []
+    for d in shape:
+        if isinstance(d, int):
+            fixed *= d
+            continue
+        for part in str(d).replace(" ", "").split("*"):
+            if part.isdigit():
+                fixed *= int(part)
+            else:
+                names.append(part)
+    return fixed, tuple(sorted(names))
 
 
 def _generated(plan: Plan, s: int) -> bool:

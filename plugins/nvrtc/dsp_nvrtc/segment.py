@@ -26,7 +26,7 @@ from dsp_nvrtc import codegen, rowwise
 from dsp_nvrtc.cache import SegmentCache
 from dsp_nvrtc.kernels import NvrtcGroup
 
-FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy"})  # the templates with a CUDA C kernel
+FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product"})  # the templates with a CUDA C kernel
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 
 

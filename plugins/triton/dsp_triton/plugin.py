@@ -18,7 +18,9 @@ from dsp_core.plan.fusion import (
     PatternKind,
     ReferencePolicy,
     SlotPattern,
+    feeds_only_norm_statistics,
     norm_prologue,
+    value_readers,
 )
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
@@ -244,12 +246,7 @@ class TritonPolicy(ReferencePolicy):
     def _readers(self, plan: Plan) -> dict[int, list[int]]:
         """Value id -> slots that read it (memoised per plan)."""
         if self._readers_of[0] is not plan:
-            readers: dict[int, list[int]] = {}
-            for slot in plan.slots:
-                for r in slot.inputs:
-                    if r is not None and r >= 0:
-                        readers.setdefault(r, []).append(slot.index)
-            self._readers_of = (plan, readers)
+            self._readers_of = (plan, value_readers(plan))
         return self._readers_of[1]
 
     def _epilogue_ok(
@@ -313,22 +310,8 @@ class TritonPolicy(ReferencePolicy):
         return all(plan.slots[m].op in LAYOUT_OPS or plan.slots[m].op == "KVScatter" for m in after)
 
     def _feeds_a_norm(self, plan: Plan, group: GroupView, s: int) -> bool:
-        """True when every reader of ``s`` is a last-axis reduction other than a softmax (a norm's statistic).
-
-        The exported RMSNorm squares the residual (``Pow``) before its ``ReduceMean``: kept
-        with the reduction, the norm reads only the residual and can become the next
-        product's prologue. A softmax's scale and mask stay with the scores (attention).
-        """
-        outs = [v for v in plan.slots[s].outputs if v is not None]
-        readers = [r for v in outs for r in self._readers(plan).get(v, ())]
-        if not readers or any(v in plan.outputs for v in outs):
-            return False
-        return all(
-            r in group.patterns
-            and group.patterns[r].kind is PatternKind.ROW_REDUCTION
-            and plan.slots[r].op not in ("Softmax", "LogSoftmax")
-            for r in readers
-        )
+        """True when every reader of ``s`` is a norm's statistic (``feeds_only_norm_statistics``)."""
+        return feeds_only_norm_statistics(plan, group.patterns, self._readers(plan), s)
 
     @staticmethod
     def _generated(plan: Plan, s: int, pattern: SlotPattern) -> bool:
