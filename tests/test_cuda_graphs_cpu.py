@@ -196,3 +196,18 @@ def test_batch_strides() -> None:
     assert batch_stride((), (), (2, 3)) == 0  # broadcast over the whole batch
     assert batch_stride((1, 3), (99, 10), (2, 3)) is None  # broadcast over one dim only: needs a copy
     assert batch_stride((1, 1), (5, 5), (1, 1)) == 0
+
+
+def test_every_host_read_input_names_an_input_its_op_takes() -> None:
+    """HOST_INPUTS hands these inputs to the reference kernels as host arrays (read once when
+    frozen, so a capture never copies them): each entry is an ONNX op DSP has, at input
+    positions within the op's (min, max) input count (max -1: variadic)."""
+    from dsp_cuda_graphs.segment import HOST_INPUTS
+
+    from dsp_core.ops.registry import lookup
+
+    for op, positions in HOST_INPUTS.items():
+        entry = lookup(op, "")
+        assert entry is not None, op
+        most = entry.inputs[1]
+        assert positions and all(0 <= p and (most < 0 or p < most) for p in positions), (op, positions, entry.inputs)

@@ -82,6 +82,12 @@ HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "CumProd": (1,),
     "Range": (0, 1, 2),
     "Dropout": (1, 2),
+    "DFT": (1, 2),  # dft_length, axis
+    "STFT": (1, 3),  # frame_step, frame_length
+    "HannWindow": (0,),
+    "HammingWindow": (0,),
+    "BlackmanWindow": (0,),
+    "MelWeightMatrix": (0, 1, 2, 3, 4),
 }
 
 
