@@ -953,13 +953,18 @@ def explain_mismatches(torch: Any, model: Any, prompt: Any, record: dict[str, An
     if not ref or not pending:
         return
     model = model.to(dtype=torch.float32)
-    ids = torch.cat([prompt, torch.tensor([ref], device=prompt.device, dtype=prompt.dtype)], dim=1)
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
+
+    def teacher_forced(tokens: list[int]) -> Any:
+        ids = torch.cat([prompt, torch.tensor([tokens], device=prompt.device, dtype=prompt.dtype)], dim=1)
+        with torch.no_grad():
+            return model(ids).logits[0].float()
+
+    logits = teacher_forced(ref)
     start = prompt.shape[1] - 1  # logits[start + s] choose token s
-    picks = logits[start : start + len(ref)].argmax(-1).tolist()
+    hf = fp32_agreement(logits, start, ref)
     check: dict[str, Any] = {
-        "hf_tokens_equal_fp32_choice": sum(a == b for a, b in zip(picks, ref)) / len(ref),
+        "hf_tokens_equal_fp32_choice": hf["share"],
+        "hf_mean_fp32_regret": hf["mean_regret"],
         "rows": {},
     }
     for peer, entry in pending.items():
@@ -974,7 +979,30 @@ def explain_mismatches(torch: Any, model: Any, prompt: Any, record: dict[str, An
             "fp32_logit_row_token_minus_hf_token": float(row[mine] - row[theirs]),
             "fp32_choice": "row" if choice == mine else "hf" if choice == theirs else "neither",
         }
+        # Along the row's own tokens: how often fp32 would have chosen as it did, and what its
+        # choices cost in fp32 logits. As often as HF's, and as cheap: the row breaks ties
+        # differently, it is not less accurate.
+        own = fp32_agreement(teacher_forced(list(entry["tokens"])), start, list(entry["tokens"]))
+        check["rows"][peer]["tokens_equal_fp32_choice"] = own["share"]
+        check["rows"][peer]["mean_fp32_regret"] = own["mean_regret"]
     record["mismatch_check"] = check
+
+
+def fp32_agreement(logits: Any, start: int, tokens: list[int]) -> dict[str, float]:
+    """How greedy ``tokens`` compare with the fp32 model's choices, teacher-forced on them.
+
+    ``logits[start + s]`` are the fp32 logits that choose token ``s`` (a torch tensor or a
+    numpy array). ``share``: the fraction of steps whose token is fp32's argmax;
+    ``mean_regret``: the mean, over steps, of fp32's best logit minus the chosen token's (0 for
+    fp32's own choices; a tie broken the other way costs its tiny gap).
+    """
+    rows = list(range(start, start + len(tokens)))
+    picks = [int(p) for p in logits[rows].argmax(-1).tolist()]
+    regret = logits[rows, picks] - logits[rows, list(tokens)]
+    return {
+        "share": sum(a == b for a, b in zip(picks, tokens)) / max(1, len(tokens)),
+        "mean_regret": float(regret.mean()) if tokens else 0.0,
+    }
 
 
 def bench_model(
@@ -1118,9 +1146,16 @@ def print_table(record: dict[str, Any]) -> None:
             f"{m['fp32_top2_gap']:.4f}, its choice: {m['fp32_choice']} (row - HF logit "
             f"{m['fp32_logit_row_token_minus_hf_token']:+.4f})"
         )
+        if "tokens_equal_fp32_choice" in m:
+            print(
+                f"{peer}: its own tokens equal the fp32 model's teacher-forced choice at "
+                f"{m['tokens_equal_fp32_choice']:.2%} of steps (mean fp32 logit regret {m['mean_fp32_regret']:.4f})"
+            )
     if "hf_tokens_equal_fp32_choice" in check:
         share = check["hf_tokens_equal_fp32_choice"]
-        print(f"HF's tokens equal the fp32 model's teacher-forced choice at {share:.2%} of steps")
+        regret = check.get("hf_mean_fp32_regret")
+        tail = f" (mean fp32 logit regret {regret:.4f})" if regret is not None else ""
+        print(f"HF's tokens equal the fp32 model's teacher-forced choice at {share:.2%} of steps{tail}")
     if "reference_distinct_tokens" in record:
         print(f"{REFERENCE} produced {record['reference_distinct_tokens']} distinct tokens")
     reasons = {e.get("kernels_reason") for e in record["peers"].values() if e.get("kernels_reason")}

@@ -270,3 +270,16 @@ def test_llama_shapes_are_the_named_models() -> None:
     assert (big["num_key_value_heads"], big["intermediate_size"], big["vocab_size"]) == (8, 8192, 128256)
     assert small["tie_word_embeddings"] and big["tie_word_embeddings"]
     assert (small["rope_theta"], big["rope_theta"]) == (10000.0, 500000.0)
+
+
+def test_fp32_agreement_counts_the_fp32_choices_and_what_the_others_cost() -> None:
+    """Teacher-forced logits (numpy here, torch in the benchmark): a row that takes fp32's argmax
+    everywhere agrees 100% at no regret; one that breaks one near tie the other way costs its gap."""
+    import numpy as np
+
+    logits = np.zeros((6, 5), np.float32)
+    logits[2:6] = [[0, 3, 1, 0, 0], [2.0, 1.99, 0, 0, 0], [0, 0, 0, 4, 1], [1, 0, 0, 0, 5]]
+    best = bench.fp32_agreement(logits, 2, [1, 0, 3, 4])
+    assert best == {"share": 1.0, "mean_regret": 0.0}
+    other = bench.fp32_agreement(logits, 2, [1, 1, 3, 4])
+    assert other["share"] == 0.75 and abs(other["mean_regret"] - 0.01 / 4) < 1e-6
