@@ -264,5 +264,9 @@ def test_dsp_run_times_add_up_to_the_wall_time(tmp_path: Path) -> None:
     assert sum(t["compile_steps"].values()) == pytest.approx(t["compile"], rel=0.01, abs=1.0)
     assert {"load mlp.onnx", "compile plan", "store weights"} <= t["compile_steps"].keys()
     assert t["startup"] > 0  # the interpreter and the imports are counted
-    # What the process does after printing (freeing, exit handlers) is all it cannot count.
-    assert t["total"] <= wall and wall - t["total"] <= 0.05 * wall + 150, (wall, t)
+    # What the process does after printing (freeing, exit handlers) is all it cannot count. On a
+    # loaded machine an interpreter's own start and exit stretch too: allow what a bare one costs now.
+    bare_started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], capture_output=True)
+    bare = (time.perf_counter() - bare_started) * 1e3
+    assert t["total"] <= wall and wall - t["total"] <= 0.05 * wall + 150 + bare, (wall, bare, t)
