@@ -650,3 +650,12 @@ def test_big_products_stay_on_cublas_and_small_ones_take_their_epilogue() -> Non
     ops = [(g.template, [plan.slots[s].op for s in g.slots]) for g in result.groups]
     assert ("product", ["MatMul", "Relu"]) in ops and ("matmul", ["MatMul"]) in ops, ops
     assert any(t == "pointwise" and o[0] == "Sigmoid" for t, o in ops), ops
+
+
+def test_nvrtc_generates_no_op_that_dsp_triton_does_not() -> None:
+    """Why a segment's groups are not split between Triton and NVRTC kernels (docs/nvrtc.md): every
+    op NVRTC_JIT's templates generate, Triton's do too, so a group Triton declines for its op
+    would be declined by NVRTC as well; NVRTC_JIT is for machines without Triton."""
+    from dsp_triton import codegen as triton_codegen
+
+    assert codegen.SUPPORTED_OPS <= triton_codegen.SUPPORTED_OPS | triton_codegen.PRODUCT_OPS
