@@ -141,16 +141,26 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     if slot.op == "Gemm" and int(slot.attrs.get("transA", 0)):
         return "a Gemm with transA"
     weights = ins[1][1]
-    if all(isinstance(d, int) for d in weights) and math.prod(int(d) for d in weights) > codegen.MAX_PRODUCT_WEIGHTS:
+    size = _fixed_count(weights)
+    if size is not None and size > codegen.MAX_PRODUCT_WEIGHTS:
         return (
             f"a weight of {list(weights)}: the template's one thread per output is for products of at most "
             f"{codegen.MAX_PRODUCT_WEIGHTS} weights; cuBLAS streams bigger ones faster"
         )
-    lead = shape[:-1]
-    rows = math.prod(int(d) for d in lead) if all(isinstance(d, int) for d in lead) else None
+    rows = _fixed_count(shape[:-1])
     if rows is not None and rows > codegen.MAX_PRODUCT_ROWS:
         return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
     return None
+
+
+def _fixed_count(dims: Sequence[object]) -> int | None:
+    """The element count of ``dims``, or None when one of them is symbolic."""
+    count = 1
+    for d in dims:
+        if not isinstance(d, int):
+            return None
+        count *= d
+    return count
 
 
 def _same_elements(a: Sequence[object], b: Sequence[object], numel_a: int | None, numel_b: int | None) -> bool:
