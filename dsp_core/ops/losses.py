@@ -7,7 +7,6 @@ n of each state; they return the n new X's followed by the n of each new state.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from dsp_core.ops.registry import KernelContext, TensorInfo, op
@@ -148,8 +147,13 @@ def adam(
 ) -> tuple[Array, ...]:
     """One Adam step of every X: returns (X_new..., V_new..., H_new...)."""
     xp = ctx.xp
-    step = float(t)
-    rate = r * math.sqrt(1 - beta**step) / (1 - alpha**step) if step > 0 else r
+    # The step count decides the bias correction; computed where T lives (a device segment
+    # never reads it back), the same float64 arithmetic the host form did.
+    step = xp.asarray(t, dtype=xp.float64)
+    first = step <= 0
+    safe = xp.where(first, 1.0, step)
+    correction = xp.sqrt(1 - beta**safe) / (1 - alpha**safe)
+    rate = r * xp.where(first, 1.0, correction).astype(r.dtype)
     updated = []
     for x, g, v, h in zip(*_groups(tensors, 4, "Adam")):
         g_reg = norm_coefficient * x + g
@@ -174,11 +178,13 @@ def momentum(
     """One SGD-with-momentum step (mode standard or nesterov): returns (X_new..., V_new...)."""
     if mode not in ("standard", "nesterov"):
         raise ValueError(f"Momentum mode must be 'standard' or 'nesterov', got {mode!r}")
-    beta_adjusted = beta if float(t) > 0 else 1.0
+    xp = ctx.xp
+    # beta, or 1 on the first step: chosen where T lives (a device segment never reads it back)
+    beta_adjusted = xp.where(xp.asarray(t) > 0, beta, 1.0)
     updated = []
     for x, g, v in zip(*_groups(tensors, 3, "Momentum")):
         g_reg = norm_coefficient * x + g
-        v_new = alpha * v + beta_adjusted * g_reg
+        v_new = alpha * v + beta_adjusted.astype(g_reg.dtype) * g_reg
         direction = g_reg + alpha * v_new if mode == "nesterov" else v_new
         updated.append(((x - r * direction).astype(x.dtype), v_new.astype(v.dtype)))
     return _flatten(updated)

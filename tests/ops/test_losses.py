@@ -59,3 +59,41 @@ def test_nll_2d_input(reduction: str) -> None:
     (got,) = _run_dsp("NegativeLogLikelihoodLoss", args, {"reduction": reduction}, 1)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+class _DeviceScalar(np.ndarray):
+    """A scalar that, like a CuPy array inside a capture, must not be read back on the host."""
+
+    def __float__(self) -> float:
+        raise AssertionError("read on the host")
+
+    def __bool__(self) -> bool:
+        raise AssertionError("read on the host")
+
+    def item(self, *args: Any) -> Any:
+        raise AssertionError("read on the host")
+
+
+@pytest.mark.parametrize("t", [0, 3])
+def test_momentum_and_adam_decide_their_first_step_without_reading_t_back(t: int) -> None:
+    """The step count T picks the first step's special case on the array's own side (a device
+    segment never copies it to the host), with the values of the host arithmetic."""
+    rng = np.random.default_rng(t)
+    x, g, v, h = (rng.standard_normal((3, 4)).astype(np.float32) for _ in range(4))
+    h = np.abs(h)  # a sum of squares
+    r = np.asarray(0.1, np.float32)
+    step = np.asarray(t, np.int64).view(_DeviceScalar)
+    ctx = KernelContext(np, 1, 5, 2)
+    training = "ai.onnx.preview.training"
+    got = lookup("Momentum", training).kernel(
+        ctx, r, step, x, g, v, alpha=0.9, beta=0.1, mode="standard", norm_coefficient=0.01
+    )
+    beta = 0.1 if t > 0 else 1.0
+    v_new = 0.9 * v + beta * (0.01 * x + g)
+    np.testing.assert_array_equal(got[1], v_new.astype(np.float32))
+    np.testing.assert_array_equal(got[0], (x - r * v_new).astype(np.float32))
+    adam = lookup("Adam", training).kernel(KernelContext(np, 1, 6, 3), r, step, x, g, v, h, alpha=0.9, beta=0.999)
+    rate = r * np.sqrt(1 - 0.999**t) / (1 - 0.9**t) if t > 0 else r
+    v2 = 0.9 * v + 0.1 * g
+    h2 = 0.999 * h + 0.001 * g * g
+    np.testing.assert_allclose(adam[0], x - rate * v2 / (np.sqrt(h2) + 1e-6), rtol=1e-6)
