@@ -835,7 +835,7 @@ INJECTIVE_OPS = frozenset(
 )
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
-MAX_PRODUCT_WEIGHTS = 1 << 20  # weight elements of a product the policy gives the template (above: cuBLAS)
+MAX_PRODUCT_WEIGHTS = 1 << 18  # weight elements of a product the policy gives the template (above: cuBLAS; see docs/nvrtc.md)
 SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | _OTHER | _ROW_VALUED | INJECTIVE_OPS | PRODUCT_OPS
 # Ops whose reference kernel is a view on CuPy (no kernel at all): a group of only these
 # runs them; inside a bigger group they are index arithmetic.
