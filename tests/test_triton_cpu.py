@@ -134,7 +134,7 @@ def _spec(
     constants=None,
 ):
     specs = {
-        v: codegen.TensorSpec(shape, dtype, tuple(codegen._row_major(shape)) if v in inputs else None)
+        v: codegen.TensorSpec(shape, dtype, tuple(codegen.row_major(shape)) if v in inputs else None)
         for v, (shape, dtype) in values.items()
     }
     return codegen.GroupSpec(template, nodes, specs, list(inputs), list(outputs), constants or (lambda v: None))

@@ -8,9 +8,11 @@ are known, each value with a ``TensorSpec``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from dsp_core.plan.plan import Plan
 
@@ -39,6 +41,48 @@ class NodeSpec:
     opset: int = 17
     domain: str = ""
     name: str = ""
+
+
+class Unsupported(Exception):
+    """A group the generator's templates cannot generate; the message says why."""
+
+
+@dataclass
+class GroupSpec:
+    """What a generator needs: the nodes in order, every value's spec, what is read and stored."""
+
+    template: str
+    nodes: list[NodeSpec]
+    values: dict[int, TensorSpec]  # every value the nodes read or write (inputs with strides)
+    inputs: list[int]  # values read from outside the group (device arrays)
+    outputs: list[int]  # values stored (read outside the group)
+    constants: Callable[[int], np.ndarray | None] = lambda v: None  # host copy of a small constant input
+    # product template (dsp-triton): output -> (offset, width) along the product's last axis, for
+    # sibling products merged into one (each output stored by its own lanes of the joined product)
+    splits: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # decode attention (dsp-triton) split over the KV positions: {"kv_splits": S, "out": the weighted sum}
+    params: dict[str, int] = field(default_factory=dict)
+
+
+# The ops a generated row-reduction kernel computes (a last-axis reduction stage, or a norm or
+# softmax that reduces its row): the same for every generator of the core's groups.
+ROW_VALUED_OPS = frozenset(
+    {
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceSumSquare",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSumExp",
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "RMSNormalization",
+        "SimplifiedLayerNormalization",
+    }
+)
 
 
 def node_specs(plan: Plan, slots: Sequence[int]) -> list[NodeSpec]:

@@ -40,7 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from dsp_core.plan.kernelspec import NodeSpec, TensorSpec, row_major
+from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
+    ROW_VALUED_OPS,
+    row_major,
+)
+from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
+from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
+from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
+from dsp_core.plan.kernelspec import Unsupported as Unsupported
 
 # numpy dtype -> (C storage type, C compute type)
 C_TYPES: dict[str, tuple[str, str]] = {
@@ -152,22 +159,6 @@ COMMON_PRELUDE = r"""
 __device__ __forceinline__ float dsp_rh(float f) { return dsp_h2f(dsp_f2h(f)); }
 __device__ __forceinline__ float dsp_rbf(float f) { return dsp_bf2f(dsp_f2bf(f)); }
 """
-
-
-class Unsupported(Exception):
-    """A group the templates cannot generate; the message says why."""
-
-
-@dataclass
-class GroupSpec:
-    """What ``generate`` needs: the nodes in order, every value's spec, what is read and stored."""
-
-    template: str
-    nodes: list[NodeSpec]
-    values: dict[int, TensorSpec]  # every value the nodes read or write (inputs with strides)
-    inputs: list[int]  # values read from outside the group (device arrays)
-    outputs: list[int]  # values stored (read outside the group)
-    constants: Callable[[int], np.ndarray | None] = lambda v: None  # host copy of a small constant input
 
 
 @dataclass(frozen=True)
@@ -770,23 +761,7 @@ def _literal_of(x: Any, dtype: str) -> str:
 _CMP = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
 _LOGIC = {"And": "&&", "Or": "||", "Xor": "!="}
 _BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "PRelu": ""}
-_ROW_VALUED = frozenset(
-    {
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceSumSquare",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSumExp",
-        "Softmax",
-        "LogSoftmax",
-        "LayerNormalization",
-        "RMSNormalization",
-        "SimplifiedLayerNormalization",
-    }
-)
+_ROW_VALUED = ROW_VALUED_OPS
 # Ops whose inputs after the first are shape-like (read on the host, never loaded).
 _SHAPE_ARGS = frozenset(
     {"Reshape", "Expand", "Squeeze", "Unsqueeze", "Slice", "Split", "Transpose", "Flatten", "Identity"}
@@ -835,7 +810,9 @@ INJECTIVE_OPS = frozenset(
 )
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
-MAX_PRODUCT_WEIGHTS = 1 << 18  # weight elements of a product the policy gives the template (above: cuBLAS; see docs/nvrtc.md)
+MAX_PRODUCT_WEIGHTS = (
+    1 << 18
+)  # weight elements of a product the policy gives the template (above: cuBLAS; see docs/nvrtc.md)
 SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) | _OTHER | _ROW_VALUED | INJECTIVE_OPS | PRODUCT_OPS
 # Ops whose reference kernel is a view on CuPy (no kernel at all): a group of only these
 # runs them; inside a bigger group they are index arithmetic.

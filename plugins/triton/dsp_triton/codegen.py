@@ -29,12 +29,19 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dsp_core.plan.kernelspec import NodeSpec, TensorSpec
+from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
+    ROW_VALUED_OPS,
+    row_major,
+)
+from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
+from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
+from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
+from dsp_core.plan.kernelspec import Unsupported as Unsupported
 
 # numpy dtype name -> Triton dtype
 TL_DTYPES = {
@@ -62,27 +69,6 @@ VIEW_ON_CUPY = frozenset(
     {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
 )
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
-
-
-class Unsupported(Exception):
-    """A group the templates cannot generate; the message says why."""
-
-
-@dataclass
-class GroupSpec:
-    """What ``generate`` needs: the nodes in order, every value's spec, what is read and stored."""
-
-    template: str
-    nodes: list[NodeSpec]
-    values: dict[int, TensorSpec]  # every value the nodes read or write (inputs with strides)
-    inputs: list[int]  # values read from outside the group
-    outputs: list[int]  # values stored (read outside the group)
-    constants: Callable[[int], np.ndarray | None] = lambda v: None  # host copy of a small constant input
-    # product template: output -> (offset, width) along the product's last axis, for sibling
-    # products merged into one (each output stored by its own lanes of the joined product)
-    splits: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # decode attention split over the KV positions: {"kv_splits": S, "out": the weighted sum}
-    params: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -129,14 +115,6 @@ class Idx:
 def _strip(shape: Sequence[int], idx: Idx) -> tuple[tuple[int, ...], tuple[str, ...]]:
     keep = [k for k, d in enumerate(shape) if d != 1]
     return tuple(shape[k] for k in keep), tuple(idx.dims[k] for k in keep)
-
-
-def _row_major(shape: Sequence[int]) -> list[int]:
-    st, acc = [0] * len(shape), 1
-    for k in range(len(shape) - 1, -1, -1):
-        st[k] = acc
-        acc *= shape[k]
-    return st
 
 
 class _Emitter:
@@ -191,7 +169,7 @@ class _Gen:
 
     # -- indexes -------------------------------------------------------------------------
     def unflatten(self, flat: str, shape: Sequence[int], lane: bool) -> Idx:
-        st = _row_major(shape)
+        st = row_major(shape)
         dims: list[str] = []
         for k, d in enumerate(shape):
             if d == 1:
@@ -204,7 +182,7 @@ class _Gen:
         return Idx(tuple(dims), tuple(lane and d != "0" for d in dims))
 
     def flatten(self, idx: Idx, shape: Sequence[int]) -> tuple[str, bool]:
-        st = _row_major(shape)
+        st = row_major(shape)
         terms = [d if st[k] == 1 else f"{d} * {st[k]}" for k, d in enumerate(idx.dims) if shape[k] != 1 and d != "0"]
         if not terms:
             return "0", False
@@ -279,7 +257,7 @@ class _Gen:
         if v not in self.args:
             self.args.append(v)
         ptr = f"in{self.args.index(v)}"
-        strides = spec.strides if spec.strides is not None else tuple(_row_major(spec.shape))
+        strides = spec.strides if spec.strides is not None else tuple(row_major(spec.shape))
         terms = [
             d if strides[k] == 1 else f"{d} * {strides[k]}"
             for k, d in enumerate(idx.dims)
@@ -572,7 +550,7 @@ class _Gen:
         ptr, pos = f"in{self.args.index(buffer)}", f"in{self.args.index(position)}"
         p = self.em.let(f"tl.load({pos}).to(tl.int32)", False, "kp")
         row = f"({idx.dims[ax]} + {p})"
-        strides = bspec.strides or tuple(_row_major(bspec.shape))
+        strides = bspec.strides or tuple(row_major(bspec.shape))
         dims = [row if k == ax else d for k, d in enumerate(idx.dims)]
         off = " + ".join(f"{d} * {strides[k]}" for k, d in enumerate(dims) if d != "0") or "0"
         ok = f"{self.store_masks.get(update, self.mask)} & ({row} >= 0) & ({row} < {bspec.shape[ax]})"
@@ -813,23 +791,7 @@ def _tl(dtype: str) -> str:
 _CMP = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
 _LOGIC = {"And": "&", "Or": "|", "Xor": "^"}
 _BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/", "Mod": "%", "PRelu": ""}
-_ROW_VALUED = frozenset(
-    {
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceSumSquare",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSumExp",
-        "Softmax",
-        "LogSoftmax",
-        "LayerNormalization",
-        "RMSNormalization",
-        "SimplifiedLayerNormalization",
-    }
-)
+_ROW_VALUED = ROW_VALUED_OPS
 
 
 def _gelu(x: str, attrs: dict[str, Any]) -> str:
@@ -969,7 +931,7 @@ def product_shape(spec: GroupSpec) -> ProductShape:
         raise Unsupported("an empty product")
     if n == 1:
         raise Unsupported("a product of one column (a dot product): left to cuBLAS")
-    strides = B.strides if B.strides is not None else tuple(_row_major(B.shape))
+    strides = B.strides if B.strides is not None else tuple(row_major(B.shape))
     k_stride = strides[-1] if tb else strides[-2]
     if m > 1:
         if A.dtype not in _DOT_DTYPES:
@@ -1020,7 +982,7 @@ def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpe
         attrs = {"alpha": node.attrs.get("alpha", 1.0), "beta": node.attrs.get("beta", 1.0)}
         if biases:
             assert bias_shape is not None
-            values[MERGED_C] = TensorSpec(bias_shape, spec.values[biases[0]].dtype, tuple(_row_major(bias_shape)))
+            values[MERGED_C] = TensorSpec(bias_shape, spec.values[biases[0]].dtype, tuple(row_major(bias_shape)))
             operands = (a, MERGED_B, MERGED_C)
     product = NodeSpec(form, operands, (MERGED_Y,), attrs, node.opset, "", node.name)
     epilogue = spec.nodes[j + 1 :]
@@ -1313,7 +1275,7 @@ def attention_parts(spec: GroupSpec) -> list[tuple[GroupSpec, list[int]]]:
     values = dict(spec.values)
     for v in (x_in, a):
         if v is not None:
-            values[v] = TensorSpec(values[v].shape, values[v].dtype, tuple(_row_major(values[v].shape)))
+            values[v] = TensorSpec(values[v].shape, values[v].dtype, tuple(row_major(values[v].shape)))
     plan: list[tuple[str, list[int], list[int], list[int]]] = [("product", part_a, [], [x_in])]
     if part_c:
         assert a is not None
@@ -1707,8 +1669,8 @@ def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis:
         "    p = tl.load(in2).to(tl.int32)",
     ]
     idx = gen.unflatten("i", update.shape, lane=True)
-    ustr = update.strides or tuple(_row_major(update.shape))
-    bstr = buffer.strides or tuple(_row_major(buffer.shape))
+    ustr = update.strides or tuple(row_major(update.shape))
+    bstr = buffer.strides or tuple(row_major(buffer.shape))
     row = em.let(f"{idx.dims[ax]} + p", True, "i")
     u_off = " + ".join(f"{d} * {ustr[k]}" for k, d in enumerate(idx.dims) if d != "0") or "0"
     b_dims = [row if k == ax else d for k, d in enumerate(idx.dims)]

@@ -12,7 +12,6 @@ capture and replay see one kernel per group.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ from dsp_cuda_graphs.segment import CudaGraphSegment
 from dsp_core import progress
 from dsp_core.errors import KernelError
 from dsp_core.plan.fusion import propose_groups
+from dsp_core.plan.kernelspec import node_specs
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 from dsp_triton.codegen import VIEW_ON_CUPY
@@ -31,22 +31,6 @@ from dsp_triton.kernels import FusedGroup, GroupReport, KVStore
 # Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
 FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product", "decode_attention"})
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
-
-
-def node_specs(plan: Plan, slots: Sequence[int]) -> list[codegen.NodeSpec]:
-    """The generator's view of a group's slots, wired by flat value indexes."""
-    return [
-        codegen.NodeSpec(
-            op=plan.slots[s].op,
-            inputs=tuple(plan.flat(r) if r is not None else None for r in plan.slots[s].inputs),
-            outputs=tuple(plan.flat(v) if v is not None else None for v in plan.slots[s].outputs),
-            attrs=dict(plan.slots[s].attrs),
-            opset=plan.slots[s].opset,
-            domain=plan.slots[s].domain,
-            name=plan.slots[s].name,
-        )
-        for s in slots
-    ]
 
 
 def unfused_reason(plan: Plan, group: Any) -> str | None:
