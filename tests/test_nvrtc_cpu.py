@@ -659,3 +659,22 @@ def test_nvrtc_generates_no_op_that_dsp_triton_does_not() -> None:
     from dsp_triton import codegen as triton_codegen
 
     assert codegen.SUPPORTED_OPS <= triton_codegen.SUPPORTED_OPS | triton_codegen.PRODUCT_OPS
+
+
+def test_reference_specs_give_inputs_their_element_strides_and_name_the_device_inputs() -> None:
+    """One helper builds both generators' value specs from a reference run (dsp_core.plan.kernelspec)."""
+    from dsp_core.plan.kernelspec import Unsupported, reference_specs
+
+    class Device:  # a stand-in for a CuPy array: not a numpy array
+        def __init__(self, a: np.ndarray) -> None:
+            self.shape, self.dtype, self.strides = a.shape, a.dtype, a.strides
+
+    x = np.zeros((4, 6), np.float32).T  # a transposed input: strides (1, 6) in elements
+    local = {1: Device(x), 2: np.ones(3, np.int64), 3: np.zeros((6, 4), np.float16), 4: None}
+    values, device = reference_specs(local, (1, 2), [local[1], local[2]])
+    assert values[1] == codegen.TensorSpec((6, 4), "float32", (1, 6))
+    assert values[3] == codegen.TensorSpec((6, 4), "float16", None)  # computed inside: no strides
+    assert 4 not in values and device == [1]
+    odd = np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), shape=(3,), strides=(6,))
+    with pytest.raises(Unsupported, match="not in whole elements"):
+        reference_specs({1: odd}, (1,), [odd])

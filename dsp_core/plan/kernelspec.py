@@ -8,7 +8,7 @@ are known, each value with a ``TensorSpec``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,3 +108,26 @@ def row_major(shape: Sequence[int]) -> list[int]:
         st[k] = acc
         acc *= shape[k]
     return st
+
+
+def reference_specs(
+    local: Mapping[int, Any], in_flats: Sequence[int], inputs: Sequence[Any]
+) -> tuple[dict[int, TensorSpec], list[int]]:
+    """A group's values as one reference run left them (``local``: flat id -> array), as specs
+    (the group's inputs with their element strides), and the inputs that live on the device.
+
+    Unsupported when an input's strides are not whole elements.
+    """
+    values: dict[int, TensorSpec] = {}
+    for flat, x in local.items():
+        if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            continue
+        strides = None
+        if flat in in_flats and hasattr(x, "strides"):
+            item = x.dtype.itemsize
+            if any(s % item for s in x.strides):
+                raise Unsupported(f"input {flat} has strides {x.strides} not in whole elements")
+            strides = tuple(int(s) // item for s in x.strides)
+        values[flat] = TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
+    device = [f for f, x in zip(in_flats, inputs) if x is not None and not isinstance(x, np.ndarray | np.generic)]
+    return values, device

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable
 
+from dsp_core.plan.kernelspec import reference_specs
 from dsp_nvrtc import codegen, compiler
 from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_digest
 
@@ -108,20 +109,10 @@ class NvrtcGroup(GroupStep):
     def spec(self, inputs: Sequence[Any], local: dict[int, Any], asked: set[int] | None = None) -> codegen.GroupSpec:
         """The generator's view of this layout (every value's shape and dtype from a reference run);
         ``asked`` collects the values whose contents the generator read."""
-        values: dict[int, codegen.TensorSpec] = {}
-        for flat, x in local.items():
-            if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
-                continue
-            strides = None
-            if flat in self.in_flats and hasattr(x, "strides"):
-                item = x.dtype.itemsize
-                if any(s % item for s in x.strides):
-                    raise Unfusable(f"input {flat} has strides {x.strides} not in whole elements")
-                strides = tuple(int(s) // item for s in x.strides)
-            values[flat] = codegen.TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
-        device_inputs = [
-            f for f, x in zip(self.in_flats, inputs) if x is not None and not isinstance(x, np.ndarray | np.generic)
-        ]
+        try:
+            values, device_inputs = reference_specs(local, self.in_flats, inputs)
+        except codegen.Unsupported as exc:
+            raise Unfusable(str(exc)) from exc
         return codegen.GroupSpec(
             self.report.template,
             self.nodes,

@@ -32,6 +32,7 @@ import numpy as np
 from dsp_cuda_graphs.fusion import constants_match, mismatch
 
 from dsp_core.backends.base import CaptureFailed
+from dsp_core.plan.kernelspec import reference_specs
 from dsp_triton import codegen
 from dsp_triton.cache import TuneCache, cache_root, scoped, source_key, write_checked
 
@@ -253,20 +254,7 @@ class FusedGroup:
 
     def _spec(self, inputs: Sequence[Any]) -> tuple[codegen.GroupSpec, tuple[Any, ...], dict[int, Any]]:
         ref_outs, local = self.reference(inputs, keep=True)
-        values: dict[int, codegen.TensorSpec] = {}
-        for flat, x in local.items():
-            if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
-                continue
-            strides = None
-            if flat in self.in_flats and hasattr(x, "strides"):
-                item = x.dtype.itemsize
-                if any(s % item for s in x.strides):
-                    raise codegen.Unsupported(f"input {flat} has strides {x.strides} not in whole elements")
-                strides = tuple(int(s) // item for s in x.strides)
-            values[flat] = codegen.TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
-        device_inputs = [
-            f for f, x in zip(self.in_flats, inputs) if x is not None and not isinstance(x, np.ndarray | np.generic)
-        ]
+        values, device_inputs = reference_specs(local, self.in_flats, inputs)
         spec = codegen.GroupSpec(
             self.report.template,
             self.nodes,
