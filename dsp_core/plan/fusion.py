@@ -429,6 +429,13 @@ class ReferencePolicy(FusionPolicy):
 
     name = "reference"
     limits = FusionLimits()
+    _readers_of: tuple[Plan | None, dict[int, list[int]]] = (None, {})
+
+    def readers(self, plan: Plan) -> dict[int, list[int]]:
+        """Value id -> the slots that read it (``value_readers``), memoised for the last plan asked."""
+        if self._readers_of[0] is not plan:
+            self._readers_of = (plan, value_readers(plan))
+        return self._readers_of[1]
 
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         kind = pattern.kind

@@ -290,9 +290,10 @@ def fused_steps(
 
 
 class BuildProgress:
-    """A progress step (dsp_core.progress) whose bar advances as each pending group step settles."""
+    """A progress step (dsp_core.progress) whose bar advances as each pending group step settles
+    (any step with a ``progress`` attribute: a GroupStep, dsp-triton's FusedGroup)."""
 
-    def __init__(self, pending: Sequence[GroupStep], label: str) -> None:
+    def __init__(self, pending: Sequence[Any], label: str) -> None:
         self.pending = list(pending)
         self.label = label
         self._step: Any = None

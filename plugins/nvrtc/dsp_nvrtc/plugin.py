@@ -20,7 +20,6 @@ from dsp_core.plan.fusion import (
     ReferencePolicy,
     SlotPattern,
     feeds_only_norm_statistics,
-    value_readers,
 )
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
@@ -51,7 +50,6 @@ class NvrtcPolicy(ReferencePolicy):
 
     def __init__(self) -> None:
         self._ops: dict[int, str] = {}
-        self._readers_of: tuple[Plan | None, dict[int, list[int]]] = (None, {})
 
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         template = super().seed(plan, s, pattern)
@@ -82,9 +80,7 @@ class NvrtcPolicy(ReferencePolicy):
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its elements"
         if not _generated(plan, s):
             return f"{op} has no CUDA C template (dsp-nvrtc generates {len(codegen.SUPPORTED_OPS)} ops)"
-        if self._readers_of[0] is not plan:
-            self._readers_of = (plan, value_readers(plan))
-        if feeds_only_norm_statistics(plan, group.patterns, self._readers_of[1], s):
+        if feeds_only_norm_statistics(plan, group.patterns, self.readers(plan), s):
             return f"{op} feeds only a norm's reduction: it goes with the norm"
         # The same elements (a view may regroup the rows): each thread computes one dot product.
         anchor = group.patterns[group.slots[0]]

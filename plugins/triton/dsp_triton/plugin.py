@@ -20,7 +20,6 @@ from dsp_core.plan.fusion import (
     SlotPattern,
     feeds_only_norm_statistics,
     norm_prologue,
-    value_readers,
 )
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
@@ -62,7 +61,6 @@ class TritonPolicy(ReferencePolicy):
 
     def __init__(self) -> None:
         self._ops: dict[int, str] = {}
-        self._readers_of: tuple[Plan | None, dict[int, list[int]]] = (None, {})
 
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         template = super().seed(plan, s, pattern)
@@ -133,7 +131,7 @@ class TritonPolicy(ReferencePolicy):
         if group.template == "row_reduction":  # a norm: each program computes the row statistic itself
             if not decode_fusion():
                 return f"{OFF}: a norm runs as its own kernel before the product"
-            return norm_prologue(plan, group, s, self._readers(plan)) or self._looped(plan, group)
+            return norm_prologue(plan, group, s, self.readers(plan)) or self._looped(plan, group)
         if is_merged(plan.slots[s]):
             return "a merged product reads its joined weights: no prologue of index arithmetic is fused"
         if group.template not in ("copy", "view"):
@@ -145,7 +143,7 @@ class TritonPolicy(ReferencePolicy):
             for v in plan.slots[m].outputs:
                 if v is None:
                     continue
-                if v in plan.outputs or any(r not in members for r in self._readers(plan).get(v, ())):
+                if v in plan.outputs or any(r not in members for r in self.readers(plan).get(v, ())):
                     return f"slot {m}'s output is read outside the product: it must be stored"
         return None
 
@@ -196,7 +194,7 @@ class TritonPolicy(ReferencePolicy):
 
     def _only_for(self, plan: Plan, slots: Sequence[int], members: set[int]) -> str | None:
         """None when every value ``slots`` make is read only by ``members`` (and is no plan output)."""
-        readers = self._readers(plan)
+        readers = self.readers(plan)
         for m in slots:
             for v in plan.slots[m].outputs:
                 if v is None:
@@ -243,12 +241,6 @@ class TritonPolicy(ReferencePolicy):
             return "the weighted sum's first operand is not the softmax's probabilities"
         return self._only_for(plan, group.slots, {*group.slots, s})
 
-    def _readers(self, plan: Plan) -> dict[int, list[int]]:
-        """Value id -> slots that read it (memoised per plan)."""
-        if self._readers_of[0] is not plan:
-            self._readers_of = (plan, value_readers(plan))
-        return self._readers_of[1]
-
     def _epilogue_ok(
         self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
     ) -> str | None:
@@ -284,7 +276,7 @@ class TritonPolicy(ReferencePolicy):
 
     def _feeds_only_stores(self, plan: Plan, s: int) -> bool:
         """True when everything slot ``s`` makes goes, through layout ops only, to KV stores as their row."""
-        readers = self._readers(plan)
+        readers = self.readers(plan)
         stack, seen = [s], set()
         while stack:
             m = stack.pop()
@@ -311,7 +303,7 @@ class TritonPolicy(ReferencePolicy):
 
     def _feeds_a_norm(self, plan: Plan, group: GroupView, s: int) -> bool:
         """True when every reader of ``s`` is a norm's statistic (``feeds_only_norm_statistics``)."""
-        return feeds_only_norm_statistics(plan, group.patterns, self._readers(plan), s)
+        return feeds_only_norm_statistics(plan, group.patterns, self.readers(plan), s)
 
     @staticmethod
     def _generated(plan: Plan, s: int, pattern: SlotPattern) -> bool:

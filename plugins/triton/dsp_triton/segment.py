@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from dsp_cpu_ref.slot_by_slot import run_order
 from dsp_cuda_graphs import device
+from dsp_cuda_graphs.fusion import BuildProgress
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
-from dsp_core import progress
 from dsp_core.errors import KernelError
 from dsp_core.plan.fusion import propose_groups
 from dsp_core.plan.kernelspec import node_specs
@@ -166,7 +166,7 @@ class TritonSegment(CudaGraphSegment):
         pending = [g for g in stages if g.report.status == "pending"]
         if not pending:
             return contextlib.nullcontext()
-        return _Compiling(pending, f"triton: compile, tune and check {len(pending)} fused kernels")
+        return BuildProgress(pending, f"triton: compile, tune and check {len(pending)} fused kernels")
 
     def fusion_report(self) -> list[dict[str, Any]]:
         """Per group: fused into a Triton kernel, or why it runs its reference kernels."""
@@ -175,23 +175,3 @@ class TritonSegment(CudaGraphSegment):
     @property
     def stream(self) -> Any:
         return device.state(self._tf32)["stream"]
-
-
-class _Compiling:
-    """A progress step whose bar advances as each pending group settles."""
-
-    def __init__(self, pending: list[Any], label: str) -> None:
-        self.pending = pending
-        self.label = label
-        self._step: Any = None
-
-    def __enter__(self) -> None:
-        self._step = progress.step(self.label, total=len(self.pending), unit="kernels")
-        bar = self._step.__enter__()
-        for g in self.pending:
-            g.progress = bar
-
-    def __exit__(self, *exc: Any) -> None:
-        for g in self.pending:
-            g.progress = None
-        self._step.__exit__(*exc)
