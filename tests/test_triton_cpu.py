@@ -886,3 +886,36 @@ def test_product_kernels_with_a_kv_store_match_the_reference_under_the_interpret
     )
     stores = [r for r in results if "KVScatter" in r["ops"]]
     assert len(stores) == 4 and all(r["status"] == "ok" and r["template"] == "product" for r in stores), stores
+
+
+# -- the greedy pick: dsp::Sample at temperature 0 and ArgMax over the last axis, as two kernels ----
+def test_greedy_picks_are_recognised_and_nothing_else() -> None:
+    from dsp_triton.segment import greedy_pick
+
+    def slot(op: str, domain: str = "", **attrs: object) -> object:
+        return type("S", (), {"op": op, "domain": domain, "attrs": attrs})()
+
+    assert greedy_pick(slot("Sample", "dsp", temperature=0.0)) == {"sample": True}
+    assert greedy_pick(slot("Sample", "dsp", temperature=0.7)) is None  # a real draw stays the reference's
+    assert greedy_pick(slot("ArgMax", axis=-1, keepdims=0)) == {"sample": False, "keepdims": False, "axis": -1}
+    assert greedy_pick(slot("ArgMax", axis=1, select_last_index=1)) is None  # the last best index: the reference
+    assert greedy_pick(slot("ArgMin", axis=-1)) is None
+
+
+def test_the_greedy_pick_spreads_a_row_over_chunks_and_declines_what_it_cannot_key() -> None:
+    first, second = codegen.argmax_rows(codegen.TensorSpec((2, 128256), "float16", (128256, 1)))
+    assert first.grid == (126, 2, 1) and second.grid == (2, 1, 1)  # 126 programs per row, then one per row
+    assert "bitcast=True" in first.source and first.args == (0, 1, 2) and second.args == (1, 2, 3)
+    strided, _ = codegen.argmax_rows(codegen.TensorSpec((1, 50257), "float32", (7 * 50257, 1)))
+    assert f"* {7 * 50257}" in strided.source  # the row stride of a [B, S, V][:, -1] view, read in place
+    for bad in (codegen.TensorSpec((2, 8), "int64", (8, 1)), codegen.TensorSpec((2, 3, 8), "float32", (24, 8, 1))):
+        with pytest.raises(codegen.Unsupported):
+            codegen.argmax_rows(bad)
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_the_greedy_pick_matches_numpys_argmax_under_the_interpreter() -> None:
+    results = _interpreted("print(json.dumps(ic.argmax_cases()))\n")
+    assert len(results) == 3 * (4 * 6 + 1)
+    bad = [r for r in results if not r["ok"]]
+    assert not bad, bad[:3]

@@ -202,3 +202,70 @@ class _NumpyAsCupy:
     @staticmethod
     def asnumpy(x: Any) -> np.ndarray:
         return np.asarray(x)
+
+
+def argmax_cases(tmp: Path | None = None) -> list[dict[str, Any]]:
+    """codegen.argmax_rows's two kernels under the interpreter against numpy's argmax, over rows with
+    ties, NaNs, signed zeros and infinities, one or several chunks, and a strided [B, S, V][:, -1] view."""
+    import torch
+    from dsp_triton import codegen
+
+    tmp = tmp or Path(tempfile.mkdtemp(prefix="dsp-argmax-"))
+    rng = np.random.default_rng(0)
+
+    def pick(x: np.ndarray) -> np.ndarray:
+        spec = codegen.TensorSpec(x.shape, str(x.dtype), tuple(s // x.itemsize for s in x.strides))
+        first, second = codegen.argmax_rows(spec, chunk=256)
+        rows, chunks = x.shape[0], first.grid[0]
+        keys, pos, out = (
+            np.empty((rows, chunks), np.int64),
+            np.empty((rows, chunks), np.int64),
+            np.empty(rows, np.int64),
+        )
+        load_kernel(tmp, first)[first.grid](_torch_view(torch, x), torch.from_numpy(keys), torch.from_numpy(pos))
+        load_kernel(tmp, second)[second.grid](torch.from_numpy(keys), torch.from_numpy(pos), torch.from_numpy(out))
+        return out
+
+    results = []
+    for dtype in (np.float16, np.float32, np.float64):
+        for rows, vocab in ((1, 5), (2, 256), (3, 257), (2, 1500)):
+            for case in ("random", "ties", "nan", "-inf", "signed zeros", "-0 first"):
+                x = rng.standard_normal((rows, vocab)).astype(dtype)
+                if case == "ties":
+                    x = np.round(x)
+                elif case == "nan":
+                    x[:, vocab // 2] = np.nan
+                    x[:, -1] = np.nan
+                elif case == "-inf":
+                    x[:] = -np.inf
+                elif case == "signed zeros":
+                    x[:] = 0.0
+                    x[:, : vocab // 3] = -0.0
+                elif case == "-0 first":
+                    x[:] = -1.0
+                    x[:, 1:] = 0.0
+                    x[:, 0] = -0.0
+                got, want = pick(x), np.argmax(x, axis=-1)
+                results.append(
+                    {
+                        "dtype": np.dtype(dtype).name,
+                        "shape": [rows, vocab],
+                        "case": case,
+                        "ok": bool((got == want).all()),
+                        "got": got.tolist(),
+                        "want": want.tolist(),
+                    }
+                )
+        x = rng.standard_normal((2, 3, 700)).astype(dtype)[:, -1]
+        got, want = pick(x), np.argmax(x, axis=-1)
+        results.append(
+            {
+                "dtype": np.dtype(dtype).name,
+                "shape": [2, 700],
+                "case": "strided",
+                "ok": bool((got == want).all()),
+                "got": got.tolist(),
+                "want": want.tolist(),
+            }
+        )
+    return results

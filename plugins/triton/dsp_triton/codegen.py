@@ -1698,6 +1698,92 @@ def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis:
     return Kernel(source, name, (0, 1, 2), 3, grid, 4 if blk >= 512 else 2 if blk >= 128 else 1, blk, "kv_store")
 
 
+# The greedy pick (dsp::Sample at temperature 0, ArgMax over the last axis): each value is
+# compared as an integer key that orders like the float (NaN above everything, as numpy's
+# argmax takes the first NaN; -0 equal to +0), so the first index of the row's best is exact.
+_KEY_BITS = {
+    "float16": ("tl.int16", 0x7FFF, 0x7C00),
+    "bfloat16": ("tl.int16", 0x7FFF, 0x7F80),
+    "float32": ("tl.int32", 0x7FFFFFFF, 0x7F800000),
+    "float64": ("tl.int64", 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+}
+ARGMAX_CHUNK = 1024  # elements of a row one program of the first kernel reads
+
+
+def argmax_rows(logits: TensorSpec, chunk: int = ARGMAX_CHUNK) -> tuple[Kernel, Kernel]:
+    """The first index of each row's largest value of a [B, V] tensor (any strides), as two kernels.
+
+    The first kernel (grid: chunks x rows) writes each chunk's best key (int64) and its first
+    index (int64) to two [B, chunks] scratch arrays; the second (grid: rows) picks the best
+    chunk and writes the row's index (int64 [B]). A single reduction over a 128k vocabulary
+    keeps one block busy for ~100 µs; this spreads the row over the device.
+    Arguments: (logits, keys, indexes) and (keys, indexes, out).
+    """
+    got = _KEY_BITS.get(logits.dtype)
+    if got is None:
+        raise Unsupported(f"a greedy pick over {logits.dtype}")
+    if len(logits.shape) != 2 or logits.numel == 0:
+        raise Unsupported(f"a greedy pick over {list(logits.shape)}")
+    bits, magnitude, inf = got
+    rows, vocab = logits.shape
+    if vocab >= 2**31:
+        raise Unsupported("a row of 2^31 values or more")
+    rs, cs = logits.strides or tuple(row_major(logits.shape))
+    blk = min(chunk, max(32, 1 << (vocab - 1).bit_length()))
+    chunks = (vocab + blk - 1) // blk
+    big, small = "9223372036854775807", "-9223372036854775808"
+    first = [
+        "import triton",
+        "import triton.language as tl",
+        "",
+        "",
+        "@triton.jit",
+        "def KERNEL(in0, out0, out1):",
+        "    c = tl.program_id(0)",
+        "    b = tl.program_id(1)",
+        f"    j = c * {blk} + tl.arange(0, {blk})",
+        f"    mask = j < {vocab}",
+        f"    x = tl.load(in0 + b.to(tl.int64) * {rs} + j.to(tl.int64) * {cs}, mask=mask, other=0)",
+        f"    bits = x.to({bits}, bitcast=True)",
+        f"    mag = (bits & {magnitude}).to(tl.int64)",
+        "    key = tl.where(bits < 0, -mag, mag)",
+        f"    key = tl.where(mag > {inf}, {big}, key)",
+        f"    key = tl.where(mask, key, {small})",
+        "    best = tl.max(key, axis=0)",
+        "    pos = tl.min(tl.where(key == best, j, 2147483647), axis=0)",
+        f"    tl.store(out0 + b * {chunks} + c, best)",
+        f"    tl.store(out1 + b * {chunks} + c, pos.to(tl.int64))",
+        "",
+    ]
+    width = max(2, 1 << (chunks - 1).bit_length())
+    second = [
+        "import triton",
+        "import triton.language as tl",
+        "",
+        "",
+        "@triton.jit",
+        "def KERNEL(in0, in1, out0):",
+        "    b = tl.program_id(0)",
+        f"    c = tl.arange(0, {width})",
+        f"    mask = c < {chunks}",
+        f"    key = tl.load(in0 + b * {chunks} + c, mask=mask, other={small})",
+        f"    pos = tl.load(in1 + b * {chunks} + c, mask=mask, other={big})",
+        "    best = tl.max(key, axis=0)",
+        f"    tl.store(out0 + b, tl.min(tl.where(key == best, pos, {big}), axis=0))",
+        "",
+    ]
+    kernels = []
+    for lines, prefix, grid, args, n_in, warps, block in (
+        (first, "dsp_argmax_", (chunks, rows, 1), (0, 1, 2), 1, 4, blk),
+        (second, "dsp_argmax_pick_", (rows, 1, 1), (1, 2, 3), 2, 1, width),
+    ):
+        source = "\n".join(lines)
+        name = prefix + hashlib.blake2b(source.encode(), digest_size=5).hexdigest()
+        source = source.replace("def KERNEL(", f"def {name}(", 1)
+        kernels.append(Kernel(source, name, args, n_in, grid, warps, block, "argmax"))
+    return kernels[0], kernels[1]
+
+
 __all__ = [
     "MAX_PRODUCT_ROWS",
     "MERGED_B",
@@ -1706,12 +1792,14 @@ __all__ = [
     "PRODUCT_OPS",
     "SUPPORTED_OPS",
     "VIEW_ON_CUPY",
+    "ARGMAX_CHUNK",
     "ProductShape",
     "GroupSpec",
     "Kernel",
     "NodeSpec",
     "TensorSpec",
     "Unsupported",
+    "argmax_rows",
     "attention_configs",
     "attention_nodes",
     "attention_parts",

@@ -26,7 +26,7 @@ from dsp_core.plan.kernelspec import node_specs
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen
 from dsp_triton.codegen import VIEW_ON_CUPY
-from dsp_triton.kernels import FusedGroup, GroupReport, KVStore
+from dsp_triton.kernels import FusedGroup, GreedyPick, GroupReport, KVStore
 
 # Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
 FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product", "decode_attention"})
@@ -47,6 +47,20 @@ def unfused_reason(plan: Plan, group: Any) -> str | None:
     return None
 
 
+def greedy_pick(slot: Any) -> dict[str, Any] | None:
+    """How a slot is a greedy pick (GreedyPick's options), or None: dsp::Sample at temperature 0,
+    ArgMax over the last axis taking the first best index."""
+    if slot.domain == "dsp" and slot.op == "Sample":
+        return {"sample": True} if float(slot.attrs.get("temperature", 1.0)) <= 0.0 else None
+    if slot.domain in ("", "ai.onnx") and slot.op == "ArgMax" and not int(slot.attrs.get("select_last_index", 0)):
+        return {
+            "sample": False,
+            "keepdims": bool(int(slot.attrs.get("keepdims", 1))),
+            "axis": int(slot.attrs.get("axis", 0)),
+        }
+    return None
+
+
 class TritonSegment(CudaGraphSegment):
     """One segment (or island) on the GPU with fused Triton kernels for its groups."""
 
@@ -55,6 +69,7 @@ class TritonSegment(CudaGraphSegment):
         self._tolerance = tolerance
         self.groups: list[FusedGroup] = []
         self.kv_stores: list[KVStore] = []
+        self.picks: list[GreedyPick] = []
         self.reports: list[GroupReport] = []
         self._step_slots: list[tuple[int, ...]] = []
 
@@ -82,6 +97,15 @@ class TritonSegment(CudaGraphSegment):
                 store = KVStore(report, kernel, int(first.attrs.get("axis", -2)), st["cupy"], lambda: self._capturing)
                 self.kv_stores.append(store)
                 steps.append((store, step_ins, step_outs, step_rel))
+                step_slots.append(g.slots)
+                continue
+            pick = greedy_pick(first) if len(g.slots) == 1 else None
+            if pick is not None:
+                kernel, step_ins, step_outs, step_rel = mine[0]
+                report.template = "greedy_pick"
+                greedy = GreedyPick(report, kernel, st["cupy"], lambda: self._capturing, **pick)
+                self.picks.append(greedy)
+                steps.append((greedy, step_ins, step_outs, step_rel))
                 step_slots.append(g.slots)
                 continue
             why = unfused_reason(plan, g)
@@ -162,7 +186,7 @@ class TritonSegment(CudaGraphSegment):
     def _compiling(self) -> Any:
         """A progress step while groups still have to be compiled, tuned and checked (else nothing)."""
         self._ensure()
-        stages: list[Any] = [*self.groups, *self.kv_stores]
+        stages: list[Any] = [*self.groups, *self.kv_stores, *self.picks]
         pending = [g for g in stages if g.report.status == "pending"]
         if not pending:
             return contextlib.nullcontext()
