@@ -198,3 +198,26 @@ def test_variables_are_classed(mlp_graph: dsp.Graph) -> None:
         "state": ExternalClass.VARIABLE,
         **{e.name: ExternalClass.CONSTANT for e in plan.externals if e.cls is ExternalClass.CONSTANT},
     }
+
+
+# -- the reference backend's step program: a loop on its first run, generated code after ----------
+def test_a_step_program_loops_once_then_runs_generated_code_and_names_the_raising_step() -> None:
+    from dsp_cpu_ref.slot_by_slot import generate
+
+    def bad(x: int) -> int:
+        if x < 0:
+            raise ValueError("negative")
+        return x
+
+    steps = [(lambda a: a + 1, (0,), 1, ()), (lambda a: (a * 2, a * 3), (1,), (2, 3), (1,)), (bad, (3,), 4, ())]
+    program = generate(steps, "t")
+    values: list[object] = [1, None, None, None, None]
+    program(values)  # the first run: the loop, nothing compiled
+    assert values == [1, None, 4, 6, 6] and program.code is not None  # and compiled for the next
+    for first in (True, False):
+        fresh = generate(steps, "t") if first else program
+        values = [-5, None, None, None, None]
+        with pytest.raises(ValueError) as info:
+            fresh(values)
+        assert fresh.failing_step(info.value) == 2, "loop" if first else "generated"
+    assert program.failing_step(RuntimeError("elsewhere")) is None

@@ -29,7 +29,7 @@ def run_on_cupy(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) -> dict[
     for k, ext in enumerate(plan.externals):
         if ext.name in feeds:
             values[plan.flat(plan.external_ref(k))] = cp.asarray(feeds[ext.name])
-    run, _ = generate(steps, f"{plan.graph_name}#cupy")  # cpu_ref's straight-line runner, cupy kernels
+    run = generate(steps, f"{plan.graph_name}#cupy")  # cpu_ref's straight-line runner, cupy kernels
     run(values)
     return {name: cp.asnumpy(values[plan.flat(r)]) for name, r in zip(plan.output_names, plan.outputs)}
 

@@ -117,19 +117,88 @@ def _line(n: int, step: Step, timed: bool = False) -> str:
     return "    " + "; ".join(parts)
 
 
-def generate(steps: list[Step], name: str, timed: bool = False) -> tuple[Any, int]:
-    """Compile the steps into ``run(v)`` (timed: ``run(v, t)``); returns it and the first step's line number."""
-    # timed=True (diag TIMING, traces): t[n] = perf_counter_ns() as step n begins, t[len(steps)] at the end.
+def _source(steps: list[Step], timed: bool) -> str:
     header = "def run(v, t):" if timed else "def run(v):"
     body = [_line(n, step, timed) for n, step in enumerate(steps)]
     if timed:
         body.append(f"    t[{len(steps)}] = pc()")
-    source = "\n".join([header, *(body or ["    pass"])]) + "\n"
-    namespace: dict[str, Any] = {f"k{n}": step[0] for n, step in enumerate(steps)}
-    namespace["pc"] = time.perf_counter_ns
-    code = compile(source, f"<dsp segment {name}>", "exec")
-    exec(code, namespace)  # noqa: S102  (source made of integers and fixed names only)
-    return namespace["run"], 2
+    return "\n".join([header, *(body or ["    pass"])]) + "\n"
+
+
+class Program:
+    """A segment's steps as one callable ``run(v)`` (timed: ``run(v, t)``), and which step raised.
+
+    From its second run on it is generated straight-line code (one line per step, no loop,
+    no lookups). Its first run goes through the steps in a loop instead: compiling the
+    code of a big plan costs more than running it once (GPT-2 124M's prefill: ~8 ms of
+    ``compile`` against well under a millisecond of loop), and a plan that runs once (a
+    prefill, a warm start's first token) never pays for it. ``timed`` programs are
+    generated at once (diag TIMING, traces).
+    """
+
+    def __init__(self, steps: list[Step], name: str, timed: bool = False) -> None:
+        self.steps = steps
+        self.name = name
+        self.timed = timed
+        self.code: Any = None  # the generated function's code object, once generated
+        self._run: Any = None
+        self._failed: tuple[BaseException, int] | None = None  # the loop's last raise and its step
+        if timed:
+            self._compile()
+
+    def _compile(self) -> None:
+        # timed=True (diag TIMING, traces): t[n] = perf_counter_ns() as step n begins, t[len(steps)] at the end.
+        namespace: dict[str, Any] = {f"k{n}": step[0] for n, step in enumerate(self.steps)}
+        namespace["pc"] = time.perf_counter_ns
+        code = compile(_source(self.steps, self.timed), f"<dsp segment {self.name}>", "exec")
+        exec(code, namespace)  # noqa: S102  (source made of integers and fixed names only)
+        self._run = namespace["run"]
+        self.code = self._run.__code__
+
+    def __call__(self, v: list[Any], t: list[int] | None = None) -> None:
+        if self._run is not None:
+            if self.timed:
+                self._run(v, t)
+            else:
+                self._run(v)
+            return
+        n = 0
+        try:
+            for n, (kernel, ins, outs, releases) in enumerate(self.steps):  # noqa: B007  (n: read on a raise)
+                r = kernel(*[v[i] for i in ins])
+                if isinstance(outs, int):
+                    v[outs] = r
+                else:
+                    for j, o in enumerate(outs):
+                        v[o] = r[j]
+                for i in releases:
+                    v[i] = None
+        except BaseException as exc:
+            self._failed = (exc, n)
+            raise
+        self._compile()  # the second run on: straight-line code
+
+    def failing_step(self, exc: BaseException) -> int | None:
+        """The index of the step whose call raised ``exc`` in this program (None: not raised here)."""
+        if self._failed is not None:
+            seen: BaseException | None = exc
+            while seen is not None:  # the loop's raise, or an error raised from it
+                if seen is self._failed[0]:
+                    return self._failed[1]
+                seen = seen.__cause__ or seen.__context__
+        tb, line = exc.__traceback__, None
+        while tb is not None:
+            if self.code is not None and tb.tb_frame.f_code is self.code:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        if line is None:
+            return None
+        return max(0, min(line - 2, len(self.steps) - 1))  # line 1 is the header
+
+
+def generate(steps: list[Step], name: str, timed: bool = False) -> Program:
+    """The steps as one callable ``run(v)`` (timed: ``run(v, t)``): see Program."""
+    return Program(steps, name, timed)
 
 
 class SlotBySlotSegment(CompiledSegment):
@@ -140,8 +209,8 @@ class SlotBySlotSegment(CompiledSegment):
         self._plan = plan
         self._order = run_order(segment)  # the slot of each step
         self._steps = bind_steps(plan, segment)
-        self._run, self._first_line = generate(self._steps, f"{plan.graph_name}#{segment.index}")
-        self._timed_run: Any = None  # diag: the timed variant, generated on first use
+        self._run = generate(self._steps, f"{plan.graph_name}#{segment.index}")
+        self._timed_run: Program | None = None  # diag: the timed variant, generated on first use
 
     def run(self, values: list[Any]) -> None:
         """Execute every slot of the segment in order."""
@@ -158,7 +227,7 @@ class SlotBySlotSegment(CompiledSegment):
     def _run_timed(self, values: list[Any]) -> None:
         """Run the timed variant and hand each slot's span to diag (those that finished, if one raised)."""
         if self._timed_run is None:
-            self._timed_run, _ = generate(self._steps, f"{self._plan.graph_name}#{self.segment.index}", timed=True)
+            self._timed_run = generate(self._steps, f"{self._plan.graph_name}#{self.segment.index}", timed=True)
         times = [0] * (len(self._steps) + 1)
         try:
             self._timed_run(values, times)
@@ -168,14 +237,10 @@ class SlotBySlotSegment(CompiledSegment):
 
     def _error(self, exc: Exception) -> KernelError:
         """Name the slot whose line raised."""
-        tb = exc.__traceback__
-        line = None
-        codes = (self._run.__code__, getattr(self._timed_run, "__code__", None))
-        while tb is not None:
-            if tb.tb_frame.f_code in codes:
-                line = tb.tb_lineno
-            tb = tb.tb_next
-        k = (line - self._first_line) if line is not None else 0
+        k = self._run.failing_step(exc)
+        if k is None and self._timed_run is not None:
+            k = self._timed_run.failing_step(exc)
+        k = k or 0
         slot = self._plan.slots[self._order[max(0, min(k, len(self._order) - 1))]]
         return KernelError(f'{slot.op} node "{slot.name}" (slot {slot.index}) failed: {type(exc).__name__}: {exc}')
 
@@ -190,7 +255,7 @@ class SubPlanRunner:
     def __init__(self, plan: Plan, xp: Any) -> None:
         self.plan = plan
         steps = bind_steps(plan, Segment(0, "slot_by_slot", "SLOT_BY_SLOT", tuple(range(len(plan.slots)))), xp)
-        self._run, _ = generate(steps, f"{plan.graph_name}")
+        self._run = generate(steps, f"{plan.graph_name}")
         template: list[Any] = [None] * plan.n_flat
         for k, array in plan.constants.items():
             template[plan.flat(plan.external_ref(k))] = xp.asarray(array)

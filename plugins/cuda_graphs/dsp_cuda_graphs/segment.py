@@ -191,8 +191,7 @@ class CudaGraphSegment(CompiledSegment):
             if any(backend.supports(slot_view(plan, s)) is not None for s in readers.get(o, ()))
         }
         self._st: dict[str, Any] | None = None
-        self._run_fn: Any = None
-        self._first_line = 2
+        self._run_fn: Any = None  # dsp_cpu_ref.slot_by_slot.Program
         self._host_memo: dict[int, tuple[Any, Any]] = {}
         self._device_memo: dict[int, tuple[Any, Any]] = {}
         self._capturing = False
@@ -231,7 +230,7 @@ class CudaGraphSegment(CompiledSegment):
                     kernel = _HostArgs(kernel, positions, self)
                 bound.append((kernel, ins, outs, releases))
             bound = self._fuse(st, bound)
-            self._run_fn, self._first_line = generate(bound, f"{self._plan.graph_name}#cuda{self.segment.index}")
+            self._run_fn = generate(bound, f"{self._plan.graph_name}#cuda{self.segment.index}")
             self._st = st
         return self._st
 
@@ -316,15 +315,11 @@ class CudaGraphSegment(CompiledSegment):
 
     def _failing_line(self, exc: BaseException) -> tuple[int, ...] | None:
         """The slots of the generated step function's line that raised ``exc`` (None: not raised there)."""
-        tb, line = exc.__traceback__, None
-        while tb is not None:
-            if tb.tb_frame.f_code is self._run_fn.__code__:
-                line = tb.tb_lineno
-            tb = tb.tb_next
+        k = self._run_fn.failing_step(exc) if self._run_fn is not None else None
         lines = self._line_slots()
-        if line is None or not lines:
+        if k is None or not lines:
             return None
-        return lines[max(0, min(line - self._first_line, len(lines) - 1))]
+        return lines[min(k, len(lines) - 1)]
 
     def _failing_slot(self, exc: BaseException) -> int | None:
         """The plan slot whose line of the generated step function raised ``exc`` (None: not raised there)."""
