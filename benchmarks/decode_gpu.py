@@ -272,6 +272,7 @@ def summarize_trace(events: Sequence[dict[str, Any]], tokens: int, category: str
         "distinct_names": len(counts),
         "top_by_count": [item(n) for n in sorted(counts, key=lambda n: (-counts[n], n))[:top]],
         "top_by_time": [item(n) for n in sorted(micros, key=lambda n: (-micros[n], n))[: max(top // 2, 1)]],
+        "every_kernel": [item(n) for n in sorted(micros, key=lambda n: (-micros[n], n))],  # by time
         "other_events": other,
     }
 
