@@ -428,24 +428,58 @@ def tf_idf_vectorizer(
     width = max(ngram_indexes) + 1
     rows = x.reshape(1, -1) if x.ndim < 2 else x
     counts = xp.zeros((rows.shape[0], width), xp.float32)
-    pool = np.asarray(pool_int64s or [], np.int64)
-    if len(pool) and rows.size:
-        lengths = range(min_gram_length, max_gram_length + 1)
-        vocab, tables = _ngram_tables(xp, pool, ngram_counts, np.asarray(ngram_indexes, np.int64), lengths)
+    lengths = range(min_gram_length, max_gram_length + 1)
+    # The pool's tables (and the weights) are made once per attribute set and device, so a
+    # captured step neither copies them to the device nor reads anything back: every hit is
+    # added in place, none is selected by a mask (whose size only the host would know).
+    vocab, tables, scale = _tf_idf_tables(
+        xp, tuple(pool_int64s or ()), tuple(ngram_counts), tuple(ngram_indexes), lengths, tuple(weights or ())
+    )
+    if vocab is not None and rows.size:
         where = xp.minimum(xp.searchsorted(vocab, rows.astype(xp.int64)), vocab.shape[0] - 1)
         tokens = xp.where(vocab[where] == rows, where, -1)
         offset = xp.arange(rows.shape[0])[:, None] * width
+        flat_counts = counts.reshape(-1)
         for table in tables:
             skips = range(1, 2) if table.length == 1 else range(1, max_skip_count + 2)  # unigrams count once
             for skip in skips:
                 if (table.length - 1) * skip >= rows.shape[1]:
                     break
                 found, column = _ngram_hits(xp, tokens, table, skip, vocab.shape[0])
-                flat = (offset + column)[found]
-                counts += xp.bincount(flat, minlength=counts.size).reshape(counts.shape).astype(xp.float32)
+                xp.add.at(
+                    flat_counts, xp.where(found, offset + column, 0).reshape(-1), found.astype(xp.float32).reshape(-1)
+                )
     if mode != "TF":
         if mode == "IDF":
             counts = (counts > 0).astype(xp.float32)
-        if weights:
-            counts = counts * xp.asarray(weights, xp.float32)
+        if scale is not None:
+            counts = counts * scale
     return counts.reshape(width) if x.ndim < 2 else counts
+
+
+_TF_IDF_TABLES: dict[tuple[Any, ...], tuple[Array | None, list[_NgramTable], Array | None]] = {}
+
+
+def _tf_idf_tables(
+    xp: Any,
+    pool: tuple[int, ...],
+    counts: tuple[int, ...],
+    indexes: tuple[int, ...],
+    lengths: range,
+    weights: tuple[float, ...],
+) -> tuple[Array | None, list[_NgramTable], Array | None]:
+    """(vocabulary, tables, weights) on ``xp``'s current device, made once per attribute set (None: empty)."""
+    device = getattr(getattr(xp, "cuda", None), "Device", None)
+    key = (xp.__name__, device().id if device is not None else None, pool, counts, indexes, lengths, weights)
+    got = _TF_IDF_TABLES.get(key)
+    if got is None:
+        if len(_TF_IDF_TABLES) >= 64:  # bounded: a model has a few such nodes
+            _TF_IDF_TABLES.pop(next(iter(_TF_IDF_TABLES)))
+        vocab, tables = (None, [])
+        if pool:
+            vocab, tables = _ngram_tables(
+                xp, np.asarray(pool, np.int64), list(counts), np.asarray(indexes, np.int64), lengths
+            )
+        got = (vocab, tables, xp.asarray(weights, xp.float32) if weights else None)
+        _TF_IDF_TABLES[key] = got
+    return got
