@@ -52,7 +52,19 @@ class PatternKind(enum.Enum):
 # Injective ops that only relabel indexes (a view on a contiguous buffer): no kernel of their own.
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 INJECTIVE_OPS = VIEW_OPS | frozenset(
-    {"Transpose", "Slice", "Concat", "Gather", "Expand", "Split", "Pad", "Tile", "DepthToSpace", "SpaceToDepth"}
+    {
+        "Transpose",
+        "Slice",
+        "Concat",
+        "Gather",
+        "GatherND",
+        "Expand",
+        "Split",
+        "Pad",
+        "Tile",
+        "DepthToSpace",
+        "SpaceToDepth",
+    }
 )
 MATMUL_OPS = frozenset(
     {"MatMul", "Gemm", "MergedMatMul", "MatMulInteger", "QLinearMatMul", "Conv", "ConvTranspose", "Einsum"}

@@ -329,6 +329,8 @@ class _Gen:
             return self._concat(node, v, idx)
         if op == "Gather":
             return self._gather(node, v, idx)
+        if op == "GatherND":
+            return self._gather_nd(node, idx)
         return self._elementwise(node, v, idx)
 
     # -- injective ops ---------------------------------------------------------------------
@@ -410,6 +412,33 @@ class _Gen:
         dims = (*idx.dims[:axis], at, *idx.dims[axis + n_i :])
         lanes = (*idx.lane[:axis], lane, *idx.lane[axis + n_i :])
         return self.value(data, Idx(tuple(dims), tuple(lanes)))
+
+    def _gather_nd(self, node: NodeSpec, idx: Idx) -> tuple[str, bool]:
+        """GatherND: the output's leading dims walk ``indices`` (its last axis holds the k
+        coordinates picked from ``data`` after ``batch_dims``), the trailing dims walk the rest."""
+        data, ind = node.inputs[0], node.inputs[1]
+        assert data is not None and ind is not None
+        d_shape = self.spec.values[data].shape
+        i_shape = self.spec.values[ind].shape
+        b = int(node.attrs.get("batch_dims", 0))
+        k = i_shape[-1] if i_shape else 0
+        m = len(i_shape) - 1
+        if k < 1 or b + k > len(d_shape) or b > m:
+            raise Unsupported(f"GatherND of {list(i_shape)} indices into {list(d_shape)} with batch_dims {b}")
+        picks: list[str] = []
+        lanes: list[bool] = []
+        for j in range(k):
+            pos, lane = self.value(ind, Idx((*idx.dims[:m], str(j)), (*idx.lane[:m], False)))
+            size = d_shape[b + j]
+            picks.append(
+                self.em.let(
+                    f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size}, {pos}), 0), {size - 1})", lane, "i"
+                )
+            )
+            lanes.append(lane)
+        dims = (*idx.dims[:b], *picks, *idx.dims[m:])
+        lane_of = (*idx.lane[:b], *lanes, *idx.lane[m:])
+        return self.value(data, Idx(tuple(dims), tuple(lane_of)))
 
     def _host(self, node: NodeSpec, k: int) -> list[int]:
         r = node.inputs[k] if k < len(node.inputs) else None
@@ -850,7 +879,19 @@ SUPPORTED_OPS = (
     | _OTHER
     | _ROW_VALUED
     | frozenset(
-        {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Transpose", "Slice", "Split", "Concat", "Gather"}
+        {
+            "Reshape",
+            "Squeeze",
+            "Unsqueeze",
+            "Flatten",
+            "Expand",
+            "Transpose",
+            "Slice",
+            "Split",
+            "Concat",
+            "Gather",
+            "GatherND",
+        }
     )
 )
 
