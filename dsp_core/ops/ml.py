@@ -475,7 +475,8 @@ def _tf_idf_tables(
     if got is None:
         if len(_TF_IDF_TABLES) >= 64:  # bounded: a model has a few such nodes
             _TF_IDF_TABLES.pop(next(iter(_TF_IDF_TABLES)))
-        vocab, tables = (None, [])
+        vocab: Array | None = None
+        tables: list[_NgramTable] = []
         if pool:
             vocab, tables = _ngram_tables(
                 xp, np.asarray(pool, np.int64), list(counts), np.asarray(indexes, np.int64), lengths
