@@ -227,3 +227,29 @@ def test_onnxruntimes_kernel_table_is_kept_so_discovery_does_not_import_it(tmp_p
     assert plugin._read_table(kept) is None
     again = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert again.stdout.strip() == "True" and plugin._read_table(kept) == plugin._table_from_onnxruntime()
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"],
+)
+def test_segment_model_constants_read_back_as_written(dtype: str) -> None:
+    """Initializers are filled straight into the model (one copy of the bytes): every plain dtype,
+    0-d and n-d, reads back equal."""
+    from onnx import numpy_helper
+
+    from dsp_core.plan.subgraph import _add_initializer
+
+    rng = np.random.default_rng(3)
+    graph = __import__("onnx").GraphProto()
+    arrays = {
+        "a": (rng.standard_normal((3, 4, 5)) * 50).astype(dtype),
+        "b": np.asarray(rng.standard_normal() * 9).astype(dtype),
+    }
+    for name, array in arrays.items():
+        _add_initializer(graph, name, array)
+    for tensor in graph.initializer:
+        got = numpy_helper.to_array(tensor)
+        want = arrays[tensor.name]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)

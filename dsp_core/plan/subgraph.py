@@ -55,8 +55,7 @@ def segment_model(
     nodes = [node for s in slots for node in _nodes(plan, s)]
     graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
     graph_outputs = [_value_info(name_of(f), *_out_info(plan, f)) for f in io.outputs]
-    inits = [numpy_helper.from_array(c_order(a), name_of(f)) for f, a in constants.items()]
-    graph = helper.make_graph(nodes, f"dsp_segment_{len(slots)}", graph_inputs, graph_outputs, inits)
+    graph = helper.make_graph(nodes, f"dsp_segment_{len(slots)}", graph_inputs, graph_outputs)
     opsets: dict[str, int] = {}
     for s in slots:
         slot = plan.slots[s]
@@ -67,7 +66,29 @@ def segment_model(
         graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()], producer_name="dsp"
     )
     model.ir_version = IR_VERSION
+    # The constants go in last, straight into the model's own graph: make_graph and make_model
+    # copy every initializer they are given, and a segment's weights can be gigabytes.
+    for f, a in constants.items():
+        _add_initializer(model.graph, name_of(f), c_order(a))
     return model
+
+
+# numpy dtypes whose bytes are an ONNX tensor's raw_data as they are (little-endian, one element each)
+_RAW_DTYPES = frozenset(
+    {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
+)
+
+
+def _add_initializer(graph: onnx.GraphProto, name: str, array: np.ndarray) -> None:
+    """``array`` as the initializer ``name`` of ``graph``, its bytes copied once (numpy_helper for other dtypes)."""
+    if array.dtype.name not in _RAW_DTYPES or array.dtype.byteorder == ">":
+        graph.initializer.append(numpy_helper.from_array(array, name))
+        return
+    tensor = graph.initializer.add()
+    tensor.name = name
+    tensor.data_type = dtypes.to_onnx(array.dtype.name)
+    tensor.dims.extend(array.shape)
+    tensor.raw_data = array.tobytes()
 
 
 def _nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
