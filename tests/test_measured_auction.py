@@ -136,3 +136,40 @@ def test_dsp_plan_explain_shows_the_timings(tmp_path: Path) -> None:
     assert "openvino" in trial and "onnxruntime" in trial and " us" in trial and "->" in trial
     without_runs = run_cli("plan", "explain", str(path), env=env)  # compiled only: no freeze, no trial
     assert "trial" not in without_runs.stdout
+
+
+def test_a_winner_other_than_the_chains_choice_is_handed_over_without_a_second_compile(
+    cpu_runtimes: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trial's compiled segment of the winner is the one handed over (the executor's segment,
+    which runs eagerly and feeds the next segment's trial): a whole-model runtime's compile of a
+    big segment takes seconds. The freeze then compiles its units (the live slots) once more."""
+    from dsp_core.backends import auction
+
+    model = dsp.compile(mlp_graph)
+    x = np.ones((2, 8), np.float32)
+    model.run({"x": x})
+    current = model.explain()["segments"][0]["backend"]
+    other = "onnxruntime" if current == "openvino" else "openvino"
+    monkeypatch.setattr(
+        auction, "_timed_turns", lambda steps, runs, index: {n: (1e-6 if n == other else 1.0) for n in steps}
+    )
+    winner_class = type(next(b for b in model.partition().backends.values() if b.name == current))  # type: ignore[union-attr]
+    compiles: list[str] = []
+    from dsp_core.backends.discovery import discover
+
+    other_class = type(next(b for b in discover().backends if b.name == other))
+    original = other_class.compile
+
+    def counted(self: object, plan: object, segment: object) -> object:
+        compiles.append(other)
+        return original(self, plan, segment)
+
+    monkeypatch.setattr(other_class, "compile", counted)
+    out = _freeze(model, x)
+    (trial,) = _trials(model)
+    assert trial["winner"] == other and winner_class is not other_class
+    assert compiles == [other, other], compiles  # the trial's (handed over), then the frozen unit's
+    np.testing.assert_allclose(out["y"], dsp.compile(mlp_graph, mode="slot_by_slot").run({"x": x})["y"], rtol=1e-5)
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    assert {u.backend.name for u in runtime.units} == {other}

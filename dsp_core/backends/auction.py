@@ -523,23 +523,30 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
         values[flat] = array
     for k, compiled in enumerate(executor.segments):
         if k in contested:
+            kept: CompiledSegment | None = None
             trial = part.trials.get(k, {}).get(key) or _recall(plan, part, k, contested[k], key)
             if trial is None:
-                trial = _time_segment(plan, part.segments[k], contested[k], compiled, values, runs)
+                trial, kept = _time_segment(plan, part.segments[k], contested[k], compiled, values, runs)
                 _remember(plan, part, k, contested[k], key, trial)
             part.trials.setdefault(k, {})[key] = trial
             if trial.winner != part.segments[k].backend:
-                _hand_over(executor, k, next(b for b in contested[k] if b.name == trial.winner))
+                _hand_over(executor, k, next(b for b in contested[k] if b.name == trial.winner), kept)
                 compiled = executor.segments[k]
         compiled.run(values)  # the values the next segment's trial reads
 
 
 def _time_segment(
     plan: Plan, seg: Segment, candidates: list[Backend], current: CompiledSegment, values: list[Any], runs: int
-) -> Trial:
-    """Every candidate made ready (compiled, captured, warmed), then timed in turns: see TRIAL_ROUNDS."""
+) -> tuple[Trial, CompiledSegment | None]:
+    """Every candidate made ready (compiled, captured, warmed), then timed in turns: see TRIAL_ROUNDS.
+
+    Returns the trial and, when another backend than the current one won, the winner's
+    compiled segment: handed over as it is, it is not compiled a second time (a whole-model
+    runtime's compile of a big segment takes seconds).
+    """
     steps: dict[str, Callable[[], Any]] = {}
     made: list[CompiledSegment] = []
+    kept: CompiledSegment | None = None
     try:
         for backend in candidates:
             trial_seg = dataclasses.replace(seg, backend=backend.name, mode=backend.mode.name)
@@ -555,14 +562,19 @@ def _time_segment(
             except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
                 log.info("DSP auction trial: %s failed on segment %d: %s", backend.name, seg.index, describe(exc))
         times = _timed_turns(steps, runs, seg.index)
+        if times:
+            best = min(times.values())
+            winner = next(b.name for b in candidates if b.name in times and times[b.name] <= best * (1 + TIE))
+            # Kept for the CPU runtimes, whose compile is what a second one would cost; a device
+            # segment is compiled afresh, as it always was (its trial capture used copies of the buffers).
+            kept = next((c for c in made if c.backend.name == winner and c.backend.platform == "cpu"), None)
     finally:
         for compiled in made:
-            release_quietly(compiled)
+            if compiled is not kept:
+                release_quietly(compiled)
     if not times:
-        return Trial({}, seg.backend, "measured")
-    best = min(times.values())
-    winner = next(b.name for b in candidates if b.name in times and times[b.name] <= best * (1 + TIE))
-    return Trial(times, winner, "measured")
+        return Trial({}, seg.backend, "measured"), None
+    return Trial(times, winner, "measured"), kept
 
 
 def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) -> Callable[[], Any]:
@@ -604,12 +616,14 @@ def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> 
     return times
 
 
-def _hand_over(executor: Any, k: int, winner: Backend) -> None:
-    """Segment ``k`` of the executor to ``winner`` (compiled afresh; the loser's segment released)."""
+def _hand_over(executor: Any, k: int, winner: Backend, compiled: CompiledSegment | None = None) -> None:
+    """Segment ``k`` of the executor to ``winner`` (its trial's compiled segment, else compiled afresh;
+    the loser's segment released)."""
     part: Partition = executor.partition
     seg = part.segments[k]
     moved = dataclasses.replace(seg, backend=winner.name, mode=winner.mode.name)
-    compiled = winner.compile(executor.plan, moved)
+    if compiled is None:
+        compiled = winner.compile(executor.plan, moved)
     release_quietly(executor.segments[k])
     part.segments[k] = moved
     part.backends.setdefault(winner.name, winner)
