@@ -678,3 +678,14 @@ def test_reference_specs_give_inputs_their_element_strides_and_name_the_device_i
     odd = np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), shape=(3,), strides=(6,))
     with pytest.raises(Unsupported, match="not in whole elements"):
         reference_specs({1: odd}, (1,), [odd])
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("batch_dims", [0, 1])
+def test_gather_nd_kernels_compile_and_match_the_reference_on_the_host(batch_dims: int) -> None:
+    from test_triton_cpu import _gather_nd_feeds, _gather_nd_graph
+
+    model = dsp.compile(_gather_nd_graph(batch_dims), mode="slot_by_slot")
+    results = hostcheck.check_model(model, _gather_nd_feeds(batch_dims))
+    picks = [r for r in results if "GatherND" in r.ops]
+    assert len(picks) == 1 and picks[0].status == "ok", results

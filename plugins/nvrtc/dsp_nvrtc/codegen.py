@@ -378,6 +378,8 @@ class _Gen:
             return self._concat(node, v, idx)
         if op == "Gather":
             return self._gather(node, idx)
+        if op == "GatherND":
+            return self._gather_nd(node, idx)
         if op in PRODUCT_OPS:
             return self._product(node, v, idx)
         return self._elementwise(node, v, idx)
@@ -504,6 +506,29 @@ class _Gen:
             f"dsp_clamp((long long)({pos}) < 0 ? (long long)({pos}) + {size} : (long long)({pos}), {size - 1})"
         )
         return self.value(data, Idx((*idx.dims[:axis], at, *idx.dims[axis + n_i :])))
+
+    def _gather_nd(self, node: NodeSpec, idx: Idx) -> str:
+        """GatherND: the output's leading dims walk ``indices`` (its last axis: the coordinates
+        picked from ``data`` after ``batch_dims``), its trailing dims walk the rest of ``data``."""
+        data, ind = node.inputs[0], node.inputs[1]
+        assert data is not None and ind is not None
+        d_shape = self.spec.values[data].shape
+        i_shape = self.spec.values[ind].shape
+        b = int(node.attrs.get("batch_dims", 0))
+        k = i_shape[-1] if i_shape else 0
+        m = len(i_shape) - 1
+        if k < 1 or b + k > len(d_shape) or b > m:
+            raise Unsupported(f"GatherND of {list(i_shape)} indices into {list(d_shape)} with batch_dims {b}")
+        picks = []
+        for j in range(k):
+            pos = self.value(ind, Idx((*idx.dims[:m], str(j))))
+            size = d_shape[b + j]
+            picks.append(
+                self.let(
+                    f"dsp_clamp((long long)({pos}) < 0 ? (long long)({pos}) + {size} : (long long)({pos}), {size - 1})"
+                )
+            )
+        return self.value(data, Idx((*idx.dims[:b], *picks, *idx.dims[m:])))
 
     # -- elementwise ops ----------------------------------------------------------------------
     def _elementwise(self, node: NodeSpec, v: int, idx: Idx) -> str:
@@ -806,7 +831,19 @@ _UNARY: dict[str, Callable[[str, str, dict[str, Any]], str]] = {
 }
 _OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "Min", "Clip", "Pow"})
 INJECTIVE_OPS = frozenset(
-    {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Transpose", "Slice", "Split", "Concat", "Gather"}
+    {
+        "Reshape",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "Expand",
+        "Transpose",
+        "Slice",
+        "Split",
+        "Concat",
+        "Gather",
+        "GatherND",
+    }
 )
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
