@@ -64,6 +64,25 @@ class GroupSpec:
     params: dict[str, int] = field(default_factory=dict)
 
 
+# The injective ops a generator computes as index arithmetic (a view or a pick of another
+# value at a computed index): the same for every generator of the core's groups.
+INDEX_OPS = frozenset(
+    {
+        "Reshape",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "Expand",
+        "Transpose",
+        "Slice",
+        "Split",
+        "Concat",
+        "Gather",
+        "GatherND",
+    }
+)
+
+
 # The ops a generated row-reduction kernel computes (a last-axis reduction stage, or a norm or
 # softmax that reduces its row): the same for every generator of the core's groups.
 ROW_VALUED_OPS = frozenset(

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
+    INDEX_OPS,
     ROW_VALUED_OPS,
     row_major,
 )
@@ -830,21 +831,7 @@ _UNARY: dict[str, Callable[[str, str, dict[str, Any]], str]] = {
     "Sign": lambda x, ct, a: f"(({ct})(({x} > 0) - ({x} < 0)))",
 }
 _OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "Min", "Clip", "Pow"})
-INJECTIVE_OPS = frozenset(
-    {
-        "Reshape",
-        "Squeeze",
-        "Unsqueeze",
-        "Flatten",
-        "Expand",
-        "Transpose",
-        "Slice",
-        "Split",
-        "Concat",
-        "Gather",
-        "GatherND",
-    }
-)
+INJECTIVE_OPS = INDEX_OPS
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
 MAX_PRODUCT_WEIGHTS = (

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
+    INDEX_OPS,
     ROW_VALUED_OPS,
     row_major,
 )
@@ -873,27 +874,7 @@ _OTHER = frozenset(
         "Pow",
     }
 )
-SUPPORTED_OPS = (
-    frozenset(_UNARY)
-    | frozenset(_BINARY) - {"Mod"}
-    | _OTHER
-    | _ROW_VALUED
-    | frozenset(
-        {
-            "Reshape",
-            "Squeeze",
-            "Unsqueeze",
-            "Flatten",
-            "Expand",
-            "Transpose",
-            "Slice",
-            "Split",
-            "Concat",
-            "Gather",
-            "GatherND",
-        }
-    )
-)
+SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) - {"Mod"} | _OTHER | _ROW_VALUED | INDEX_OPS
 
 
 # -- the skinny-product template (T3) ------------------------------------------------------
