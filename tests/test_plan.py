@@ -212,8 +212,11 @@ def test_a_step_program_loops_once_then_runs_generated_code_and_names_the_raisin
     steps = [(lambda a: a + 1, (0,), 1, ()), (lambda a: (a * 2, a * 3), (1,), (2, 3), (1,)), (bad, (3,), 4, ())]
     program = generate(steps, "t")
     values: list[object] = [1, None, None, None, None]
-    program(values)  # the first run: the loop, nothing compiled
-    assert values == [1, None, 4, 6, 6] and program.code is not None  # and compiled for the next
+    program(values)  # the first run: the loop, nothing compiled (a plan that runs once never pays for it)
+    assert values == [1, None, 4, 6, 6] and program.code is None
+    values = [1, None, None, None, None]
+    program(values)  # the second: compiled, then run as straight-line code
+    assert values == [1, None, 4, 6, 6] and program.code is not None
     for first in (True, False):
         fresh = generate(steps, "t") if first else program
         values = [-5, None, None, None, None]

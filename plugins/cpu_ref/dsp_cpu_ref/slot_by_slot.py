@@ -143,6 +143,7 @@ class Program:
         self.code: Any = None  # the generated function's code object, once generated
         self._run: Any = None
         self._failed: tuple[BaseException, int] | None = None  # the loop's last raise and its step
+        self._looped = False  # one run went through the loop: the next compiles
         if timed:
             self._compile()
 
@@ -156,6 +157,8 @@ class Program:
         self.code = self._run.__code__
 
     def __call__(self, v: list[Any], t: list[int] | None = None) -> None:
+        if self._run is None and self._looped:
+            self._compile()  # the second run on: straight-line code
         if self._run is not None:
             if self.timed:
                 self._run(v, t)
@@ -176,7 +179,7 @@ class Program:
         except BaseException as exc:
             self._failed = (exc, n)
             raise
-        self._compile()  # the second run on: straight-line code
+        self._looped = True
 
     def failing_step(self, exc: BaseException) -> int | None:
         """The index of the step whose call raised ``exc`` in this program (None: not raised here)."""
