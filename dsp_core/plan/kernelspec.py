@@ -120,6 +120,16 @@ def node_specs(plan: Plan, slots: Sequence[int]) -> list[NodeSpec]:
     ]
 
 
+def gather_nd_layout(data: Sequence[int], indices: Sequence[int], batch_dims: int) -> tuple[int, int]:
+    """(k, m) of a GatherND: the coordinates each index row holds and the output dims that walk
+    ``indices``; Unsupported for a layout no generator takes (an empty last axis, too many coordinates)."""
+    k = indices[-1] if indices else 0
+    m = len(indices) - 1
+    if k < 1 or batch_dims + k > len(data) or batch_dims > m:
+        raise Unsupported(f"GatherND of {list(indices)} indices into {list(data)} with batch_dims {batch_dims}")
+    return k, m
+
+
 def row_major(shape: Sequence[int]) -> list[int]:
     """Element strides of a C-order array of ``shape``."""
     st, acc = [0] * len(shape), 1

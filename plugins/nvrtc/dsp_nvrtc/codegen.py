@@ -43,6 +43,7 @@ import numpy as np
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
     INDEX_OPS,
     ROW_VALUED_OPS,
+    gather_nd_layout,
     row_major,
 )
 from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
@@ -502,11 +503,15 @@ class _Gen:
         n_i = len(self.spec.values[ind].shape)
         axis = int(node.attrs.get("axis", 0)) % len(d_shape)
         pos = self.value(ind, Idx(idx.dims[axis : axis + n_i]))
-        size = d_shape[axis]
-        at = self.let(
+        at = self._index_in(pos, d_shape[axis])
+        return self.value(data, Idx((*idx.dims[:axis], at, *idx.dims[axis + n_i :])))
+
+    def _index_in(self, pos: str, size: int) -> str:
+        """An index read from a tensor as a position along a dim of ``size``: negative ones count
+        from the end, and it is clamped into the dim (a gathered load never leaves its tensor)."""
+        return self.let(
             f"dsp_clamp((long long)({pos}) < 0 ? (long long)({pos}) + {size} : (long long)({pos}), {size - 1})"
         )
-        return self.value(data, Idx((*idx.dims[:axis], at, *idx.dims[axis + n_i :])))
 
     def _gather_nd(self, node: NodeSpec, idx: Idx) -> str:
         """GatherND: the output's leading dims walk ``indices`` (its last axis: the coordinates
@@ -516,19 +521,8 @@ class _Gen:
         d_shape = self.spec.values[data].shape
         i_shape = self.spec.values[ind].shape
         b = int(node.attrs.get("batch_dims", 0))
-        k = i_shape[-1] if i_shape else 0
-        m = len(i_shape) - 1
-        if k < 1 or b + k > len(d_shape) or b > m:
-            raise Unsupported(f"GatherND of {list(i_shape)} indices into {list(d_shape)} with batch_dims {b}")
-        picks = []
-        for j in range(k):
-            pos = self.value(ind, Idx((*idx.dims[:m], str(j))))
-            size = d_shape[b + j]
-            picks.append(
-                self.let(
-                    f"dsp_clamp((long long)({pos}) < 0 ? (long long)({pos}) + {size} : (long long)({pos}), {size - 1})"
-                )
-            )
+        k, m = gather_nd_layout(d_shape, i_shape, b)
+        picks = [self._index_in(self.value(ind, Idx((*idx.dims[:m], str(j)))), d_shape[b + j]) for j in range(k)]
         return self.value(data, Idx((*idx.dims[:b], *picks, *idx.dims[m:])))
 
     # -- elementwise ops ----------------------------------------------------------------------

@@ -37,6 +37,7 @@ import numpy as np
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
     INDEX_OPS,
     ROW_VALUED_OPS,
+    gather_nd_layout,
     row_major,
 )
 from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
@@ -406,10 +407,7 @@ class _Gen:
         n_i = len(i_shape)
         ind_idx = Idx(idx.dims[axis : axis + n_i], idx.lane[axis : axis + n_i])
         pos, lane = self.value(ind, ind_idx)
-        size = d_shape[axis]
-        at = self.em.let(
-            f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size}, {pos}), 0), {size - 1})", lane, "i"
-        )
+        at = self._index_in(pos, d_shape[axis], lane)
         dims = (*idx.dims[:axis], at, *idx.dims[axis + n_i :])
         lanes = (*idx.lane[:axis], lane, *idx.lane[axis + n_i :])
         return self.value(data, Idx(tuple(dims), tuple(lanes)))
@@ -422,24 +420,23 @@ class _Gen:
         d_shape = self.spec.values[data].shape
         i_shape = self.spec.values[ind].shape
         b = int(node.attrs.get("batch_dims", 0))
-        k = i_shape[-1] if i_shape else 0
-        m = len(i_shape) - 1
-        if k < 1 or b + k > len(d_shape) or b > m:
-            raise Unsupported(f"GatherND of {list(i_shape)} indices into {list(d_shape)} with batch_dims {b}")
+        k, m = gather_nd_layout(d_shape, i_shape, b)
         picks: list[str] = []
         lanes: list[bool] = []
         for j in range(k):
             pos, lane = self.value(ind, Idx((*idx.dims[:m], str(j)), (*idx.lane[:m], False)))
-            size = d_shape[b + j]
-            picks.append(
-                self.em.let(
-                    f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size}, {pos}), 0), {size - 1})", lane, "i"
-                )
-            )
+            picks.append(self._index_in(pos, d_shape[b + j], lane))
             lanes.append(lane)
         dims = (*idx.dims[:b], *picks, *idx.dims[m:])
         lane_of = (*idx.lane[:b], *lanes, *idx.lane[m:])
         return self.value(data, Idx(tuple(dims), tuple(lane_of)))
+
+    def _index_in(self, pos: str, size: int, lane: bool) -> str:
+        """An index read from a tensor as a position along a dim of ``size``: negative ones count
+        from the end, and it is clamped into the dim (a gathered load never leaves its tensor)."""
+        return self.em.let(
+            f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size}, {pos}), 0), {size - 1})", lane, "i"
+        )
 
     def _host(self, node: NodeSpec, k: int) -> list[int]:
         r = node.inputs[k] if k < len(node.inputs) else None
