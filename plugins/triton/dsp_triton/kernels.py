@@ -819,7 +819,37 @@ def _kv_rows_mismatch(poisoned: list[tuple[Any, Any, Any]], tolerance: float, cp
     return None
 
 
-class KVStore:
+class _SingleOpStep:
+    """A step that runs one slot as generated kernels, compiled on first use of each input layout.
+
+    ``_built(key, what, build)`` is the shared part: the compiled kernels of ``key``, or ``build()``
+    run outside any capture (a layout first met during a capture fails it) on CuPy's own pool,
+    its progress reported; None when ``build`` gave up (the slot's reference runs instead).
+    """
+
+    def __init__(self, report: GroupReport, reference: Any, cupy: Any, capturing: Callable[[], bool]) -> None:
+        self.report = report
+        self.reference = reference
+        self.cp = cupy
+        self.capturing = capturing
+        self.compiled: dict[tuple[Any, ...], Any] = {}
+        self.progress: Any = None
+
+    def _built(self, key: tuple[Any, ...], what: str, build: Callable[[], Any]) -> Any:
+        got = self.compiled.get(key)
+        if got is None:
+            if self.capturing():
+                raise CaptureFailed(f"{what} during capture")
+            with self.cp.cuda.using_allocator(self.cp.get_default_memory_pool().malloc):
+                got = build()
+            if self.progress is not None:
+                self.progress.advance()
+            if got is not None:
+                self.compiled[key] = got
+        return got
+
+
+class KVStore(_SingleOpStep):
     """The step that runs ``dsp::KVScatter`` as one generated Triton kernel (its reference: 4-5 CuPy kernels).
 
     Compiled on first use outside a capture for the buffer's layout, and checked once: the
@@ -830,30 +860,19 @@ class KVStore:
     def __init__(
         self, report: GroupReport, reference: Any, axis: int, cupy: Any, capturing: Callable[[], bool]
     ) -> None:
-        self.report = report
-        self.reference = reference
+        super().__init__(report, reference, cupy, capturing)
         self.axis = axis
-        self.cp = cupy
-        self.capturing = capturing
-        self.compiled: dict[tuple[Any, ...], _Compiled] = {}
-        self.progress: Any = None
 
     def __call__(self, buffer: Any, update: Any, position: Any) -> Any:
         host = any(isinstance(x, np.ndarray | np.generic) for x in (buffer, update, position))
         if self.report.status in ("reference", "demoted") or host:
             return self.reference(buffer, update, position)
         key = tuple((x.shape, x.strides, x.dtype.str) for x in (buffer, update, position))
-        compiled = self.compiled.get(key)
+        compiled = self._built(
+            key, "a KV store met a new buffer layout", lambda: self._compile(buffer, update, position)
+        )
         if compiled is None:
-            if self.capturing():
-                raise CaptureFailed("a KV store met a new buffer layout during capture")
-            with self.cp.cuda.using_allocator(self.cp.get_default_memory_pool().malloc):
-                got = self._compile(buffer, update, position)
-            if self.progress is not None:
-                self.progress.advance()
-            if got is None:
-                return self.reference(buffer, update, position)
-            self.compiled[key] = compiled = got
+            return self.reference(buffer, update, position)
         compiled.launch(
             [int(buffer.data.ptr), int(update.data.ptr), int(position.data.ptr)], self.cp.cuda.get_current_stream().ptr
         )
@@ -893,7 +912,7 @@ class KVStore:
         return compiled
 
 
-class GreedyPick:
+class GreedyPick(_SingleOpStep):
     """The step that runs a greedy pick as two generated Triton kernels (codegen.argmax_rows).
 
     ``dsp::Sample`` at temperature 0 (the decode loop's token choice) and ``ArgMax`` over
@@ -914,15 +933,10 @@ class GreedyPick:
         keepdims: bool = True,
         axis: int = -1,
     ) -> None:
-        self.report = report
-        self.reference = reference
-        self.cp = cupy
-        self.capturing = capturing
+        super().__init__(report, reference, cupy, capturing)
         self.sample = sample  # dsp::Sample: [B, V] or [B, S, V] (last position) -> [B, 1]
         self.keepdims = keepdims  # ArgMax's keepdims
         self.axis = axis  # ArgMax's axis: the last one is picked here, another by the reference
-        self.compiled: dict[tuple[Any, ...], tuple[_Compiled, _Compiled]] = {}
-        self.progress: Any = None
 
     def _rows(self, logits: Any) -> Any:
         if self.sample:
@@ -943,17 +957,9 @@ class GreedyPick:
             return self.reference(logits, *rest)
         x = self._rows(logits)
         key = (x.shape, x.strides, x.dtype.str, int(x.data.ptr) % 16)  # Triton specialises on alignment
-        pair = self.compiled.get(key)
+        pair = self._built(key, "a greedy pick met a new logits layout", lambda: self._compile(logits, x, rest))
         if pair is None:
-            if self.capturing():
-                raise CaptureFailed("a greedy pick met a new logits layout during capture")
-            with self.cp.cuda.using_allocator(self.cp.get_default_memory_pool().malloc):
-                got = self._compile(logits, x, rest)
-            if self.progress is not None:
-                self.progress.advance()
-            if got is None:
-                return self.reference(logits, *rest)
-            self.compiled[key] = pair = got
+            return self.reference(logits, *rest)
         return self._launch(pair, x).reshape(self._shape(logits))
 
     def _launch(self, pair: tuple[_Compiled, _Compiled], x: Any) -> Any:
