@@ -835,6 +835,17 @@ class _SingleOpStep:
         self.compiled: dict[tuple[Any, ...], Any] = {}
         self.progress: Any = None
 
+    def _settle(self, ok: bool, what: str, why_not: str, kernel: str) -> bool:
+        """The check's outcome on the report: the kernel's name, or demoted, loudly, with ``why_not``."""
+        if not ok:
+            self.report.status, self.report.reason = "demoted", why_not
+            warnings.warn(
+                f"DSP TRITON: {what} (slot {self.report.slots}) demoted to its reference kernel", stacklevel=3
+            )
+            return False
+        self.report.status, self.report.kernel = "triton", kernel
+        return True
+
     def _built(self, key: tuple[Any, ...], what: str, build: Callable[[], Any]) -> Any:
         got = self.compiled.get(key)
         if got is None:
@@ -901,14 +912,8 @@ class KVStore(_SingleOpStep):
         ok = rows.shape == update.shape and bool(cp.all(rows == update.astype(buffer.dtype)))
         self.reference(buffer, update, position)  # the reference write: right rows whatever happened
         self.report.compile_ms += (time.perf_counter() - start) * 1000
-        if not ok:
-            self.report.status = "demoted"
-            self.report.reason = "its kernel wrote other values than the update"
-            warnings.warn(
-                f"DSP TRITON: KV store (slot {self.report.slots}) demoted to its reference kernel", stacklevel=2
-            )
+        if not self._settle(ok, "KV store", "its kernel wrote other values than the update", kernel.name):
             return None
-        self.report.status, self.report.kernel = "triton", kernel.name
         return compiled
 
 
@@ -994,12 +999,8 @@ class GreedyPick(_SingleOpStep):
         want = self.reference(logits, *rest)
         ok = tuple(got.shape) == tuple(want.shape) and bool(cp.all(got == want))
         self.report.compile_ms += (time.perf_counter() - start) * 1000
-        if not ok:
-            self.report.status = "demoted"
-            self.report.reason = "its kernels picked another index than the reference"
-            warnings.warn(
-                f"DSP TRITON: greedy pick (slot {self.report.slots}) demoted to its reference kernel", stacklevel=2
-            )
+        if not self._settle(
+            ok, "greedy pick", "its kernels picked another index than the reference", f"{k1.name}+{k2.name}"
+        ):
             return None
-        self.report.status, self.report.kernel = "triton", f"{k1.name}+{k2.name}"
         return first, second
