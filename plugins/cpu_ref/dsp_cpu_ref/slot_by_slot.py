@@ -140,8 +140,7 @@ class Program:
         self.steps = steps
         self.name = name
         self.timed = timed
-        self.code: Any = None  # the generated function's code object, once generated
-        self._run: Any = None
+        self._run: Any = None  # the generated function, once generated
         self._failed: tuple[BaseException, int] | None = None  # the loop's last raise and its step
         self._looped = False  # one run went through the loop: the next compiles
         if timed:
@@ -154,7 +153,11 @@ class Program:
         code = compile(_source(self.steps, self.timed), f"<dsp segment {self.name}>", "exec")
         exec(code, namespace)  # noqa: S102  (source made of integers and fixed names only)
         self._run = namespace["run"]
-        self.code = self._run.__code__
+
+    @property
+    def code(self) -> Any:
+        """The generated function's code object (None until it is generated)."""
+        return None if self._run is None else self._run.__code__
 
     def __call__(self, v: list[Any], t: list[int] | None = None) -> None:
         if self._run is None and self._looped:
@@ -191,7 +194,7 @@ class Program:
                 seen = seen.__cause__ or seen.__context__
         tb, line = exc.__traceback__, None
         while tb is not None:
-            if self.code is not None and tb.tb_frame.f_code is self.code:
+            if tb.tb_frame.f_code is self.code:  # None until generated: matches no frame
                 line = tb.tb_lineno
             tb = tb.tb_next
         if line is None:
