@@ -132,6 +132,24 @@ def test_tfidf_counts_unigrams_once_and_bigrams_per_skip() -> None:
     assert got.dtype == np.float32
 
 
+def test_tfidf_makes_its_pool_tables_once_per_attribute_set() -> None:
+    """A captured step must not copy the tables to the device each call: they are made once and reused."""
+    from dsp_core.ops import ml
+
+    attrs = _tfidf_attrs("TFIDF", weights=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    x = np.array([[5, 6, 7, 8, 5, 2, 6]], np.int64)
+    ml._TF_IDF_TABLES.clear()
+    first = _dsp("TfIdfVectorizer", x, domain="", **attrs)
+    (tables,) = ml._TF_IDF_TABLES.values()
+    again = _dsp("TfIdfVectorizer", x[:, ::-1].copy(), domain="", **attrs)
+    (same,) = ml._TF_IDF_TABLES.values()
+    assert same is tables and same[0] is tables[0] and same[2] is tables[2]  # vocabulary, weights: the same arrays
+    np.testing.assert_array_equal(first, [[1, 0, 6, 8, 5, 6]])  # the TF counts above, times the weights
+    assert again.shape == first.shape
+    _dsp("TfIdfVectorizer", x, domain="", **_tfidf_attrs("TF"))  # other attributes: tables of their own
+    assert len(ml._TF_IDF_TABLES) == 2
+
+
 @pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("shape", [(12,), (4, 9)])
