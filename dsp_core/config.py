@@ -199,6 +199,15 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "triton_pdl",
+        "DSP_TRITON_PDL",
+        "bool",
+        True,
+        "dsp-triton launches its kernels as programmatic dependents on sm_90+ GPUs (each waits for the "
+        "kernel before it, then lets the next one launch, so launches overlap work inside a replayed "
+        "graph; docs/fusion.md); read once per process; off: plain launches.",
+    ),
+    Option(
         "cublas_tf32",
         "DSP_CUBLAS_TF32",
         "bool",

@@ -322,3 +322,46 @@ def test_the_greedy_pick_gives_numpys_argmax_in_two_kernels_while_replaying(shap
     assert model.last_live.runtime.phase is PlanPhase.REPLAYING  # type: ignore[union-attr]
     picks = [r for r in _reports(model) if r["template"] == "greedy_pick"]
     assert len(picks) == 1 and picks[0]["status"] == "triton", _reports(model)
+
+
+# -- programmatic dependent launch (sm_90+) ----------------------------------------------------
+def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() -> None:
+    """48 products in a chain (each reads the one before; weights preloaded before each waits), a
+    norm and pointwise kernels between them: with DSP_TRITON_PDL on (the default) every kernel is
+    a programmatic dependent, and the replayed graph still gives the reference's values."""
+    import cupy as cp
+    from dsp_triton import kernels
+
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    assert kernels.dependent_launch(cp), "DSP_TRITON_PDL is on by default and this GPU supports it"
+    rng = np.random.default_rng(5)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float16", [1, 1, 768])
+    h = x
+    for layer in range(48):
+        w = g.constant((rng.standard_normal((768, 768)) / np.sqrt(768)).astype(np.float16), name=f"w{layer}")
+        h = g.Relu(h @ w) + h if layer % 2 else g.Tanh(h @ w)
+    g.output(h, "y")
+    graph = g.build()
+    want = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="triton", strict=True)
+    for run in range(10):
+        feeds = {"x": rng.standard_normal((1, 1, 768)).astype(np.float16)}
+        _close(model.run(feeds), want.run(feeds), f"chain run {run}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    products = [r for r in _reports(model) if r["template"] == "product"]
+    assert len(products) == 48 and all(r["status"] == "triton" for r in products), products
+    assert all("gdc_wait" in b.kernel.source for b in _compiled_of(model)), (
+        "every kernel of the segment waits for the one before it"
+    )
+
+
+def _compiled_of(model: dsp.CompiledModel) -> list[Any]:
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    out = []
+    for unit in runtime.units:
+        for group in getattr(unit.compiled, "groups", []):
+            for compiled in group.compiled.values():
+                out += compiled.parts or [compiled]
+    return out

@@ -187,7 +187,9 @@ def build(case: dict[str, Any]) -> tuple[Any, dict[int, np.ndarray], dict[int, n
         specs[v] = codegen.TensorSpec(tuple(x.shape), str(x.dtype), strides)
     ins = [v for v in arrays]
     small = {v: x for v, x in arrays.items() if x.size <= 16 and (x.dtype.kind == "i" or v >= 40)}
-    spec = codegen.GroupSpec("product", nodes, specs, ins, outputs, lambda v: small.get(v))
+    # an [N, K] weight stands for the kernel's Derived copy: a constant it may load before it waits
+    params = {"fixed_b": 1} if case.get("nk") else {}
+    spec = codegen.GroupSpec("product", nodes, specs, ins, outputs, lambda v: small.get(v), params=params)
     return spec, arrays, {v: values[v] for v in outputs}
 
 
@@ -204,10 +206,13 @@ def run() -> list[dict[str, Any]]:
     for case in cases():
         spec, arrays, want = build(case)
         shape = codegen.product_shape(spec)
-        for config in codegen.product_configs(shape):
+        for config in codegen.product_configs(shape, preload=bool(spec.params.get("fixed_b"))):
             entry = {"case": case["name"], "body": shape.body, "config": config}
             try:
                 kernel = codegen.generate(spec, config=config)
+                if config.get("preload"):  # its weight loads come first, then the place a launch waits
+                    lines = kernel.source.split("\n")
+                    assert lines.index(codegen.WAIT_MARKER) < min(k for k, x in enumerate(lines) if "for k0" in x)
                 fn = load_kernel(tmp, kernel)
                 args = [_torch_view(torch, arrays[v]) for v in kernel.args[: kernel.n_inputs]]
                 outs = [

@@ -26,6 +26,7 @@ Templates (docs/fusion.md):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -71,6 +72,8 @@ VIEW_ON_CUPY = frozenset(
     {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
 )
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
+MAX_PRELOAD = 8192  # weight elements one program of a product may load before it waits
+WAIT_MARKER = "    # the loads above read constants only: a dependent launch waits here"
 
 
 @dataclass(frozen=True)
@@ -1038,8 +1041,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def product_configs(shape: ProductShape) -> list[dict[str, int]]:
-    """The block configs the tuner times for a product (the first is the untuned default)."""
+def product_configs(shape: ProductShape, preload: bool = False) -> list[dict[str, int]]:
+    """The block configs the tuner times for a product (the first is the untuned default).
+
+    ``preload``: the weight is a constant, so configs that load a program's whole slice of it
+    before the kernel waits for the one before it are timed too (``nk`` products).
+    """
     k2, n2 = _pow2(shape.k), _pow2(shape.n)
     if shape.body == "nk":
         pairs = [(4, 256), (2, 256), (8, 256), (4, 512), (2, 512), (1, 512), (8, 128)]
@@ -1058,6 +1065,11 @@ def product_configs(shape: ProductShape) -> list[dict[str, int]]:
             c = {"block_n": bn, "block_k": bk, "num_warps": warps}
             if c not in configs:
                 configs.append(c)
+    if preload and shape.body == "nk":  # a constant weight's whole slice per program, loaded first
+        for bn in (1, 2, 4, 8):
+            if bn <= n2 and bn * k2 <= MAX_PRELOAD:
+                for warps in (4, 8) if bn * k2 >= 8192 else (4,):
+                    configs.append({"block_n": bn, "block_k": k2, "num_warps": warps, "preload": 1})
     return configs
 
 
@@ -1090,6 +1102,11 @@ def _product(
     bidx = gen.batch_index("bi", shape.batch)
     em.lines.append(f"    rn = nb * {bn} + tl.arange(0, {bn})")
     body = shape.body
+    # A constant weight whose slice for this program is one tile: loaded first, before the
+    # kernel waits for the one before it (a dependent launch), so its DRAM latency overlaps
+    # that kernel's work. Only constants: nothing the kernels before it write is read early.
+    preload = bool(cfg.get("preload")) and body == "nk" and bool(spec.params.get("fixed_b")) and bk >= shape.k
+    hoist_at = len(em.lines)
     accs = ["acc", "acc2"] if paired else ["acc"]
     if body == "dot":
         em.lines.append(f"    rm = tl.arange(0, {MAX_PRODUCT_ROWS})")
@@ -1137,10 +1154,17 @@ def _product(
     if stats:  # lanes past K (or past the rows) are zeros, whatever the norm makes of them
         xa = gen.em.let(f"tl.where({a_mask}, {xa}, 0.0).to({_tl(operand_dtype)})", True, "x")
     gen.mask = b_mask
+    loop_em, loop_memo = gen.em, gen.memo
+    if preload:
+        gen.em, gen.memo = _Emitter(tag="w"), {}
+        gen.em.lines.append(f"    rk = tl.arange(0, {bk})")
     xbs = [gen.value(b, operand(b, b_kn, shape.trans_b))[0]]
     if paired:  # the second part's same columns: rows paired further along the joined weights
         shifted = (b_kn[0], b_kn[1].replace("rn[", f"({paired} + rn)["))
         xbs.append(gen.value(b, operand(b, shifted, shape.trans_b))[0])
+    if preload:
+        em.lines[hoist_at:hoist_at] = [*gen.em.lines, WAIT_MARKER]
+        gen.em, gen.memo = loop_em, loop_memo
     loop = gen.em.lines
     gen.em, gen.memo, gen.mask = outer
     em.lines.append(f"    for k0 in range(0, {shape.k}, {bk}):")
@@ -1656,6 +1680,35 @@ def generate(
     return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template, kv)
 
 
+# Programmatic dependent launch (sm_90+): a kernel launched with it may start while the
+# kernel before it on the stream is still running, so it first waits for that kernel's
+# completion and memory flush (griddepcontrol.wait) before it reads or writes anything, then
+# lets the next kernel launch (griddepcontrol.launch_dependents). The next kernel's launch and
+# prologue overlap this one's work, where a replayed graph otherwise pays ~1 us per node.
+# Every kernel waits before it touches memory, so the order of the graph holds transitively.
+# A kernel that reads constants first (a product's preloaded weight) marks where it waits.
+DEPENDENT_LAUNCH_LINES = ("    tl.extra.cuda.gdc_wait()", "    tl.extra.cuda.gdc_launch_dependents()")
+
+
+def with_dependent_launch(kernel: Kernel) -> Kernel:
+    """``kernel`` made safe for a programmatic dependent launch: it waits, then releases the next one.
+
+    At its marker (after the loads of constants only), else as its first statements.
+    """
+    lines = kernel.source.split("\n")
+    if any(line in DEPENDENT_LAUNCH_LINES for line in lines):
+        return kernel
+    if WAIT_MARKER in lines:
+        marker = lines.index(WAIT_MARKER)
+        lines[marker : marker + 1] = DEPENDENT_LAUNCH_LINES
+    else:
+        at = next((k for k, line in enumerate(lines) if line.startswith(f"def {kernel.name}(")), None)
+        if at is None:
+            raise Unsupported(f"no definition of {kernel.name} in its source")
+        lines[at + 1 : at + 1] = DEPENDENT_LAUNCH_LINES
+    return dataclasses.replace(kernel, source="\n".join(lines))
+
+
 def kv_store_nodes(spec: GroupSpec) -> list[NodeSpec]:
     """The group's ``dsp::KVScatter`` nodes: each the in-place store of a row the kernel computes."""
     return [n for n in spec.nodes if n.op == "KVScatter" and n.domain == "dsp"]
@@ -1825,6 +1878,7 @@ __all__ = [
     "attention_split_specs",
     "kv_split_count",
     "data_inputs",
+    "with_dependent_launch",
     "generate",
     "kv_store",
     "merged_operands",

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from dsp_cuda_graphs.fusion import constants_match, mismatch
 
+from dsp_core import config as dsp_config
 from dsp_core.backends.base import CaptureFailed
 from dsp_core.plan.kernelspec import reference_specs
 from dsp_triton import codegen
@@ -443,9 +444,7 @@ class FusedGroup:
 
     def _kv_splits(self, spec: codegen.GroupSpec) -> int:
         """KV splits of a decode attention: DSP_TRITON_KV_SPLITS, or enough programs to fill the SMs."""
-        from dsp_core import config
-
-        forced = int(config.get("triton_kv_splits"))
+        forced = int(dsp_config.get("triton_kv_splits"))
         p1, _, p2 = codegen.attention_nodes(spec)
         scores, out = p1.outputs[0], p2.outputs[0]
         assert scores is not None and out is not None
@@ -494,7 +493,7 @@ class FusedGroup:
             local[b] = substitutes[b].array
             values = dict(spec.values)
             values[b] = codegen.TensorSpec(values[b].shape, values[b].dtype, (1, int(weight.shape[0])))
-            spec = dataclasses.replace(spec, values=values)
+            spec = _fixed_weight(dataclasses.replace(spec, values=values))
         return spec, [], substitutes
 
     def _merged_spec(
@@ -517,7 +516,7 @@ class FusedGroup:
             local[syn] = derived.array
         bias = substitutes.get(codegen.MERGED_C)
         merged = codegen.merged_spec(spec, None if bias is None else tuple(bias.array.shape))
-        return merged, [], substitutes
+        return _fixed_weight(merged), [], substitutes
 
     def _epilogue_spec(self, spec: codegen.GroupSpec, local: dict[int, Any], j: int) -> codegen.GroupSpec:
         """The epilogue of a product cuBLAS runs (node ``j``, after its prologue): a pointwise group."""
@@ -551,6 +550,9 @@ class FusedGroup:
         kernel: codegen.Kernel, inputs: Sequence[Any], cp: Any, shapes: dict[int, tuple[tuple[int, ...], Any]]
     ) -> _Compiled:
         """Load (or compile) ``kernel`` specialised for these inputs and outputs of ``shapes``."""
+        pdl = dependent_launch(cp)
+        if pdl:
+            kernel = codegen.with_dependent_launch(kernel)
         memo = _BINARIES.get((kernel.source, kernel.num_warps))
         if memo is not None:
             return _Compiled(memo, kernel, shapes)
@@ -576,7 +578,8 @@ class FusedGroup:
         scratch = [cp.empty(shapes[v][0], dtype=shapes[v][1]) for v in kernel.args[kernel.n_inputs :]]
         args += [_Arg(x) for x in scratch]
         with scoped():
-            binary = fn.warmup(*args, grid=kernel.grid, num_warps=kernel.num_warps)
+            options = {"launch_pdl": True} if pdl else {}
+            binary = fn.warmup(*args, grid=kernel.grid, num_warps=kernel.num_warps, **options)
         binary._init_handles()  # load the module now, never inside a capture
         _BINARIES[(kernel.source, kernel.num_warps)] = binary  # kept for the process: graphs launch it
         return _Compiled(binary, kernel, shapes)
@@ -594,7 +597,7 @@ class FusedGroup:
         import triton
 
         if spec.template == "product":
-            configs = codegen.product_configs(codegen.product_shape(spec))
+            configs = codegen.product_configs(codegen.product_shape(spec), preload=bool(spec.params.get("fixed_b")))
         elif spec.template == "decode_attention":
             configs = codegen.attention_configs(spec)
         else:
@@ -728,6 +731,8 @@ class Derived:
     def make(cp: Any, flats: tuple[int, ...], arrays: list[Any], build: Callable[[Any, list[Any]], Any]) -> Derived:
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
             got = build(cp, arrays)
+        # complete before any kernel reads it: a preloading product reads it before it waits
+        cp.cuda.get_current_stream().synchronize()
         return Derived(flats, tuple(int(x.data.ptr) for x in arrays), build, got)
 
 
@@ -772,6 +777,38 @@ def _tmp_dir(tempfile: Any) -> Any:
     d = Path(tempfile.gettempdir()) / "dsp-triton-src"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def _fixed_weight(spec: codegen.GroupSpec) -> codegen.GroupSpec:
+    """A product group that reads its weights from a Derived copy: made once, outside any graph, and
+    complete before the kernel first runs, so its kernel may load them before it waits (a
+    constant computed by the segment's own kernels each step is not one: its first replay could
+    read it early)."""
+    return dataclasses.replace(spec, params={**spec.params, "fixed_b": 1})
+
+
+_DEPENDENT_LAUNCH: dict[int, bool] = {}
+
+
+def dependent_launch(cp: Any) -> bool:
+    """Whether kernels on the current device launch as programmatic dependents (DSP_TRITON_PDL, sm_90+).
+
+    Read once per device for the process: a kernel's source and its launch must agree (a
+    dependent launch of a kernel that does not wait would race), and both are decided here.
+    """
+    dev = cp.cuda.Device()
+    got = _DEPENDENT_LAUNCH.get(dev.id)
+    if got is None:
+        got = False
+        if dsp_config.get("triton_pdl") and int(dev.compute_capability) >= 90:
+            try:
+                from triton.language.extra import cuda as tl_cuda
+
+                got = hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
+            except ImportError:
+                got = False
+        _DEPENDENT_LAUNCH[dev.id] = got
+    return got
 
 
 def _device_name(cp: Any) -> str:
