@@ -48,3 +48,38 @@ def runtime_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             found[dist] = "not installed"
     return found
+
+
+def torch_flushed_us(body: Any, launches: int = 20, runs: int = 10) -> float:
+    """Microseconds of one ``body()`` on the GPU, timed as dsp-triton tunes its kernels.
+
+    ``launches`` (L2 flush, body) pairs captured in a torch CUDA graph and replayed ``runs``
+    times, minus the same graph of flushes alone: each launch meets a cold L2, as in a decode
+    step where every weight and cache row is read once.
+    """
+    import torch
+
+    junk = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+
+    def timed(with_body: bool) -> float:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            body()
+            junk.zero_()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(launches):
+                junk.zero_()
+                if with_body:
+                    body()
+        graph.replay()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(runs):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return float(begin.elapsed_time(end)) * 1000 / (runs * launches)
+
+    return max(timed(True) - timed(False), 0.0)

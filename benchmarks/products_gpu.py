@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_meta, write_results  # noqa: E402
+from common import machine_meta, torch_flushed_us, write_results  # noqa: E402
 
 SHAPES = {
     "gpt2-124m": [(768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50257)],
@@ -67,40 +67,13 @@ def triton_time(k: int, n: int) -> dict[str, Any]:
 
 
 def cublas_time(k: int, n: int) -> float:
-    """torch's cuBLAS product of the same shape, timed as dsp-triton tunes: each launch after an L2 flush.
-
-    20 (flush, product) pairs in a torch CUDA graph, replayed, minus 20 flushes alone.
-    """
+    """torch's cuBLAS product of the same shape, timed as dsp-triton tunes: each launch after an L2 flush."""
     import torch
 
     a = torch.randn(1, k, device="cuda", dtype=torch.float16)
     w = torch.randn(k, n, device="cuda", dtype=torch.float16)
     out = torch.empty(1, n, device="cuda", dtype=torch.float16)
-    junk = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-
-    def timed(with_product: bool) -> float:
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            torch.mm(a, w, out=out)
-            junk.zero_()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(LAUNCHES):
-                junk.zero_()
-                if with_product:
-                    torch.mm(a, w, out=out)
-        graph.replay()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        runs = 10
-        begin.record()
-        for _ in range(runs):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return float(begin.elapsed_time(end)) * 1000 / (runs * LAUNCHES)
-
-    return max(timed(True) - timed(False), 0.0)
+    return torch_flushed_us(lambda: torch.mm(a, w, out=out), LAUNCHES)
 
 
 def main(argv: list[str] | None = None) -> int:

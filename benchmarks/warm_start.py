@@ -196,7 +196,7 @@ def print_table(record: dict[str, Any]) -> None:
         print(f"  {name:24s}{c:9.3f}{w:9.3f}")
     print(f"{'first token (s)':26s}{cold['first_token_s_median']:9.3f}{warm['first_token_s_median']:9.3f}")
     print(f"{'total (s)':26s}{cold['total_s']:9.3f}{warm['total_s']:9.3f}")
-    c, w = cold['first_token_cpu_s_median'], warm['first_token_cpu_s_median']
+    c, w = cold["first_token_cpu_s_median"], warm["first_token_cpu_s_median"]
     print(f"{'CPU to first token (s)':26s}{c:9.3f}{w:9.3f}")
     print(f"warm start: {record['speedup_first_token']:.1f}x faster to the first token (median cold / median warm)")
     print(f"            {record['speedup_first_token_after_imports']:.1f}x after the interpreter start and imports")

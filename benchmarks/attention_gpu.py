@@ -1,0 +1,219 @@
+"""Decode attention on the GPU at 128, 1,024 and 4,096 KV positions: dsp-triton against torch SDPA and the floor.
+
+For the Llama-3.2-1B shape (32 query heads, 8 KV heads, head dim 64) and GPT-2 124M (12/12,
+64), fp16, one query row, every position valid, the exported attention chain
+(tests/triton_interp/attention_graphs.py: the GQA repeat, the scores product, the scale, the
+additive mask, Softmax, the weighted sum) runs in TRITON mode three ways, each in a process of
+its own (the switches are read once per process):
+
+- ``fused_split``: the one-kernel template, KV positions split to fill the GPU, then combined
+  (DSP_TRITON_ATTENTION=1, DSP_TRITON_KV_SPLITS=0);
+- ``fused_one``: the one-kernel template, one program per head (DSP_TRITON_KV_SPLITS=1);
+- ``three_kernels``: the scores product, the softmax, the weighted sum (DSP_TRITON_ATTENTION=0).
+
+torch's row is ``scaled_dot_product_attention`` (``enable_gqa``, no mask: its fastest path).
+Each row is the kernels of one replayed step as torch.profiler's CUDA activity sees them (per
+step: kernels and the sum of their durations; median over the window's steps), with the L2
+cache flushed between steps, as a decode step meets it; the floor is the K and V bytes over
+the copy bandwidth.
+
+    python3 benchmarks/attention_gpu.py --out benchmarks/results/attention_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "triton_interp"))
+from common import machine_meta, write_results  # noqa: E402
+
+SHAPES = {"llama-1b": (32, 8, 64), "gpt2-124m": (12, 12, 64)}  # heads, KV heads, head dim
+LENGTHS = (128, 1024, 4096)
+STEPS = 30  # profiled steps per row
+MODES = {
+    "fused_split": {"DSP_TRITON_ATTENTION": "1", "DSP_TRITON_KV_SPLITS": "0"},
+    "fused_one": {"DSP_TRITON_ATTENTION": "1", "DSP_TRITON_KV_SPLITS": "1"},
+    "three_kernels": {"DSP_TRITON_ATTENTION": "0"},
+}
+MARK = "ATTENTION_GPU_JSON "
+
+
+def profile_steps(step: Any, steps: int = STEPS) -> dict[str, Any]:
+    """Kernels and GPU microseconds of each of ``steps`` calls of ``step`` (an L2 flush before each)."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    junk = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            junk.zero_()  # a fill kernel: it marks where each step begins, and is not counted
+            torch.cuda.synchronize()
+            step()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = sorted(
+        (e for e in events if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel"),
+        key=lambda e: float(e["ts"]),
+    )
+    per_step: list[list[dict[str, Any]]] = []
+    for e in kernels:
+        if "fill" in str(e.get("name", "")).lower():
+            per_step.append([])
+        elif per_step:
+            per_step[-1].append(e)
+    counts = [len(s) for s in per_step if s]
+    micros = [sum(float(e.get("dur", 0.0)) for e in s) for s in per_step if s]
+    return {
+        "steps": len(counts),
+        "kernels": statistics.median(counts) if counts else None,
+        "gpu_us": statistics.median(micros) if micros else None,
+        "kernel_names": sorted({str(e.get("name", "?"))[:60] for s in per_step for e in s})[:8],
+    }
+
+
+def dsp_rows(mode: str) -> list[dict[str, Any]]:
+    """This process's rows: every shape and length in TRITON mode under ``mode``'s switches."""
+    import attention_graphs as ag
+    import cupy as cp
+    import torch
+
+    rows = []
+    for model_name, (heads, kv, dim) in SHAPES.items():
+        for length in LENGTHS:
+            feeds = ag.feeds(heads, kv, length, length, dim, "float16")
+            dev = {k: cp.asarray(v) for k, v in feeds.items()}
+            model = ag.model(heads, kv, length, dim, "triton", "float16", strict=True, outputs_on_device=True)
+            want = ag.model(heads, kv, length, dim, "slot_by_slot", "float16").run(feeds)["y"]
+            for _ in range(6):  # eager (compile, tune, check), freeze, capture, replays
+                got = model.run(dev)["y"]
+            diff = float(np.abs(cp.asnumpy(got).astype(np.float64) - want.astype(np.float64)).max())
+            torch.cuda.synchronize()
+            row = {"model": model_name, "length": length, "peer": f"dsp_{mode}", "max_abs_diff": diff}
+            row["phase"] = str(model.dsp.phase)
+            row.update(profile_steps(functools.partial(model.run, dev)))
+            rows.append(row)
+    return rows
+
+
+def torch_rows() -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for model_name, (heads, kv, dim) in SHAPES.items():
+        for length in LENGTHS:
+            q = torch.randn(1, heads, 1, dim, device="cuda", dtype=torch.float16)
+            k = torch.randn(1, kv, length, dim, device="cuda", dtype=torch.float16)
+            v = torch.randn_like(k)
+            sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=kv != heads)
+
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                sdpa()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                sdpa()
+            row = {"model": model_name, "length": length, "peer": "torch_sdpa_graph"}
+            row.update(profile_steps(graph.replay))
+            rows.append(row)
+    return rows
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 10 / (begin.elapsed_time(end) * 1e-3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(HERE / "results" / "attention_gpu.json"))
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(MARK + json.dumps(dsp_rows(args.worker)))
+        return 0
+    import torch
+
+    rows: list[dict[str, Any]] = []
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            p.error(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        env = {**os.environ, **MODES[mode]}
+        done = subprocess.run(
+            [sys.executable, __file__, "--worker", mode], env=env, capture_output=True, text=True, timeout=900
+        )
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith(MARK)]
+        if done.returncode != 0 or not lines:
+            print(f"dsp_{mode}: failed (rc {done.returncode}): {done.stderr[-1500:]}")
+            continue
+        rows += json.loads(lines[-1][len(MARK) :])
+    rows += torch_rows()
+    bandwidth = copy_bandwidth()
+    for row in rows:
+        heads, kv, dim = SHAPES[row["model"]]
+        kv_bytes = 2 * kv * row["length"] * dim * 2
+        row["kv_bytes"] = kv_bytes
+        row["floor_us"] = kv_bytes / bandwidth * 1e6
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; per replayed step, median of {STEPS} (L2 flushed before each)")
+    print(
+        f"{'model':<10} {'positions':>9} {'peer':<20} {'kernels':>7} {'GPU us':>8} {'floor us':>8} "
+        f"{'x floor':>7} {'x torch':>7}"
+    )
+    for row in rows:
+        torch_row = next(
+            (
+                r
+                for r in rows
+                if r["peer"] == "torch_sdpa_graph" and (r["model"], r["length"]) == (row["model"], row["length"])
+            ),
+            None,
+        )
+        us, ref = row.get("gpu_us"), (torch_row or {}).get("gpu_us")
+        row["vs_torch"] = None if not us or not ref else ref / us
+        row["vs_floor"] = None if not us else row["floor_us"] / us
+        vs_torch = f"{row['vs_torch']:.2f}x" if row["vs_torch"] else "-"
+        print(
+            f"{row['model']:<10} {row['length']:>9} {row['peer']:<20} {row.get('kernels') or 0:>7} "
+            f"{us or float('nan'):>8.2f} {row['floor_us']:>8.2f} {row['vs_floor'] or 0:>6.2f}x {vs_torch:>7}"
+        )
+    meta = machine_meta(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        copy_bandwidth_bytes_per_s=bandwidth,
+        timing=f"kernels of one replayed step (torch.profiler CUDA activity), median of {STEPS}, L2 flushed first",
+    )
+    write_results(args.out, meta, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
