@@ -689,3 +689,70 @@ def test_gather_nd_kernels_compile_and_match_the_reference_on_the_host(batch_dim
     results = hostcheck.check_model(model, _gather_nd_feeds(batch_dims))
     picks = [r for r in results if "GatherND" in r.ops]
     assert len(picks) == 1 and picks[0].status == "ok", results
+
+
+# -- the greedy pick (dsp::Sample at temperature 0, ArgMax over the last axis) ---------------
+def _picked_on_host(x: np.ndarray) -> np.ndarray:
+    """codegen.argmax_rows' two kernels compiled by NVRTC and run on the host over ``x`` [B, V]."""
+    dtype = "bfloat16" if x.dtype.name == "bfloat16" else str(x.dtype)
+    item = x.dtype.itemsize
+    spec = codegen.TensorSpec(tuple(x.shape), dtype, tuple(s // item for s in x.strides))
+    first, second = codegen.argmax_rows(spec)
+    first_spec, second_spec = codegen.argmax_specs(spec, first)
+    for kernel in (first, second):
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("compute_75"))
+    bits = x.view(np.dtype(f"int{codegen.ORDERED_KEY_BITS[dtype][0]}"))
+    chunks = hostcheck.run_on_host(first, first_spec, {0: bits})
+    return hostcheck.run_on_host(second, second_spec, {1: chunks[1], 2: chunks[2]})[3]
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_the_greedy_pick_kernels_give_numpys_argmax_on_the_host(dtype: str) -> None:
+    """One and many chunks, a strided [B, S, V][:, -1] view, ties (the first index), NaN (the first
+    NaN), -0 against +0, a row of -inf; the kernels compile with NVRTC and run on the host."""
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(11)
+    for rows, vocab, view in ((1, 50257, False), (2, 3000, True), (3, 7, False), (2, 1025, True)):
+        full = rng.standard_normal((rows, 3, vocab) if view else (rows, vocab)).astype(np_dtype)
+        x = full[:, -1] if view else full
+        x[..., -1] = x.max(axis=-1)  # ties with an earlier maximum
+        x[0, vocab // 2] = np.nan
+        x[-1, :] = np.where(np.arange(vocab) % 2, -np.inf, -0.0).astype(np_dtype)
+        x[-1, 5] = 0.0  # +0 after -0: the first zero is the pick
+        np.testing.assert_array_equal(_picked_on_host(x), np.argmax(x.astype(np.float64), axis=-1))
+
+
+def test_the_greedy_pick_declines_what_it_cannot_key() -> None:
+    with pytest.raises(codegen.Unsupported, match="int32"):
+        codegen.argmax_rows(codegen.TensorSpec((1, 10), "int32"))
+    with pytest.raises(codegen.Unsupported, match=r"\[2, 3, 4\]"):
+        codegen.argmax_rows(codegen.TensorSpec((2, 3, 4), "float32"))
+    first, second = codegen.argmax_rows(codegen.TensorSpec((2, 128256), "float16"))
+    assert (first.grid, second.grid) == (2 * 126, 2) and first.template == second.template == "argmax"
+    assert "const short* __restrict__ in0" in first.source  # fp16 logits read as their bits
+
+
+def test_the_pick_layout_reduces_the_last_axis_of_device_arrays_only() -> None:
+    from dsp_cuda_graphs.greedy import PickLayout
+
+    class Device:  # what PickLayout asks of a device array
+        def __init__(self, x: np.ndarray) -> None:
+            self.x, self.data, self.ndim, self.shape = x, object(), x.ndim, x.shape
+
+        def __getitem__(self, key: Any) -> Any:
+            return self.x[key]
+
+        def reshape(self, *shape: Any) -> Any:
+            return self.x.reshape(*shape)
+
+    logits = np.arange(24.0).reshape(2, 3, 4)
+    sample = PickLayout(sample=True)
+    assert sample.takes(Device(logits)) and not sample.takes(logits)  # a host array: the reference
+    assert sample.rows(Device(logits)).shape == (2, 4) and sample.shape(logits) == (2, 1)
+    argmax = PickLayout(sample=False, keepdims=False, axis=-1)
+    assert argmax.takes(Device(logits)) and argmax.rows(Device(logits)).shape == (6, 4)
+    assert argmax.shape(logits) == (2, 3)
+    assert not PickLayout(sample=False, axis=1).takes(Device(logits))  # not the last axis

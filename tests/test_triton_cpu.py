@@ -891,7 +891,7 @@ def test_product_kernels_with_a_kv_store_match_the_reference_under_the_interpret
 
 # -- the greedy pick: dsp::Sample at temperature 0 and ArgMax over the last axis, as two kernels ----
 def test_greedy_picks_are_recognised_and_nothing_else() -> None:
-    from dsp_triton.segment import greedy_pick
+    from dsp_cuda_graphs.greedy import greedy_pick
 
     def slot(op: str, domain: str = "", **attrs: object) -> object:
         return type("S", (), {"op": op, "domain": domain, "attrs": attrs})()

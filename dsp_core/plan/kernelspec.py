@@ -104,6 +104,48 @@ ROW_VALUED_OPS = frozenset(
 )
 
 
+# The greedy pick's keys: a float's bits, read as a signed integer of its width, give
+# ``key = -(bits & magnitude) if bits < 0 else bits & magnitude``, which orders like the
+# floats (-0 equal to +0); a magnitude above +inf's bits is a NaN, keyed above everything
+# (numpy's argmax takes the first NaN). dtype -> (bits, magnitude mask, +inf's bits).
+ORDERED_KEY_BITS: dict[str, tuple[int, int, int]] = {
+    "float16": (16, 0x7FFF, 0x7C00),
+    "bfloat16": (16, 0x7FFF, 0x7F80),
+    "float32": (32, 0x7FFFFFFF, 0x7F800000),
+    "float64": (64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+}
+
+
+@dataclass(frozen=True)
+class PickRows:
+    """A greedy pick's [rows, vocab] logits as its generators lay them out over chunks."""
+
+    width: int  # bits of the integer keys
+    magnitude: int  # the mask of a key's magnitude bits
+    inf: int  # +inf's bits: a magnitude above is a NaN
+    rows: int
+    vocab: int
+    row_stride: int  # elements
+    col_stride: int
+    chunk: int  # elements of a row one program (block) reads
+    chunks: int
+
+
+def pick_rows(logits: TensorSpec, chunk: int) -> PickRows:
+    """``logits`` [rows, vocab] split into chunks of at most ``chunk``, or Unsupported (the reference picks)."""
+    got = ORDERED_KEY_BITS.get(logits.dtype)
+    if got is None:
+        raise Unsupported(f"a greedy pick over {logits.dtype}")
+    if len(logits.shape) != 2 or logits.numel == 0:
+        raise Unsupported(f"a greedy pick over {list(logits.shape)}")
+    rows, vocab = logits.shape
+    if vocab >= 2**31:
+        raise Unsupported("a row of 2^31 values or more")
+    rs, cs = logits.strides or tuple(row_major(logits.shape))
+    blk = min(chunk, max(32, 1 << (vocab - 1).bit_length()))
+    return PickRows(*got, rows, vocab, rs, cs, blk, (vocab + blk - 1) // blk)
+
+
 def node_specs(plan: Plan, slots: Sequence[int]) -> list[NodeSpec]:
     """A group's slots as nodes, wired by flat value indexes."""
     return [

@@ -188,3 +188,16 @@ def test_fewer_kernels_per_replay_than_cuda_graphs() -> None:
     for name, c in counts.items():
         assert c["nvrtc_jit"] < c["cuda_graphs"], (name, c)
         assert c["ptx_jit"] <= c["cuda_graphs"], (name, c)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("shape", [(1, 50257), (2, 128256), (2, 3, 5000)])
+def test_the_greedy_pick_gives_numpys_argmax_in_two_cuda_c_kernels_while_replaying(
+    shape: tuple[int, ...], dtype: str
+) -> None:
+    from .greedy_check import greedy_pick_reports
+
+    reports = greedy_pick_reports("nvrtc_jit", shape, dtype)
+    picks = [r for r in reports if r["template"] == "greedy_pick"]
+    assert len(picks) == 1 and picks[0]["status"] == "fused", reports
+    assert picks[0]["kernel"].startswith("dsp_argmax_"), picks

@@ -42,8 +42,10 @@ import numpy as np
 
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
     INDEX_OPS,
+    ORDERED_KEY_BITS,
     ROW_VALUED_OPS,
     gather_nd_layout,
+    pick_rows,
     row_major,
 )
 from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
@@ -121,6 +123,30 @@ __device__ float dsp_block_reduce(float v, float* sh, int op) {
     __syncthreads();
     return sh[0];
 }
+#define DSP_KEY_MIN (-9223372036854775807LL - 1)
+#define DSP_KEY_MAX 9223372036854775807LL
+// The greedy pick's (key, index) pair over the block: the largest key, its smallest index.
+__device__ __forceinline__ void dsp_pick(long long* k, long long* p, long long k2, long long p2) {
+    if (k2 > *k || (k2 == *k && p2 < *p)) { *k = k2; *p = p2; }
+}
+__device__ void dsp_block_argmax(long long* key, long long* pos, long long* sk, long long* sp) {
+    long long k = *key, p = *pos;
+    for (int o = 16; o > 0; o >>= 1)
+        dsp_pick(&k, &p, __shfl_xor_sync(0xffffffffu, k, o), __shfl_xor_sync(0xffffffffu, p, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    if (lane == 0) { sk[warp] = k; sp[warp] = p; }
+    __syncthreads();
+    if (warp == 0) {
+        k = threadIdx.x < warps ? sk[threadIdx.x] : DSP_KEY_MIN;
+        p = threadIdx.x < warps ? sp[threadIdx.x] : DSP_KEY_MAX;
+        for (int o = 16; o > 0; o >>= 1)
+            dsp_pick(&k, &p, __shfl_xor_sync(0xffffffffu, k, o), __shfl_xor_sync(0xffffffffu, p, o));
+        if (threadIdx.x == 0) { sk[0] = k; sp[0] = p; }
+    }
+    __syncthreads();
+    *key = sk[0];
+    *pos = sp[0];
+}
 """
 
 HOST_PRELUDE = r"""
@@ -155,6 +181,11 @@ static inline unsigned short dsp_f2bf(float f) {
 }
 // One thread a block: its own value is the block's.
 static inline float dsp_block_reduce(float v, float* sh, int op) { (void)sh; (void)op; return v; }
+#define DSP_KEY_MIN (-9223372036854775807LL - 1)
+#define DSP_KEY_MAX 9223372036854775807LL
+static inline void dsp_block_argmax(long long* key, long long* pos, long long* sk, long long* sp) {
+    (void)key; (void)pos; (void)sk; (void)sp;
+}
 """
 
 COMMON_PRELUDE = r"""
@@ -952,3 +983,88 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
             for k, v in in_outer:
                 _store(gen, k, v, gen.reshape(outer, row[:-1], spec.values[v].shape))
     return stores, n_rows
+
+
+# -- the greedy pick (dsp::Sample at temperature 0, ArgMax over the last axis) ----------------
+ARGMAX_CHUNK = 1024  # elements of a row one block of the first kernel reads
+_KEY_TYPES = {16: "short", 32: "int", 64: "long long"}  # the logits read as signed integers of their width
+
+
+def argmax_rows(logits: TensorSpec, chunk: int = ARGMAX_CHUNK) -> tuple[Kernel, Kernel]:
+    """The first index of each row's largest value of a [B, V] tensor (any strides), as two kernels.
+
+    Values are compared as integer keys that order like the floats (``ORDERED_KEY_BITS``:
+    NaN above everything, -0 equal to +0), so the index is exact. The first kernel (one
+    block per chunk of a row, blocks row-major) writes each chunk's best key and its first
+    index (int64) to two [B, chunks] arrays; the second (one block per row) picks the best
+    chunk and writes the row's index (int64 [B]). The logits are read through a pointer of
+    the signed integer type of their width. Arguments: (logits, keys, indexes) and (keys,
+    indexes, out); template ``argmax`` (a block reduction: the host check runs one thread).
+    """
+    p = pick_rows(logits, chunk)
+    width, magnitude, inf = p.width, p.magnitude, p.inf
+    rows, vocab, rs, cs, blk, chunks = p.rows, p.vocab, p.row_stride, p.col_stride, p.chunk, p.chunks
+    first = [
+        f'extern "C" __global__ void __launch_bounds__({THREADS}) KERNEL('
+        f"const {_KEY_TYPES[width]}* __restrict__ in0, long long* __restrict__ out0, long long* __restrict__ out1) {{",
+        "    __shared__ long long dsp_sk[32];",
+        "    __shared__ long long dsp_sp[32];",
+        f"    const long long b = blockIdx.x / {chunks}, c = blockIdx.x % {chunks};",
+        f"    const long long end = (c + 1) * {blk} < {vocab} ? (c + 1) * {blk} : {vocab};",
+        "    long long best = DSP_KEY_MIN, pos = DSP_KEY_MAX;",
+        f"    for (long long j = c * {blk} + threadIdx.x; j < end; j += blockDim.x) {{",
+        f"        const long long bits = (long long)in0[b * {rs}LL + j * {cs}LL];",
+        f"        const long long mag = bits & {magnitude}LL;",
+        f"        const long long key = mag > {inf}LL ? DSP_KEY_MAX : bits < 0 ? -mag : mag;",
+        "        if (key > best) { best = key; pos = j; }  // j grows: the first index of a tie stays",
+        "    }",
+        "    dsp_block_argmax(&best, &pos, dsp_sk, dsp_sp);",
+        f"    if (threadIdx.x == 0) {{ out0[b * {chunks} + c] = best; out1[b * {chunks} + c] = pos; }}",
+        "}",
+        "",
+    ]
+    second = [
+        f'extern "C" __global__ void __launch_bounds__({THREADS}) KERNEL('
+        "const long long* __restrict__ in0, const long long* __restrict__ in1, long long* __restrict__ out0) {",
+        "    __shared__ long long dsp_sk[32];",
+        "    __shared__ long long dsp_sp[32];",
+        "    const long long b = blockIdx.x;",
+        "    long long best = DSP_KEY_MIN, pos = DSP_KEY_MAX;",
+        f"    for (long long c = threadIdx.x; c < {chunks}; c += blockDim.x) {{",
+        f"        const long long k = in0[b * {chunks} + c], p = in1[b * {chunks} + c];",
+        "        if (k > best || (k == best && p < pos)) { best = k; pos = p; }",
+        "    }",
+        "    dsp_block_argmax(&best, &pos, dsp_sk, dsp_sp);",
+        "    if (threadIdx.x == 0) out0[b] = pos;",
+        "}",
+        "",
+    ]
+    kernels = []
+    for lines, prefix, grid, args, n_in in (
+        (first, "dsp_argmax_", rows * chunks, (0, 1, 2), 1),
+        (second, "dsp_argmax_pick_", rows, (1, 2, 3), 2),
+    ):
+        source = "\n".join(lines)
+        name = prefix + hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
+        kernels.append(Kernel(source.replace(" KERNEL(", f" {name}(", 1), name, args, n_in, grid, THREADS, "argmax"))
+    return kernels[0], kernels[1]
+
+
+def argmax_specs(logits: TensorSpec, first: Kernel) -> tuple[GroupSpec, GroupSpec]:
+    """The two kernels' arguments as the segment cache and the host check read them (value ids 0..3).
+
+    The logits (0) as the signed integers the first kernel reads; the chunks' keys (1) and
+    indexes (2); the rows' indexes (3).
+    """
+    width = ORDERED_KEY_BITS[logits.dtype][0]
+    rows, chunks = logits.shape[0], first.grid // max(1, logits.shape[0])
+    values = {
+        0: TensorSpec(logits.shape, f"int{width}", logits.strides),
+        1: TensorSpec((rows, chunks), "int64"),
+        2: TensorSpec((rows, chunks), "int64"),
+        3: TensorSpec((rows,), "int64"),
+    }
+    return (
+        GroupSpec("argmax", [], values, [0], [1, 2]),
+        GroupSpec("argmax", [], values, [1, 2], [3]),
+    )

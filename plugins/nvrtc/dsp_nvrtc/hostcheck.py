@@ -36,7 +36,7 @@ def host_compiler() -> str | None:
 
 
 def _build(kernel: codegen.Kernel, ctypes_of: list[str]) -> ctypes.CDLL:
-    threads = 1 if kernel.template == "row_reduction" else kernel.threads
+    threads = 1 if kernel.template in ("row_reduction", "argmax") else kernel.threads  # block reductions
     casts = [f"({t}*)a[{k}]" for k, t in enumerate(ctypes_of)]
     driver = (
         'extern "C" void dsp_run(void** a) {\n'

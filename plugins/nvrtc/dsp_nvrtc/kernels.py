@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable
+from dsp_cuda_graphs.greedy import PickLayout
 
 from dsp_core.plan.kernelspec import reference_specs
 from dsp_nvrtc import codegen, compiler
@@ -168,3 +169,74 @@ class NvrtcGroup(GroupStep):
         args = [by_flat[v] for v in kernel.args[: kernel.n_inputs]] + [outs[v] for v in kernel.args[kernel.n_inputs :]]
         built.function((kernel.grid,), (kernel.threads,), tuple(args))
         return tuple(outs[o] for o in self.out_flats)
+
+
+@dataclass
+class BuiltPick:
+    """The greedy pick's two loaded kernels (codegen.argmax_rows)."""
+
+    first: Any
+    second: Any
+    kernels: tuple[codegen.Kernel, codegen.Kernel]
+    chunks: int
+
+
+class NvrtcGreedyPick(GroupStep):
+    """A greedy pick (``dsp::Sample`` at temperature 0, ``ArgMax`` over the last axis) as two CUDA C kernels.
+
+    A one-slot group step: the slot's reference kernel (CuPy's argmax, one block a row) is
+    its reference steps; the first run of each logits layout builds the two kernels, runs
+    them and compares the indexes with the reference's exactly (GroupStep's check: integers
+    must be equal), demoting loudly on any difference.
+    """
+
+    backend_name = "NVRTC_JIT"
+
+    def __init__(
+        self,
+        report: GroupReport,
+        steps: list[Step],
+        in_flats: tuple[int, ...],
+        out_flats: tuple[int, ...],
+        layout: PickLayout,
+        cupy: Any,
+        capturing: Any,
+        cache: SegmentCache,
+    ) -> None:
+        super().__init__(report, steps, in_flats, out_flats, cupy, capturing, 0.0)
+        self.layout = layout
+        self.cache = cache
+
+    def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> BuiltPick:
+        logits = inputs[0]
+        if not self.layout.takes(logits):
+            raise Unfusable("logits on the host, or not reduced over their last axis")
+        x = self.layout.rows(logits)
+        item = x.dtype.itemsize
+        spec = codegen.TensorSpec(tuple(x.shape), str(x.dtype), tuple(int(s) // item for s in x.strides))
+        try:
+            k1, k2 = codegen.argmax_rows(spec)
+        except codegen.Unsupported as exc:
+            raise Unfusable(str(exc)) from exc
+        target = device_target(self.cp)
+        functions, hits = [], []
+        for kernel, kspec in zip((k1, k2), codegen.argmax_specs(spec, k1)):
+            binary, hit = compiled(kernel, kspec, target, self.cache)
+            functions.append(load(self.cp, kernel, binary, target))
+            hits.append(hit)
+        self.report.kernel = f"{k1.name}+{k2.name}"
+        self.report.cached = all(hits)
+        return BuiltPick(functions[0], functions[1], (k1, k2), k1.grid // x.shape[0])
+
+    def launch(self, built: BuiltPick, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        cp = self.cp
+        logits = inputs[0]
+        x = self.layout.rows(logits)
+        rows = x.shape[0]
+        keys = cp.empty((rows, built.chunks), dtype=cp.int64)
+        pos = cp.empty((rows, built.chunks), dtype=cp.int64)
+        out = cp.empty((rows,), dtype=cp.int64)
+        k1, k2 = built.kernels
+        built.first((k1.grid,), (k1.threads,), (x, keys, pos))
+        built.second((k2.grid,), (k2.threads,), (keys, pos, out))
+        return (out.reshape(self.layout.shape(logits)),)

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from dsp_cpu_ref.slot_by_slot import run_order
 from dsp_cuda_graphs import fusion
-from dsp_cuda_graphs.fusion import GroupReport, Step, fused_steps
+from dsp_cuda_graphs.fusion import GroupReport, GroupStep, Step, fused_steps
+from dsp_cuda_graphs.greedy import PickLayout, greedy_pick
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
 from dsp_core.errors import KernelError
@@ -24,7 +25,7 @@ from dsp_core.plan.kernelspec import node_specs
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen, rowwise
 from dsp_nvrtc.cache import SegmentCache
-from dsp_nvrtc.kernels import NvrtcGroup
+from dsp_nvrtc.kernels import NvrtcGreedyPick, NvrtcGroup
 
 FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product"})  # the templates with a CUDA C kernel
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
@@ -41,7 +42,7 @@ class NvrtcSegment(CudaGraphSegment):
     def __init__(self, backend: Any, plan: Plan, segment: Segment, tf32: bool, tolerance: float) -> None:
         super().__init__(backend, plan, segment, tf32)
         self._tolerance = tolerance
-        self.groups: list[NvrtcGroup] = []
+        self.groups: list[GroupStep] = []  # fusion groups (NvrtcGroup) and greedy picks (NvrtcGreedyPick)
         self.reports: list[GroupReport] = []
         self._step_slots: list[tuple[int, ...]] = []
         self._cache = SegmentCache()
@@ -56,9 +57,17 @@ class NvrtcSegment(CudaGraphSegment):
         if result.slot_groups() != seg.groups:
             return bound  # grouped by another policy: run as bound (still correct)
 
-        def make(g: Group, mine: list[Step], ins: tuple[int, ...], outs: tuple[int, ...]) -> NvrtcGroup | None:
+        def make(g: Group, mine: list[Step], ins: tuple[int, ...], outs: tuple[int, ...]) -> GroupStep | None:
             report = GroupReport(g.index, g.template, g.slots)
             self.reports.append(report)
+            pick = greedy_pick(plan.slots[g.slots[0]]) if len(g.slots) == 1 else None
+            if pick is not None and tuple(mine[0][1]) == ins:
+                report.template = "greedy_pick"
+                greedy = NvrtcGreedyPick(
+                    report, mine, ins, outs, PickLayout(**pick), st["cupy"], lambda: self._capturing, self._cache
+                )
+                self.groups.append(greedy)
+                return greedy
             why = unfused_reason(plan, g)
             if why is not None:
                 report.status, report.reason = "reference", why

@@ -39,6 +39,7 @@ from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: c
     INDEX_OPS,
     ROW_VALUED_OPS,
     gather_nd_layout,
+    pick_rows,
     row_major,
 )
 from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
@@ -1773,12 +1774,6 @@ def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis:
 # The greedy pick (dsp::Sample at temperature 0, ArgMax over the last axis): each value is
 # compared as an integer key that orders like the float (NaN above everything, as numpy's
 # argmax takes the first NaN; -0 equal to +0), so the first index of the row's best is exact.
-_KEY_BITS = {
-    "float16": ("tl.int16", 0x7FFF, 0x7C00),
-    "bfloat16": ("tl.int16", 0x7FFF, 0x7F80),
-    "float32": ("tl.int32", 0x7FFFFFFF, 0x7F800000),
-    "float64": ("tl.int64", 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
-}
 ARGMAX_CHUNK = 1024  # elements of a row one program of the first kernel reads
 
 
@@ -1791,18 +1786,9 @@ def argmax_rows(logits: TensorSpec, chunk: int = ARGMAX_CHUNK) -> tuple[Kernel, 
     keeps one block busy for ~100 µs; this spreads the row over the device.
     Arguments: (logits, keys, indexes) and (keys, indexes, out).
     """
-    got = _KEY_BITS.get(logits.dtype)
-    if got is None:
-        raise Unsupported(f"a greedy pick over {logits.dtype}")
-    if len(logits.shape) != 2 or logits.numel == 0:
-        raise Unsupported(f"a greedy pick over {list(logits.shape)}")
-    bits, magnitude, inf = got
-    rows, vocab = logits.shape
-    if vocab >= 2**31:
-        raise Unsupported("a row of 2^31 values or more")
-    rs, cs = logits.strides or tuple(row_major(logits.shape))
-    blk = min(chunk, max(32, 1 << (vocab - 1).bit_length()))
-    chunks = (vocab + blk - 1) // blk
+    p = pick_rows(logits, chunk)
+    bits, magnitude, inf = f"tl.int{p.width}", p.magnitude, p.inf
+    rows, vocab, rs, cs, blk, chunks = p.rows, p.vocab, p.row_stride, p.col_stride, p.chunk, p.chunks
     big, small = "9223372036854775807", "-9223372036854775808"
     first = [
         "import triton",

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 from dsp_cuda_graphs.fusion import constants_match, mismatch
+from dsp_cuda_graphs.greedy import PickLayout
 
 from dsp_core import config as dsp_config
 from dsp_core.backends.base import CaptureFailed
@@ -965,44 +966,20 @@ class GreedyPick(_SingleOpStep):
     """
 
     def __init__(
-        self,
-        report: GroupReport,
-        reference: Any,
-        cupy: Any,
-        capturing: Callable[[], bool],
-        *,
-        sample: bool,
-        keepdims: bool = True,
-        axis: int = -1,
+        self, report: GroupReport, reference: Any, cupy: Any, capturing: Callable[[], bool], layout: PickLayout
     ) -> None:
         super().__init__(report, reference, cupy, capturing)
-        self.sample = sample  # dsp::Sample: [B, V] or [B, S, V] (last position) -> [B, 1]
-        self.keepdims = keepdims  # ArgMax's keepdims
-        self.axis = axis  # ArgMax's axis: the last one is picked here, another by the reference
-
-    def _rows(self, logits: Any) -> Any:
-        if self.sample:
-            return logits[:, -1] if logits.ndim == 3 else logits
-        return logits.reshape(-1, logits.shape[-1])  # a copy only where the leading dims do not fold
-
-    def _shape(self, logits: Any) -> tuple[int, ...]:
-        if self.sample:
-            return (logits.shape[0], 1)
-        return tuple(logits.shape[:-1]) + ((1,) if self.keepdims else ())
+        self.layout = layout
 
     def __call__(self, logits: Any, *rest: Any) -> Any:
-        if (
-            self.report.status in ("reference", "demoted")
-            or isinstance(logits, np.ndarray | np.generic)
-            or (not self.sample and (logits.ndim == 0 or self.axis % logits.ndim != logits.ndim - 1))
-        ):
+        if self.report.status in ("reference", "demoted") or not self.layout.takes(logits):
             return self.reference(logits, *rest)
-        x = self._rows(logits)
+        x = self.layout.rows(logits)
         key = (x.shape, x.strides, x.dtype.str, int(x.data.ptr) % 16)  # Triton specialises on alignment
         pair = self._built(key, "a greedy pick met a new logits layout", lambda: self._compile(logits, x, rest))
         if pair is None:
             return self.reference(logits, *rest)
-        return self._launch(pair, x).reshape(self._shape(logits))
+        return self._launch(pair, x).reshape(self.layout.shape(logits))
 
     def _launch(self, pair: tuple[_Compiled, _Compiled], x: Any) -> Any:
         cp = self.cp
@@ -1032,7 +1009,7 @@ class GreedyPick(_SingleOpStep):
         except Exception as exc:  # noqa: BLE001  (Unsupported, or a compiler error)
             self.report.status, self.report.reason = "reference", f"{type(exc).__name__}: {str(exc)[:300]}"
             return None
-        got = self._launch((first, second), x).reshape(self._shape(logits))
+        got = self._launch((first, second), x).reshape(self.layout.shape(logits))
         want = self.reference(logits, *rest)
         ok = tuple(got.shape) == tuple(want.shape) and bool(cp.all(got == want))
         self.report.compile_ms += (time.perf_counter() - start) * 1000

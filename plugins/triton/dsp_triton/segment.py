@@ -18,6 +18,7 @@ import numpy as np
 from dsp_cpu_ref.slot_by_slot import run_order
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.fusion import BuildProgress
+from dsp_cuda_graphs.greedy import PickLayout, greedy_pick
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
 from dsp_core.errors import KernelError
@@ -44,20 +45,6 @@ def unfused_reason(plan: Plan, group: Any) -> str | None:
         # Its readers (generated kernels, products, the KV store) read a view by its strides;
         # where CuPy cannot make one (a reshape of a broadcast) it copies, one kernel as ours.
         return f"{ops} only: views on the reference kernels, no kernel to save"
-    return None
-
-
-def greedy_pick(slot: Any) -> dict[str, Any] | None:
-    """How a slot is a greedy pick (GreedyPick's options), or None: dsp::Sample at temperature 0,
-    ArgMax over the last axis taking the first best index."""
-    if slot.domain == "dsp" and slot.op == "Sample":
-        return {"sample": True} if float(slot.attrs.get("temperature", 1.0)) <= 0.0 else None
-    if slot.domain in ("", "ai.onnx") and slot.op == "ArgMax" and not int(slot.attrs.get("select_last_index", 0)):
-        return {
-            "sample": False,
-            "keepdims": bool(int(slot.attrs.get("keepdims", 1))),
-            "axis": int(slot.attrs.get("axis", 0)),
-        }
     return None
 
 
@@ -103,7 +90,7 @@ class TritonSegment(CudaGraphSegment):
             if pick is not None:
                 kernel, step_ins, step_outs, step_rel = mine[0]
                 report.template = "greedy_pick"
-                greedy = GreedyPick(report, kernel, st["cupy"], lambda: self._capturing, **pick)
+                greedy = GreedyPick(report, kernel, st["cupy"], lambda: self._capturing, PickLayout(**pick))
                 self.picks.append(greedy)
                 steps.append((greedy, step_ins, step_outs, step_rel))
                 step_slots.append(g.slots)
