@@ -968,3 +968,33 @@ def test_gather_nd_kernels_match_the_reference_under_the_interpreter() -> None:
     )
     picks = [r for r in results if "GatherND" in r["ops"]]
     assert len(picks) == 2 and all(r["status"] == "ok" for r in picks), picks
+
+
+def test_a_declined_group_reports_nvrtcs_kernel_and_hands_every_call_to_it() -> None:
+    """AUTO's chain per group (Triton, then NVRTC): once Triton's templates decline a group and
+    dsp-nvrtc took it, the report says so and every call goes to NVRTC's step."""
+    from dsp_cuda_graphs.fusion import GroupReport as NvrtcReport
+    from dsp_triton.kernels import FusedGroup, GroupReport
+
+    report = GroupReport(3, "row_reduction", (7,), status="reference", reason="a row of 20000 elements")
+    assert report.as_dict()["status"] == "reference"
+    nv = NvrtcReport(3, "row_reduction", (7,), status="fused", kernel="dsp_row_ab12", compile_ms=2.5)
+    report.fallback = nv
+    got = report.as_dict()
+    assert (got["status"], got["kernel"], got["compile_ms"]) == ("nvrtc", "dsp_row_ab12", 2.5)
+    assert got["reason"].startswith("Triton's templates decline it (a row of 20000 elements)")
+    nv.status, nv.reason = "demoted", "its kernel disagreed"
+    assert report.as_dict()["status"] == "demoted" and report.as_dict()["reason"].endswith("its kernel disagreed")
+
+    group = FusedGroup(report, [], (1,), (2,), [], lambda f, v: None, 5e-3, None, lambda: False)
+    calls: list[tuple[object, ...]] = []
+    group.fallback = lambda *xs: calls.append(xs) or "nvrtc's output"
+    assert group("x") == "nvrtc's output" and calls == [("x",)]
+
+
+def test_without_dsp_nvrtc_available_a_declined_group_keeps_its_reference_kernels() -> None:
+    from dsp_triton import kernels
+
+    if kernels.nvrtc_backend() is not None:
+        pytest.skip("dsp-nvrtc is available here (a GPU machine): the GPU test covers the fallback")
+    assert kernels.nvrtc_step(object()) is None  # type: ignore[arg-type]

@@ -356,3 +356,28 @@ def _compiled_of(model: dsp.CompiledModel) -> list[Any]:
             for compiled in group.compiled.values():
                 out += compiled.parts or [compiled]
     return out
+
+
+def test_a_group_tritons_templates_decline_is_nvrtcs_kernel_when_dsp_nvrtc_is_there() -> None:
+    """AUTO's chain per group: a softmax over rows longer than Triton's row template holds (16,384)
+    is dsp-nvrtc's CUDA C row kernel (rows looped over) inside the same TRITON segment, checked,
+    captured and replayed; the report names both steps of the chain."""
+    from dsp_triton import codegen, kernels
+
+    if kernels.nvrtc_backend() is None:
+        pytest.skip("dsp-nvrtc is not installed or not available here")
+    width = codegen.MAX_ROW + 7
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [2, width])
+    g.output(g.Softmax(x * g.constant(np.array(0.5, np.float32)), axis=-1), "p")
+    graph = g.build()
+    want = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="triton", strict=True)
+    rng = np.random.default_rng(2)
+    for run in range(8):
+        feeds = {"x": rng.standard_normal((2, width)).astype(np.float32)}
+        _close(model.run(feeds), want.run(feeds), f"long softmax run {run}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    rows = [r for r in _reports(model) if r["template"] == "row_reduction"]
+    assert len(rows) == 1 and rows[0]["status"] == "nvrtc", _reports(model)
+    assert rows[0]["kernel"].startswith("dsp_row_") and "Triton's templates decline it" in rows[0]["reason"]

@@ -66,17 +66,25 @@ class GroupReport:
     config: dict[str, int] = field(default_factory=dict)
     compile_ms: float = 0.0
     kernel_us: float | None = None  # the tuned config's time per launch, in a replayed graph
+    # dsp-nvrtc's report when the group is its CUDA C kernel: Triton's templates declined it
+    fallback: Any = None
 
     def as_dict(self) -> dict[str, Any]:
+        status, reason, kernel, compile_ms = self.status, self.reason, self.kernel, self.compile_ms
+        if self.fallback is not None:  # AUTO's chain per group: Triton declined, NVRTC's kernel (or not)
+            f = self.fallback
+            status = "nvrtc" if f.status == "fused" else f.status
+            reason = f"Triton's templates decline it ({self.reason}); " + (f.reason or "NVRTC_JIT generates it")
+            kernel, compile_ms = f.kernel, compile_ms + f.compile_ms
         return {
             "group": self.index,
             "template": self.template,
             "slots": list(self.slots),
-            "status": self.status,
-            "reason": self.reason,
-            "kernel": self.kernel,
+            "status": status,
+            "reason": reason,
+            "kernel": kernel,
             "config": dict(self.config),
-            "compile_ms": round(self.compile_ms, 2),
+            "compile_ms": round(compile_ms, 2),
             "kernel_us": None if self.kernel_us is None else round(self.kernel_us, 3),
         }
 
@@ -147,6 +155,8 @@ class FusedGroup:
         self.compiled: dict[tuple[Any, ...], _Compiled] = {}
         self.single = len(out_flats) == 1
         self.progress: Any = None  # a dsp_core.progress step while the segment's first runs compile
+        # dsp-nvrtc's step for this group, once Triton's templates declined it (None: none)
+        self.fallback: Any = None
 
     # -- the reference path ----------------------------------------------------------------
     def reference(self, inputs: Sequence[Any], keep: bool = False) -> tuple[tuple[Any, ...], dict[int, Any]]:
@@ -166,6 +176,8 @@ class FusedGroup:
         return tuple(local.get(o) for o in self.out_flats), local
 
     def __call__(self, *inputs: Any) -> Any:
+        if self.fallback is not None:
+            return self.fallback(*inputs)  # builds, checks and demotes on its own, per layout
         try:
             if self.report.status in ("reference", "demoted"):
                 outs, _ = self.reference(inputs)
@@ -211,6 +223,9 @@ class FusedGroup:
                 )
             got = self._compile(inputs, key)
             if got is None:
+                if self.fallback is not None:
+                    outs = self.fallback(*inputs)
+                    return (outs,) if self.single else tuple(outs)
                 outs, _ = self.reference(inputs)
                 return outs
             compiled = got
@@ -303,6 +318,9 @@ class FusedGroup:
             kernels = [codegen.generate(piece[0]) for piece in pieces]
         except codegen.Unsupported as exc:
             self._settle("reference", str(exc))
+            self.fallback = nvrtc_step(self)
+            if self.fallback is not None:
+                self.report.fallback = self.fallback.report
             return None
         except Exception as exc:  # noqa: BLE001  (a generator bug costs the group its kernel, never the model)
             self._settle("reference", f"the generator failed: {type(exc).__name__}: {str(exc)[:300]}")
@@ -778,6 +796,54 @@ def _tmp_dir(tempfile: Any) -> Any:
     d = Path(tempfile.gettempdir()) / "dsp-triton-src"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+_NVRTC: list[Any] = []  # dsp-nvrtc's NVRTC_JIT backend when installed, enabled and available here, else None
+
+
+def nvrtc_backend() -> Any:
+    """dsp-nvrtc's NVRTC_JIT backend, if discovery found it (DSP_DISABLE_PLUGINS honoured) and it is available."""
+    if not _NVRTC:
+        found = None
+        try:
+            from dsp_core.backends.discovery import discover
+
+            found = next((b for b in discover().backends if b.name == "nvrtc_jit" and b.availability().ok), None)
+        except Exception:  # noqa: BLE001  (a broken plugin is no fallback)
+            found = None
+        _NVRTC.append(found)
+    return _NVRTC[0]
+
+
+def nvrtc_step(group: FusedGroup) -> Any:
+    """dsp-nvrtc's step for a group Triton's templates decline: AUTO's chain per group (Triton, then NVRTC).
+
+    The same reference steps, inputs and outputs; NVRTC's generator takes what it can (rows
+    longer than Triton's row template holds, for one) and runs its own check and demotion.
+    None where dsp-nvrtc is not there, or the group is not one of its templates.
+    """
+    if nvrtc_backend() is None:
+        return None
+    from dsp_cuda_graphs.fusion import GroupReport as NvrtcReport
+    from dsp_nvrtc.cache import SegmentCache
+    from dsp_nvrtc.kernels import NvrtcGroup
+    from dsp_nvrtc.segment import FUSED_TEMPLATES
+
+    r = group.report
+    if r.template not in FUSED_TEMPLATES:
+        return None
+    return NvrtcGroup(
+        NvrtcReport(r.index, r.template, r.slots),
+        group.steps,
+        group.in_flats,
+        group.out_flats,
+        group.nodes,
+        group.constants,
+        group.cp,
+        group.capturing,
+        group.tolerance,
+        SegmentCache(),
+    )
 
 
 def _fixed_weight(spec: codegen.GroupSpec) -> codegen.GroupSpec:
