@@ -63,6 +63,46 @@ def test_kv_scatter_writes_in_place_and_replays_without_copying_the_buffer(mode:
             assert alias not in getattr(unit.compiled, "_buffers", {})  # no buffer of its own: never copied
 
 
+def test_kv_scatter_on_the_host_writes_a_slice_where_the_rows_fit_and_keeps_the_index_rules_elsewhere() -> None:
+    """The host path (a slice view) writes what the fancy index writes; a negative start still
+    wraps and a start past the end still raises, as the device path does."""
+    kernel = lookup("KVScatter", "dsp").kernel
+
+    class Ctx:
+        xp = np
+
+    rng = np.random.default_rng(1)
+    for n in (1, 3):
+        update = rng.standard_normal((1, 2, n, 4)).astype(np.float32)
+        for p in (0, 2, 8 - n, -1):
+            got = np.zeros((1, 2, 8, 4), np.float32)
+            want = got.copy()
+            want[:, :, np.arange(p, p + n)] = update
+            assert kernel(Ctx, got, update, np.array([p])) is got  # in place: the buffer itself
+            np.testing.assert_array_equal(got, want, err_msg=f"n={n} p={p}")
+        with pytest.raises(IndexError):
+            kernel(Ctx, np.zeros((1, 2, 8, 4), np.float32), update, np.array([8 - n + 1]))
+
+
+def test_an_island_reads_the_kv_buffer_itself_never_a_bridged_copy() -> None:
+    """KVScatter runs eagerly (ONNX Runtime does not take it) between ONNX Runtime islands: the
+    island after it reads the caller's buffer at its address; no bridge copies it each step."""
+    pytest.importorskip("onnxruntime")
+    model = dsp.compile(scatter_graph(), mode="onnxruntime")
+    buf = np.zeros((1, 2, 8, 4), np.float32)
+    pos = np.zeros(1, np.int64)
+    for step in range(8):
+        pos[0] = step
+        out = model.run({"buf": buf, "new": np.full((1, 2, 1, 4), step + 1, np.float32), "pos": pos})
+        np.testing.assert_array_equal(out["y"], buf * 2)
+    runtime = model.dsp.runtime
+    assert model.dsp.phase is PlanPhase.REPLAYING and runtime.counters()["recaptures"] == 0
+    kinds = {u.kind.name for u in runtime.units}
+    assert kinds == {"EAGER", "ISLAND"}, kinds  # the eager scatter, then the island that reads it
+    assert runtime.aliases and not set(runtime.bridges) & runtime.aliases
+    np.testing.assert_array_equal(buf[0, 0, :, 0], np.arange(1, 9))
+
+
 def test_compiler_rejects_a_mutated_constant_and_a_read_after_the_write() -> None:
     with pytest.raises(GraphError, match="writes its first input in place"):
         dsp.compile(scatter_graph(constant_target=True))

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from dsp_core.ops.registry import KernelContext, TensorInfo, Trait, op, same_as_first
 
 Array = Any
@@ -34,6 +36,13 @@ def kv_scatter(ctx: KernelContext, buffer: Array, update: Array, position: Array
     xp = ctx.xp
     ax = axis % buffer.ndim
     n = update.shape[ax]
+    if isinstance(buffer, np.ndarray) and isinstance(position, np.ndarray) and position.size:
+        # On the host nothing is captured: the rows as a slice (a view), where they fit; the
+        # fancy index below for the rest (it wraps a negative start and raises past the end).
+        p = int(position.reshape(-1)[0])
+        if 0 <= p <= buffer.shape[ax] - n:
+            buffer[(slice(None),) * ax + (slice(p, p + n),)] = update
+            return buffer
     index = xp.reshape(position, (-1,))[:1].astype(xp.int64) + xp.arange(n, dtype=xp.int64)
     buffer[(slice(None),) * ax + (index,)] = update
     return buffer

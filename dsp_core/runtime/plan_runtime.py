@@ -40,6 +40,7 @@ from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStat
 from dsp_core.backends.guard import describe
 from dsp_core.diag import Category, Level
 from dsp_core.errors import DSPError
+from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.plan import ConstantTable, ExternalClass, Plan, Segment
 from dsp_core.runtime.islands import Gap, after_failure, check_capture_fault, remember_gap
@@ -109,6 +110,15 @@ class PlanRuntime:
         self.template: list[Any] | None = None
         self.bridges: dict[int, Any] = {}
         self.bridge_targets: frozenset[int] = frozenset()
+        # Outputs of MUTATES_INPUT slots (dsp::KVScatter): each aliases a buffer the caller owns,
+        # written in place, so an island that reads it reads that buffer at its own address
+        # (an address that moves is drift, met like any other); never copied into a bridge,
+        # which would copy the whole buffer (a KV cache) every step for nothing.
+        self.aliases = frozenset(
+            self.plan.flat(slot.outputs[0])
+            for slot in self.plan.slots
+            if slot.traits & Trait.MUTATES_INPUT and slot.outputs and slot.outputs[0] is not None
+        )
         self.clean_streak = 0
         self.recent_recaptures: deque[int] = deque(maxlen=RECAPTURE_WINDOW)
         self.flags: list[str] = []
@@ -674,7 +684,7 @@ class PlanRuntime:
     def _bridge(self, unit: Unit, values: list[Any], targets: frozenset[int] | set[int]) -> None:
         """Copy an eager unit's outputs that islands read (``targets``) into stable buffers."""
         for o in unit.outputs:
-            if o not in targets or not hasattr(values[o], "shape"):
+            if o not in targets or o in self.aliases or not hasattr(values[o], "shape"):
                 continue
             buf = self.bridges.get(o)
             if buf is None or buf.shape != values[o].shape or buf.dtype != values[o].dtype:
