@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "triton_interp"))
 from common import machine_meta, write_results  # noqa: E402
+from products_gpu import copy_bandwidth  # noqa: E402
 
 SHAPES = {"llama-1b": (32, 8, 64), "gpt2-124m": (12, 12, 64)}  # heads, KV heads, head dim
 LENGTHS = (128, 1024, 4096)
@@ -156,21 +157,6 @@ def torch_rows() -> list[dict[str, Any]]:
             row.update(profile_steps(graph.replay))
             rows.append(row)
     return rows
-
-
-def copy_bandwidth() -> float:
-    import torch
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 10 / (begin.elapsed_time(end) * 1e-3)
 
 
 def main(argv: list[str] | None = None) -> int:
