@@ -249,6 +249,7 @@ def summarize_trace(events: Sequence[dict[str, Any]], tokens: int, category: str
     counts: dict[str, int] = {}
     micros: dict[str, float] = {}
     other: dict[str, int] = {}
+    spans: list[tuple[float, float]] = []
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -260,6 +261,8 @@ def summarize_trace(events: Sequence[dict[str, Any]], tokens: int, category: str
         name = short_kernel_name(str(e.get("name", "?")))
         counts[name] = counts.get(name, 0) + 1
         micros[name] = micros.get(name, 0.0) + float(e.get("dur", 0.0))
+        start = float(e.get("ts", 0.0))
+        spans.append((start, start + float(e.get("dur", 0.0))))
 
     def item(name: str) -> dict[str, Any]:
         return {"name": name, "per_token": counts[name] / tokens, "us_per_token": micros[name] / tokens}
@@ -269,12 +272,24 @@ def summarize_trace(events: Sequence[dict[str, Any]], tokens: int, category: str
         "window_tokens": tokens,
         "per_token": sum(counts.values()) / tokens,
         "us_per_token": sum(micros.values()) / tokens,
+        # the time some kernel ran (overlapping kernels, as dependent launches make, counted once)
+        "busy_us_per_token": busy_time(spans) / tokens,
         "distinct_names": len(counts),
         "top_by_count": [item(n) for n in sorted(counts, key=lambda n: (-counts[n], n))[:top]],
         "top_by_time": [item(n) for n in sorted(micros, key=lambda n: (-micros[n], n))[: max(top // 2, 1)]],
         "every_kernel": [item(n) for n in sorted(micros, key=lambda n: (-micros[n], n))],  # by time
         "other_events": other,
     }
+
+
+def busy_time(spans: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def kernel_fields(summary: dict[str, Any]) -> dict[str, Any]:
@@ -290,7 +305,11 @@ def kernel_fields(summary: dict[str, Any]) -> dict[str, Any]:
             "gpu_us_per_token": None,
             "kernels_reason": "torch.profiler recorded no CUDA kernel in the window",
         }
-    return {"kernels_per_token": summary["per_token"], "gpu_us_per_token": summary["us_per_token"]}
+    return {
+        "kernels_per_token": summary["per_token"],
+        "gpu_us_per_token": summary["us_per_token"],
+        "gpu_busy_us_per_token": summary.get("busy_us_per_token"),
+    }
 
 
 def torch_profiler(cuda: bool) -> Any:
@@ -1178,6 +1197,7 @@ def summary_of(record: dict[str, Any]) -> dict[str, Any]:
     keys = (
         "kernels_per_token",
         "gpu_us_per_token",
+        "gpu_busy_us_per_token",
         "vs_compile",
         "vs_floor",
         "token_match_vs_hf",

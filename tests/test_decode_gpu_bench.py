@@ -160,7 +160,9 @@ def test_kernel_window_counts_cuda_kernels_when_on_cuda(tmp_path: Path) -> None:
     s = w.result()
     assert Sync.calls == 2  # the device is synchronised at both ends of the window
     assert s["category"] == "kernel" and s["per_token"] == 3.0 and s["us_per_token"] == 6.0
-    assert bench.kernel_fields(s) == {"kernels_per_token": 3.0, "gpu_us_per_token": 6.0}
+    fields = bench.kernel_fields(s)
+    assert (fields["kernels_per_token"], fields["gpu_us_per_token"]) == (3.0, 6.0)
+    assert fields["gpu_busy_us_per_token"] == s["busy_us_per_token"]
 
 
 def test_a_window_that_never_closes_is_an_error_not_a_count() -> None:
@@ -283,3 +285,13 @@ def test_fp32_agreement_counts_the_fp32_choices_and_what_the_others_cost() -> No
     assert best == {"share": 1.0, "mean_regret": 0.0}
     other = bench.fp32_agreement(logits, 2, [1, 1, 3, 4])
     assert other["share"] == 0.75 and abs(other["mean_regret"] - 0.01 / 4) < 1e-6
+
+
+def test_busy_time_counts_overlapping_kernels_once() -> None:
+    """Dependent launches overlap kernels: the summed durations grow, the busy time does not."""
+    assert bench.busy_time([]) == 0.0
+    assert bench.busy_time([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8), (2.5, 4.0)]) == pytest.approx(5.0)
+    events = [{"ph": "X", "cat": "kernel", "name": f"k{j}", "ts": 10.0 * j, "dur": 15.0} for j in range(4)]
+    s = bench.summarize_trace(events, tokens=2, category="kernel")
+    assert s["us_per_token"] == pytest.approx(30.0) and s["busy_us_per_token"] == pytest.approx(22.5)
+    assert bench.kernel_fields(s)["gpu_busy_us_per_token"] == pytest.approx(22.5)
