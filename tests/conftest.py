@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,8 +20,10 @@ import dsp_core as dsp
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # Tests never touch the user's disk cache: one fresh directory per test session (inherited
-# by the CLI subprocesses the tests start).
-os.environ["DSP_CACHE_DIR"] = tempfile.mkdtemp(prefix="dsp-test-cache-")
+# by the CLI subprocesses the tests start), removed when the session's process ends (each
+# `make test` left ~100 MB of plans and runtime caches behind in the temp directory).
+os.environ["DSP_CACHE_DIR"] = _SESSION_CACHE = tempfile.mkdtemp(prefix="dsp-test-cache-")
+atexit.register(shutil.rmtree, _SESSION_CACHE, True)
 # The suite tests the core against the reference: the CPU segment runtimes (dsp-openvino,
 # dsp-onnxruntime, installed by `make test`) stay out of AUTO unless a test asks for them
 # (tests/test_openvino*.py, tests/test_onnxruntime*.py, tests/test_measured_auction.py and the
