@@ -891,14 +891,14 @@ def test_product_kernels_with_a_kv_store_match_the_reference_under_the_interpret
 
 # -- the greedy pick: dsp::Sample at temperature 0 and ArgMax over the last axis, as two kernels ----
 def test_greedy_picks_are_recognised_and_nothing_else() -> None:
-    from dsp_cuda_graphs.greedy import greedy_pick
+    from dsp_cuda_graphs.greedy import PickLayout, greedy_pick
 
     def slot(op: str, domain: str = "", **attrs: object) -> object:
         return type("S", (), {"op": op, "domain": domain, "attrs": attrs})()
 
-    assert greedy_pick(slot("Sample", "dsp", temperature=0.0)) == {"sample": True}
+    assert greedy_pick(slot("Sample", "dsp", temperature=0.0)) == PickLayout(sample=True)
     assert greedy_pick(slot("Sample", "dsp", temperature=0.7)) is None  # a real draw stays the reference's
-    assert greedy_pick(slot("ArgMax", axis=-1, keepdims=0)) == {"sample": False, "keepdims": False, "axis": -1}
+    assert greedy_pick(slot("ArgMax", axis=-1, keepdims=0)) == PickLayout(sample=False, keepdims=False, axis=-1)
     assert greedy_pick(slot("ArgMax", axis=1, select_last_index=1)) is None  # the last best index: the reference
     assert greedy_pick(slot("ArgMin", axis=-1)) is None
 

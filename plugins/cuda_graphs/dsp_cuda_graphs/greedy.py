@@ -16,20 +16,6 @@ from typing import Any
 import numpy as np
 
 
-def greedy_pick(slot: Any) -> dict[str, Any] | None:
-    """How a slot is a greedy pick (``PickLayout``'s fields), or None: dsp::Sample at temperature 0,
-    ArgMax over the last axis taking the first best index."""
-    if slot.domain == "dsp" and slot.op == "Sample":
-        return {"sample": True} if float(slot.attrs.get("temperature", 1.0)) <= 0.0 else None
-    if slot.domain in ("", "ai.onnx") and slot.op == "ArgMax" and not int(slot.attrs.get("select_last_index", 0)):
-        return {
-            "sample": False,
-            "keepdims": bool(int(slot.attrs.get("keepdims", 1))),
-            "axis": int(slot.attrs.get("axis", 0)),
-        }
-    return None
-
-
 @dataclass(frozen=True)
 class PickLayout:
     """The rows a greedy pick reduces and the shape of what it returns."""
@@ -57,3 +43,15 @@ class PickLayout:
         if self.sample:
             return (logits.shape[0], 1)
         return tuple(logits.shape[:-1]) + ((1,) if self.keepdims else ())
+
+
+def greedy_pick(slot: Any) -> PickLayout | None:
+    """How a slot is a greedy pick, or None: dsp::Sample at temperature 0, ArgMax over the last
+    axis taking the first best index."""
+    if slot.domain == "dsp" and slot.op == "Sample":
+        return PickLayout(sample=True) if float(slot.attrs.get("temperature", 1.0)) <= 0.0 else None
+    if slot.domain in ("", "ai.onnx") and slot.op == "ArgMax" and not int(slot.attrs.get("select_last_index", 0)):
+        return PickLayout(
+            sample=False, keepdims=bool(int(slot.attrs.get("keepdims", 1))), axis=int(slot.attrs.get("axis", 0))
+        )
+    return None

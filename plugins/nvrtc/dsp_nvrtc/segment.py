@@ -16,7 +16,7 @@ import numpy as np
 from dsp_cpu_ref.slot_by_slot import run_order
 from dsp_cuda_graphs import fusion
 from dsp_cuda_graphs.fusion import GroupReport, GroupStep, Step, fused_steps
-from dsp_cuda_graphs.greedy import PickLayout, greedy_pick
+from dsp_cuda_graphs.greedy import greedy_pick
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
 from dsp_core.errors import KernelError
@@ -64,7 +64,7 @@ class NvrtcSegment(CudaGraphSegment):
             if pick is not None and tuple(mine[0][1]) == ins:
                 report.template = "greedy_pick"
                 greedy = NvrtcGreedyPick(
-                    report, mine, ins, outs, PickLayout(**pick), st["cupy"], lambda: self._capturing, self._cache
+                    report, mine, ins, outs, pick, st["cupy"], lambda: self._capturing, self._cache
                 )
                 self.groups.append(greedy)
                 return greedy

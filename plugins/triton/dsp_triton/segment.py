@@ -18,7 +18,7 @@ import numpy as np
 from dsp_cpu_ref.slot_by_slot import run_order
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.fusion import BuildProgress
-from dsp_cuda_graphs.greedy import PickLayout, greedy_pick
+from dsp_cuda_graphs.greedy import greedy_pick
 from dsp_cuda_graphs.segment import CudaGraphSegment
 
 from dsp_core.errors import KernelError
@@ -90,7 +90,7 @@ class TritonSegment(CudaGraphSegment):
             if pick is not None:
                 kernel, step_ins, step_outs, step_rel = mine[0]
                 report.template = "greedy_pick"
-                greedy = GreedyPick(report, kernel, st["cupy"], lambda: self._capturing, PickLayout(**pick))
+                greedy = GreedyPick(report, kernel, st["cupy"], lambda: self._capturing, pick)
                 self.picks.append(greedy)
                 steps.append((greedy, step_ins, step_outs, step_rel))
                 step_slots.append(g.slots)
