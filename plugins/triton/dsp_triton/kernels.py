@@ -20,6 +20,7 @@ fails that capture (CaptureFailed) rather than compiling inside it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -798,21 +799,16 @@ def _tmp_dir(tempfile: Any) -> Any:
     return d
 
 
-_NVRTC: list[Any] = []  # dsp-nvrtc's NVRTC_JIT backend when installed, enabled and available here, else None
-
-
+@functools.cache
 def nvrtc_backend() -> Any:
-    """dsp-nvrtc's NVRTC_JIT backend, if discovery found it (DSP_DISABLE_PLUGINS honoured) and it is available."""
-    if not _NVRTC:
-        found = None
-        try:
-            from dsp_core.backends.discovery import discover
+    """dsp-nvrtc's NVRTC_JIT backend, if discovery found it (DSP_DISABLE_PLUGINS honoured) and it is
+    available, else None; looked up once per process."""
+    try:
+        from dsp_core.backends.discovery import discover
 
-            found = next((b for b in discover().backends if b.name == "nvrtc_jit" and b.availability().ok), None)
-        except Exception:  # noqa: BLE001  (a broken plugin is no fallback)
-            found = None
-        _NVRTC.append(found)
-    return _NVRTC[0]
+        return next((b for b in discover().backends if b.name == "nvrtc_jit" and b.availability().ok), None)
+    except Exception:  # noqa: BLE001  (a broken plugin is no fallback)
+        return None
 
 
 def nvrtc_step(group: FusedGroup) -> Any:
