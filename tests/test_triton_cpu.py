@@ -109,6 +109,33 @@ def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: 
         assert any(g.template in ("row_reduction", "product") and len(g.slots) > 1 for g in triton.groups)
 
 
+def test_rows_longer_than_the_template_group_as_rows_only_where_dsp_nvrtc_takes_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A softmax over rows the row template cannot hold is an opaque slot of its own without
+    dsp-nvrtc; with it available, a row-reduction group with its prologue, which the generator
+    declines and dsp-nvrtc's row kernel takes (AUTO's chain per group)."""
+    from dsp_triton import kernels
+
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [2, codegen.MAX_ROW + 7])
+    g.output(g.Softmax(x * g.constant(np.array(0.5, np.float32)), axis=-1), "p")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    model.run({"x": np.ones((2, codegen.MAX_ROW + 7), np.float32)})
+    plan = model.plan()
+    assert plan is not None
+    softmax = next(s for s in range(len(plan.slots)) if plan.slots[s].op == "Softmax")
+
+    def template_of_softmax() -> str:
+        groups = propose_groups(plan, range(len(plan.slots)), TritonPolicy()).groups
+        return next(g.template for g in groups if softmax in g.slots)
+
+    monkeypatch.setattr(kernels, "nvrtc_backend", lambda: None)
+    assert template_of_softmax() == "opaque"
+    monkeypatch.setattr(kernels, "nvrtc_backend", lambda: object())
+    assert template_of_softmax() == "row_reduction"
+
+
 def test_policy_keeps_ops_it_cannot_generate_alone() -> None:
     g = dsp.GraphBuilder()
     x = g.placeholder("x", "float32", [4, 8])

@@ -112,7 +112,11 @@ class TracingAllocator:
         return int(mem.ptr)
 
     def _free(self, ptr: int, *_device: Any) -> None:
-        entry = self._live.pop(int(ptr), None)
+        # An array outliving its warm-up can be freed after the garbage collector has cleared
+        # this object's attributes (the allocator and its bound methods form a cycle): then
+        # there is no trace left to record the free in.
+        live = self.__dict__.get("_live")
+        entry = live.pop(int(ptr), None) if live is not None else None
         if entry is not None:
             self.trace.free(entry[0])
 

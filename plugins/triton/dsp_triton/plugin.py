@@ -23,7 +23,7 @@ from dsp_core.plan.fusion import (
 )
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
-from dsp_triton import codegen
+from dsp_triton import codegen, kernels
 
 OFF = "DSP_TRITON_DECODE_FUSION is off"
 
@@ -32,6 +32,15 @@ def decode_fusion() -> bool:
     """The decode fusions (a norm as its product's prologue, KV stores as epilogues, one rotary
     kernel): on by default (checked on the H200); DSP_TRITON_DECODE_FUSION=0 turns them off."""
     return bool(config.get("triton_decode_fusion"))
+
+
+def row_limit() -> float:
+    """The longest row a row-reduction group may hold: the row template's (``codegen.MAX_ROW``), or
+    any where dsp-nvrtc is available, whose row kernels loop over a row: the generator then
+    declines the longer ones and the group is NVRTC's (AUTO's chain per group,
+    ``kernels.nvrtc_step``); a plan grouped so and run without dsp-nvrtc runs such a group's
+    reference kernels."""
+    return math.inf if kernels.nvrtc_backend() is not None else codegen.MAX_ROW
 
 
 # Ops that only move elements (a bijection of indexes): a product's lanes map forward through them.
@@ -91,12 +100,9 @@ class TritonPolicy(ReferencePolicy):
         if not self._generated(plan, s, pattern):
             slot = plan.slots[s]
             return f"{slot.op} has no Triton template (dsp-triton generates {len(codegen.SUPPORTED_OPS)} ops)"
-        if (
-            pattern.kind is PatternKind.ROW_REDUCTION
-            and pattern.rnumel is not None
-            and pattern.rnumel > codegen.MAX_ROW
-        ):
-            return f"a row of {pattern.rnumel} elements exceeds the row template's {codegen.MAX_ROW}"
+        limit = row_limit()
+        if pattern.kind is PatternKind.ROW_REDUCTION and pattern.rnumel is not None and pattern.rnumel > limit:
+            return f"a row of {pattern.rnumel} elements exceeds the row template's {limit}"
         self._ops[s] = plan.slots[s].op  # for joined(), which is not given the plan
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
             # The generator computes every value at the index its reader asks for, so a
@@ -311,7 +317,7 @@ class TritonPolicy(ReferencePolicy):
         if slot.domain not in ("", "ai.onnx") or slot.op not in codegen.SUPPORTED_OPS:
             return False
         if pattern.kind is PatternKind.ROW_REDUCTION:
-            return pattern.rnumel is None or pattern.rnumel <= codegen.MAX_ROW  # unknown: the generator decides
+            return pattern.rnumel is None or pattern.rnumel <= row_limit()  # unknown: the generator decides
         return True
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
