@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -578,11 +579,14 @@ def test_the_nvrtc_group_records_the_inputs_its_source_depends_on() -> None:
         ("Gemm", {}, (1, 7), (7, 300)),  # one row, wider than a block
     ],
 )
+@pytest.mark.parametrize("lanes", [0, codegen.WARP, codegen.THREADS])
 def test_products_with_their_epilogue_match_numpy_on_the_host(
-    op: str, attrs: dict[str, Any], a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: str
+    op: str, attrs: dict[str, Any], a_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: str, lanes: int
 ) -> None:
-    """y = Relu(product) + r: one kernel, each thread one output's dot product over K (accumulated in
-    float, or double), rounded to the dtype as the reference rounds the product, then its epilogue."""
+    """y = Relu(product) + r: one kernel, each thread (or ``lanes`` of a warp or a block, over K,
+    summed by shuffles or the block reduction; one lane an output on the host) one output's dot
+    product over K (accumulated in float, or double), rounded to the dtype as the reference
+    rounds the product, then its epilogue."""
     n = codegen.NodeSpec
     rng = np.random.default_rng(len(a_shape) + b_shape[0])
     a = rng.standard_normal(a_shape).astype(dtype)
@@ -596,8 +600,18 @@ def test_products_with_their_epilogue_match_numpy_on_the_host(
     values = {1: (a_shape, dtype), 2: (b_shape, dtype), 3: (c.shape, dtype), 4: (out, dtype), 5: (out, dtype)}
     values |= {6: (out, dtype), 7: (out, dtype)}
     spec = _spec("product", nodes, values, [*ins, 6], [7])
+    if lanes:
+        spec = dataclasses.replace(spec, params={"lanes": lanes})
+    if lanes == codegen.THREADS and dtype == "float64":
+        with pytest.raises(codegen.Unsupported, match="floats only"):
+            codegen.generate(spec)
+        return
     kernel = codegen.generate(spec)
-    assert kernel.name.startswith("dsp_mm_") and kernel.grid * kernel.threads >= int(np.prod(out))
+    assert kernel.name.startswith("dsp_mm_") and kernel.grid * kernel.threads >= int(np.prod(out)) * max(1, lanes)
+    assert ("dsp_warp_sum" in kernel.source) == (lanes == codegen.WARP)
+    assert ("dsp_block_reduce" in kernel.source) == (lanes == codegen.THREADS)
+    if NVRTC_MISSING is None:  # the shuffles are device code: NVRTC compiles them
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("compute_75"))
     got = hostcheck.run_on_host(kernel, spec, {1: a, 2: b, 3: c, 6: r})[7]
     f = np.float64
     prod = (a.astype(f) @ w.astype(f)).astype(dtype)
@@ -632,24 +646,28 @@ def test_the_product_template_says_why_it_declines() -> None:
         codegen.generate(batched)
 
 
-def test_big_products_stay_on_cublas_and_small_ones_take_their_epilogue() -> None:
-    """The policy gives the template products of at most MAX_PRODUCT_WEIGHTS weights (one thread per
-    output is for small products); a bigger one runs alone on cuBLAS with its epilogue a kernel of its own."""
+def test_constant_weights_of_any_size_take_their_epilogue_and_big_computed_operands_stay_on_cublas() -> None:
+    """The policy gives the template every product by a constant weight (one warp per output for
+    a big one) and products by a computed operand of at most MAX_PRODUCT_WEIGHTS elements; a
+    bigger computed operand runs alone on cuBLAS, its epilogue a kernel of its own."""
     rng = np.random.default_rng(0)
     g = dsp.GraphBuilder()
     x = g.placeholder("x", "float32", [1, 4, 64])
+    wide = codegen.MAX_PRODUCT_WEIGHTS // 32 + 1
     small = g.constant(rng.standard_normal((64, 32)).astype(np.float32))
-    big = g.constant(rng.standard_normal((32, codegen.MAX_PRODUCT_WEIGHTS // 32 + 1)).astype(np.float32))
+    big = g.constant(rng.standard_normal((32, wide)).astype(np.float32))
     h = g.Relu(x @ small)
-    g.output(g.Sigmoid(h @ big), "y")
+    y = g.Sigmoid(h @ big)
+    z = g.placeholder("z", "float32", [wide, 40])
+    g.output(g.Tanh(y @ g.Exp(z)), "y")
     model = dsp.compile(g.build(), mode="slot_by_slot")
-    model.run({"x": np.full((1, 4, 64), 0.01, np.float32)})
+    model.run({"x": np.full((1, 4, 64), 0.01, np.float32), "z": np.zeros((wide, 40), np.float32)})
     plan = model.plan()
     assert plan is not None
     result = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())
     ops = [(g.template, [plan.slots[s].op for s in g.slots]) for g in result.groups]
-    assert ("product", ["MatMul", "Relu"]) in ops and ("matmul", ["MatMul"]) in ops, ops
-    assert any(t == "pointwise" and o[0] == "Sigmoid" for t, o in ops), ops
+    assert ("product", ["MatMul", "Relu"]) in ops and ("product", ["MatMul", "Sigmoid"]) in ops, ops
+    assert ("matmul", ["MatMul"]) in ops and any(t == "pointwise" and o[0] == "Tanh" for t, o in ops), ops
 
 
 def test_nvrtc_generates_no_op_that_dsp_triton_does_not() -> None:
@@ -689,6 +707,99 @@ def test_gather_nd_kernels_compile_and_match_the_reference_on_the_host(batch_dim
     results = hostcheck.check_model(model, _gather_nd_feeds(batch_dims))
     picks = [r for r in results if "GatherND" in r.ops]
     assert len(picks) == 1 and picks[0].status == "ok", results
+
+
+# -- the KV store (dsp::KVScatter) as one kernel ------------------------------------------------
+def _stored_on_host(buffer: np.ndarray, update: np.ndarray, position: np.ndarray, axis: int = -2) -> np.ndarray:
+    """codegen.kv_store's kernel (compiled by NVRTC where it is installed) run on the host: the buffer after it."""
+    node = codegen.NodeSpec("KVScatter", (0, 1, 2), (3,), {"axis": axis}, domain="dsp")
+    values = {
+        k: codegen.TensorSpec(x.shape, str(x.dtype), tuple(st // x.itemsize for st in x.strides))
+        for k, x in enumerate((buffer, update, position))
+    }
+    kernel = codegen.kv_store(node, values)
+    assert kernel.name.startswith("dsp_kv_") and kernel.args == (1, 2, 0) and kernel.n_inputs == 2
+    if NVRTC_MISSING is None:
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("compute_75"))
+    spec = codegen.GroupSpec("store", [node], values, [1, 2], [0])
+    out = buffer.copy()
+    got = hostcheck.run_on_host(kernel, spec, {0: out, 1: update, 2: position})[0]
+    assert got is out  # written in place
+    return out
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("pos_dtype", ["int64", "int32"])
+@pytest.mark.parametrize(
+    "rows, start",
+    [(1, 3), (3, 5), (1, 0), (2, -2)],  # one decode row; a prompt's rows; the first; from the end
+)
+def test_the_kv_store_kernel_writes_the_rows_the_reference_writes(
+    dtype: str, pos_dtype: str, rows: int, start: int
+) -> None:
+    from dsp_core.ops.llm import kv_scatter
+
+    rng = np.random.default_rng(rows * 10 + start)
+    buffer = rng.standard_normal((1, 2, 8, 4)).astype(dtype)
+    update = rng.standard_normal((1, 2, rows, 4)).astype(dtype)
+    position = np.array([start], pos_dtype)
+    want = kv_scatter(types.SimpleNamespace(xp=np), buffer.copy(), update, position)
+    np.testing.assert_array_equal(_stored_on_host(buffer, update, position), want)
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_the_kv_store_reads_strided_rows_and_writes_nothing_outside_the_buffer() -> None:
+    rng = np.random.default_rng(1)
+    buffer = np.zeros((2, 6, 3), np.float32)  # [B, L, D], axis 1
+    update = np.ascontiguousarray(rng.standard_normal((2, 3, 2)).astype(np.float32)).transpose(
+        0, 2, 1
+    )  # [2, 2, 3] view
+    got = _stored_on_host(buffer, update, np.array([1], np.int64), axis=1)
+    want = buffer.copy()
+    want[:, 1:3] = update
+    np.testing.assert_array_equal(got, want)
+    # rows past the end are not written (the reference raises there; the pipeline never asks)
+    tail = _stored_on_host(buffer, update, np.array([5], np.int64), axis=1)
+    want = buffer.copy()
+    want[:, 5:6] = update[:, :1]
+    np.testing.assert_array_equal(tail, want)
+
+
+def test_the_kv_store_declines_what_it_cannot_write() -> None:
+    node = codegen.NodeSpec("KVScatter", (0, 1, 2), (3,), {"axis": -2}, domain="dsp")
+
+    def spec(b: tuple[int, ...], u: tuple[int, ...], ub: str = "float32", pos: str = "int64") -> dict[int, Any]:
+        return {
+            0: codegen.TensorSpec(b, "float32", tuple(codegen.row_major(b))),
+            1: codegen.TensorSpec(u, ub, tuple(codegen.row_major(u))),
+            2: codegen.TensorSpec((1,), pos, (1,)),
+        }
+
+    with pytest.raises(codegen.Unsupported, match="the reference casts"):
+        codegen.kv_store(node, spec((1, 8, 4), (1, 1, 4), ub="float16"))
+    with pytest.raises(codegen.Unsupported, match="a position of float32"):
+        codegen.kv_store(node, spec((1, 8, 4), (1, 1, 4), pos="float32"))
+    with pytest.raises(codegen.Unsupported, match="for a buffer of"):
+        codegen.kv_store(node, spec((1, 8, 4), (1, 1, 5)))
+
+
+def test_a_decode_plans_kv_stores_are_groups_nvrtc_generates() -> None:
+    """The policy makes each dsp::KVScatter a store group of its own, which dsp-nvrtc generates
+    (NvrtcKVStore): one kernel where the reference launches four."""
+    from dsp_nvrtc.segment import unfused_reason
+
+    from dsp_core.llm import GenerationPipeline
+    from dsp_core.plan.fusion import propose_groups
+
+    pipe = GenerationPipeline(str(FIXTURES / "gpt2_eager.onnx"), mode="slot_by_slot")
+    pipe.generate(np.array([[1, 2, 3]], np.int64), max_new_tokens=3)
+    plan = pipe.decode_model.plan()
+    assert plan is not None
+    groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy()).groups
+    stores = [g for g in groups if any(plan.slots[s].op == "KVScatter" for s in g.slots)]
+    assert stores and all(g.template == "store" and len(g.slots) == 1 for g in stores)
+    assert all(unfused_reason(plan, g) is None for g in stores)
 
 
 # -- the greedy pick (dsp::Sample at temperature 0, ArgMax over the last axis) ---------------

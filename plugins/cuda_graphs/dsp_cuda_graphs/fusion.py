@@ -212,9 +212,8 @@ class GroupStep:
             self._settle("reference", f"building its kernel failed: {type(exc).__name__}: {str(exc)[:400]}")
             self._loud(f"runs its reference kernels: {self.report.reason} (a DSP bug: report it)")
             return None
-        got = self.launch(built, inputs)
+        bad = self.check(built, inputs, want)
         self.report.compile_ms += (time.perf_counter() - start) * 1000
-        bad = mismatch(got, want, self.tolerance, self.cp.asnumpy)
         if bad is not None:
             self._settle("demoted", f"its kernel disagreed with the reference kernels: {bad}")
             self._loud(f"demoted to its reference kernels: {bad}")
@@ -240,6 +239,11 @@ class GroupStep:
     def launch(self, built: Any, inputs: Sequence[Any]) -> tuple[Any, ...]:
         """Run ``built`` on ``inputs`` on the current stream; the group's outputs."""
         raise NotImplementedError
+
+    def check(self, built: Any, inputs: Sequence[Any], want: tuple[Any, ...]) -> str | None:
+        """Run ``built`` once on ``inputs`` and compare with the reference's outputs ``want``: how they
+        differ, or None. A step that writes its input in place compares on copies of its own."""
+        return mismatch(self.launch(built, inputs), want, self.tolerance, self.cp.asnumpy)
 
 
 def unfused_reason(plan: Plan, group: Group, templates: frozenset[str], views: frozenset[str]) -> str | None:

@@ -73,6 +73,7 @@ FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 HALF = frozenset({"float16", "bfloat16"})
 MAX_ROW = 1 << 20  # rows are looped over, not held in registers: the limit only bounds a block's work
 THREADS = 256  # threads per block, both templates
+WARP = 32  # lanes of a warp product's output
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 
 # Helpers every kernel may call, for the device (NVRTC) and for the host check (a C++
@@ -99,6 +100,11 @@ __device__ __forceinline__ float dsp_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+__device__ __forceinline__ double dsp_warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+#define DSP_LANES(n) (n)  // a product's lanes (a warp, or a block) share one output's dot product
 __device__ __forceinline__ float dsp_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -179,6 +185,10 @@ static inline unsigned short dsp_f2bf(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+// One lane a product's output: its own sum is the warp's (or the block's).
+#define DSP_LANES(n) 1
+static inline float dsp_warp_sum(float v) { return v; }
+static inline double dsp_warp_sum(double v) { return v; }
 // One thread a block: its own value is the block's.
 static inline float dsp_block_reduce(float v, float* sh, int op) { (void)sh; (void)op; return v; }
 #define DSP_KEY_MIN (-9223372036854775807LL - 1)
@@ -265,6 +275,11 @@ class _Gen:
         self.row_idx: Idx | None = None
         self.scalars: dict[int, str] = {}  # row template: per-row values (a mean, a max), top-level names
         self.row_recipes: dict[int, Callable[[Idx], str]] = {}  # Softmax/LayerNorm outputs at an index
+        # product template, ``spec.params["lanes"]`` (a warp's 32, or a block's THREADS) per output:
+        # they split K, then sum (0: one thread per output)
+        self.lanes = int(spec.params.get("lanes", 0)) if spec.template == "product" else 0
+        if self.lanes not in (0, WARP, THREADS):
+            raise Unsupported(f"{self.lanes} lanes per output (the template takes {WARP} or {THREADS})")
 
     # -- lines ----------------------------------------------------------------------------
     def let(self, expr: str, ctype: str = "long long", prefix: str = "t") -> str:
@@ -445,10 +460,19 @@ class _Gen:
         kv = f"k{self.count}"
         self.count += 1
         self.line(f"{ct} {acc} = 0;")
-        with self.block(f"for (long long {kv} = 0; {kv} < {k_len}; ++{kv})"):
+        first, step = ("lane", f"DSP_LANES({self.lanes})") if self.lanes else ("0", "1")
+        if self.lanes:
+            self.line("#pragma unroll 8")  # loads of several K steps in flight per lane
+        with self.block(f"for (long long {kv} = {first}; {kv} < {k_len}; {kv} += {step})"):
             xa = self.value(a, Idx((*idx.dims[:-1], kv)))
             xb = self.value(b, Idx((idx.dims[-1], kv) if trans_b else (kv, idx.dims[-1])))
             self.line(f"{acc} += ({ct})({xa}) * ({ct})({xb});")
+        if self.lanes == WARP:
+            self.line(f"{acc} = dsp_warp_sum({acc});  // every lane holds the whole dot product")
+        elif self.lanes:
+            if ct != "float":
+                raise Unsupported("a block's lanes per output sum floats only")
+            self.line(f"{acc} = dsp_block_reduce({acc}, dsp_red, 0);  // every thread holds the whole dot product")
         expr = acc
         if gemm:
             alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
@@ -930,7 +954,13 @@ def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
 def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
     space = max(spec.outputs, key=lambda v: spec.values[v].numel)
     numel = max(1, spec.values[space].numel)
-    gen.line("const long long lin = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
+    if gen.lanes:  # a warp (or block) per element returns together: its shuffles and barriers stay whole
+        if gen.lanes == THREADS:
+            gen.line("__shared__ float dsp_red[32];")
+        gen.line(f"const long long lin = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({gen.lanes});")
+        gen.line(f"const int lane = threadIdx.x % DSP_LANES({gen.lanes});")
+    else:
+        gen.line("const long long lin = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
     gen.line(f"if (lin >= {numel}) return;")
     stores: list[tuple[int, Idx]] = []
     for v in spec.outputs:
@@ -940,6 +970,13 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         # the threads past its size: every index stays in bounds, no store disagrees.
         flat = "lin" if size == numel else gen.let(f"lin % {size}", prefix="i")
         stores.append((v, gen.unflatten(flat, oshape)))
+    if gen.lanes:
+        # Every lane computes every value (the shuffles need all of them); lane 0 stores.
+        for k, (v, idx) in enumerate(stores):
+            name = gen.value(v, idx)
+            off = gen.flatten(idx, spec.values[v].shape)
+            gen.line(f"if (lane == 0) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
+        return stores, (numel * gen.lanes + THREADS - 1) // THREADS
     for k, (v, idx) in enumerate(stores):
         _store(gen, k, v, idx)
     return stores, (numel + THREADS - 1) // THREADS
@@ -983,6 +1020,61 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
             for k, v in in_outer:
                 _store(gen, k, v, gen.reshape(outer, row[:-1], spec.values[v].shape))
     return stores, n_rows
+
+
+# -- the KV store (dsp::KVScatter): the step's rows written into the KV buffer in place --------
+def kv_store(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
+    """``dsp::KVScatter(buffer, update, position)`` as one kernel: one thread per element of the
+    update, written into the buffer at ``position[0]`` plus its index along ``axis``.
+
+    Arguments: (update, position, buffer), the buffer last (written in place; it is the
+    op's output). Both read through their real strides. A start that is negative counts from
+    the end (as the reference's fancy index wraps it); an element that would land outside
+    the buffer is not written. Template ``store``.
+    """
+    buffer, update, position = (node.inputs + (None, None, None))[:3]
+    if buffer is None or update is None or position is None:
+        raise Unsupported("a KVScatter without its buffer, rows and position")
+    b, u, p = values[buffer], values[update], values[position]
+    if b.dtype != u.dtype:
+        raise Unsupported(f"rows of {u.dtype} written into a {b.dtype} buffer (the reference casts)")
+    if p.dtype not in ("int64", "int32"):
+        raise Unsupported(f"a position of {p.dtype}")
+    if len(b.shape) != len(u.shape) or b.strides is None or u.strides is None:
+        raise Unsupported("rows of another rank than the buffer, or unknown strides")
+    rank = len(b.shape)
+    ax = int(node.attrs.get("axis", -2)) % rank
+    if any(u.shape[k] != b.shape[k] for k in range(rank) if k != ax) or u.shape[ax] > b.shape[ax]:
+        raise Unsupported(f"rows of {list(u.shape)} for a buffer of {list(b.shape)} along axis {ax}")
+    numel = u.numel
+    if numel == 0:
+        raise Unsupported("no rows to write")
+    storage = C_TYPES[b.dtype][0]
+    lines = [
+        f'extern "C" __global__ void __launch_bounds__({THREADS}) KERNEL(const {storage}* __restrict__ in0, '
+        f"const {C_TYPES[p.dtype][0]}* __restrict__ in1, {storage}* __restrict__ out0) {{",
+        "    const long long lin = (long long)blockIdx.x * blockDim.x + threadIdx.x;",
+        f"    if (lin >= {numel}) return;",
+    ]
+    src, dst = [], []
+    for k, (d, st) in enumerate(zip(u.shape, row_major(u.shape))):
+        if d == 1 and k != ax:
+            continue
+        lines.append(f"    const long long i{k} = (lin / {st}) % {d};")
+        if k == ax:
+            lines.append(f"    long long j = (long long)in1[0] + i{k};")
+            lines.append(f"    if (j < 0) j += {b.shape[ax]};")
+            lines.append(f"    if (j < 0 || j >= {b.shape[ax]}) return;")
+        src.append(f"i{k} * {u.strides[k]}LL")
+        dst.append(f"{'j' if k == ax else f'i{k}'} * {b.strides[k]}LL")
+    lines.append(f"    out0[{' + '.join(dst)}] = in0[{' + '.join(src)}];")
+    lines += ["}", ""]
+    source = "\n".join(lines)
+    name = "dsp_kv_" + hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
+    grid = (numel + THREADS - 1) // THREADS
+    return Kernel(
+        source.replace(" KERNEL(", f" {name}(", 1), name, (update, position, buffer), 2, grid, THREADS, "store"
+    )
 
 
 # -- the greedy pick (dsp::Sample at temperature 0, ArgMax over the last axis) ----------------

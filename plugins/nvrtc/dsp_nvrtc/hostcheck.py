@@ -72,9 +72,15 @@ def _build(kernel: codegen.Kernel, ctypes_of: list[str]) -> ctypes.CDLL:
 def run_on_host(
     kernel: codegen.Kernel, spec: codegen.GroupSpec, arrays: dict[int, np.ndarray]
 ) -> dict[int, np.ndarray]:
-    """Run ``kernel`` on the host over ``arrays`` (its inputs, with the strides ``spec`` gives); its outputs."""
+    """Run ``kernel`` on the host over ``arrays`` (its inputs, with the strides ``spec`` gives); its outputs.
+
+    An output given in ``arrays`` is written in place (a KV store's buffer); the others are new.
+    """
     ins = kernel.args[: kernel.n_inputs]
-    outs = {v: np.empty(spec.values[v].shape, dtype=_np_dtype(spec.values[v].dtype)) for v in kernel.args[len(ins) :]}
+    outs = {
+        v: arrays[v] if v in arrays else np.empty(spec.values[v].shape, dtype=_np_dtype(spec.values[v].dtype))
+        for v in kernel.args[len(ins) :]
+    }
     ctypes_of = [
         ("const " if k < len(ins) else "") + codegen.C_TYPES[spec.values[v].dtype][0] for k, v in enumerate(kernel.args)
     ]

@@ -10,15 +10,17 @@ modules live as long as the process: a captured graph holds their functions.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable
+from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable, mismatch
 from dsp_cuda_graphs.greedy import PickLayout
 
+from dsp_core.backends.base import CaptureFailed
 from dsp_core.plan.kernelspec import reference_specs
 from dsp_nvrtc import codegen, compiler
 from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_digest
@@ -27,6 +29,11 @@ from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_diges
 _MODULES: dict[tuple[str, str, int], Any] = {}
 _modules_lock = threading.Lock()
 OPTIONS: tuple[str, ...] = ()  # NVRTC options beyond compiler.OPTIONS (part of the cache key)
+# A big product takes a block's lanes per output (not a warp's) where K is longer than this and
+# it has at most this many outputs: GPT-2's MLP down projection, K 3072 by 768 outputs, is a
+# warp per output in ~96 steps of K each with 24 warps to an SM (11 us on the H200).
+BLOCK_LANES_MIN_K = 1024
+BLOCK_LANES_MAX_OUTPUTS = 4096
 
 
 @dataclass
@@ -39,6 +46,9 @@ class Built:
     # input flat -> (the array seen at build time, its value): inputs whose values shaped the
     # source (GroupStep checks them before reusing the kernel for another signature)
     constants: dict[int, tuple[Any, np.ndarray]] = field(default_factory=dict)
+    # input flat -> (its device address when made, the array the kernel reads instead): a
+    # product's [K, N] weight read through a copy laid out [N, K] (``NvrtcGroup._product_layout``)
+    substitutes: dict[int, tuple[int, Any]] = field(default_factory=dict)
 
 
 def device_target(cp: Any) -> compiler.Target:
@@ -101,11 +111,13 @@ class NvrtcGroup(GroupStep):
         capturing: Any,
         tolerance: float,
         cache: SegmentCache,
+        fixed: Callable[[int], bool] = lambda flat: False,
     ) -> None:
         super().__init__(report, steps, in_flats, out_flats, cupy, capturing, tolerance)
         self.nodes = nodes
         self.constants = constants  # (flat, value) -> host copy of a small input that never changes, or None
         self.cache = cache
+        self.fixed = fixed  # True for an input that never changes between steps (a weight)
 
     def spec(self, inputs: Sequence[Any], local: dict[int, Any], asked: set[int] | None = None) -> codegen.GroupSpec:
         """The generator's view of this layout (every value's shape and dtype from a reference run);
@@ -144,9 +156,39 @@ class NvrtcGroup(GroupStep):
             baked[flat] = (x, np.asarray(x) if isinstance(x, np.ndarray | np.generic) else self.cp.asnumpy(x))
         return baked
 
+    def _product_layout(
+        self, spec: codegen.GroupSpec, local: dict[int, Any]
+    ) -> tuple[codegen.GroupSpec, dict[int, tuple[int, Any]]]:
+        """A product whose weight is bigger than one thread per output should loop over: a warp per
+        output (``params["lanes"]``), its lanes reading consecutive elements of K, or a whole block
+        where K is long and the outputs few (a warp each would leave most of the GPU idle). A
+        [K, N] weight is read through a copy laid out [N, K], made once from the constant (the
+        original stays for the reference kernels); a Gemm's transposed [N, K] weight as it is."""
+        if spec.template != "product":
+            return spec, {}
+        node = next(n for n in spec.nodes if n.op in codegen.PRODUCT_OPS)
+        b = node.inputs[1]
+        if b is None or spec.values[b].numel <= codegen.MAX_PRODUCT_WEIGHTS:
+            return spec, {}
+        wb = spec.values[b]
+        if b not in self.in_flats or not self.fixed(b) or len(wb.shape) != 2:
+            raise Unfusable(f"a product's operand of {list(wb.shape)} that is not a constant weight")
+        values, subs = dict(spec.values), {}
+        trans_b = node.op == "Gemm" and int(node.attrs.get("transB", 0)) == 1
+        if not trans_b and wb.strides != (1, wb.shape[0]):
+            weight = local[b]
+            subs[b] = (int(weight.data.ptr), _nk_copy(self.cp, weight))
+            values[b] = codegen.TensorSpec(wb.shape, wb.dtype, (1, int(wb.shape[0])))
+        k_len = int(wb.shape[1] if trans_b else wb.shape[0])
+        out = node.outputs[0]
+        outputs = spec.values[out].numel if out is not None else wb.numel // max(1, k_len)
+        block = k_len > BLOCK_LANES_MIN_K and outputs <= BLOCK_LANES_MAX_OUTPUTS and wb.dtype != "float64"
+        lanes = codegen.THREADS if block else codegen.WARP
+        return dataclasses.replace(spec, values=values, params={**spec.params, "lanes": lanes}), subs
+
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
         asked: set[int] = set()
-        spec = self.spec(inputs, local, asked)
+        spec, subs = self._product_layout(self.spec(inputs, local, asked), local)
         try:
             kernel = codegen.generate(spec)
         except codegen.Unsupported as exc:
@@ -159,16 +201,109 @@ class NvrtcGroup(GroupStep):
         self.report.kernel = kernel.name
         self.report.cached = hit
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
-        return Built(load(self.cp, kernel, binary, target), kernel, shapes, self._baked(kernel, inputs, asked))
+        baked = self._baked(kernel, inputs, asked)
+        return Built(load(self.cp, kernel, binary, target), kernel, shapes, baked, subs)
 
     def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
         cp = self.cp
         kernel = built.kernel
         by_flat = dict(zip(self.in_flats, inputs))
+        for flat, (address, copy) in list(built.substitutes.items()):
+            source = by_flat[flat]
+            if int(source.data.ptr) != address:  # the weight was given another buffer: copy it again
+                if self.capturing():
+                    raise CaptureFailed(f"fusion group {self.report.index}'s weight moved during capture")
+                copy = _nk_copy(cp, source)
+                built.substitutes[flat] = (int(source.data.ptr), copy)
+            by_flat[flat] = copy
         outs = {v: cp.empty(built.shapes[v][0], dtype=built.shapes[v][1]) for v in kernel.args[kernel.n_inputs :]}
         args = [by_flat[v] for v in kernel.args[: kernel.n_inputs]] + [outs[v] for v in kernel.args[kernel.n_inputs :]]
         built.function((kernel.grid,), (kernel.threads,), tuple(args))
         return tuple(outs[o] for o in self.out_flats)
+
+
+def _nk_copy(cp: Any, weight: Any) -> Any:
+    """A [K, N] weight as a [K, N] view of a contiguous [N, K] copy (K its unit stride), from
+    CuPy's default pool: made outside any capture and kept with the kernel."""
+    with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+        return cp.ascontiguousarray(weight.T).T
+
+
+@dataclass
+class BuiltStore:
+    """The KV store's loaded kernel and where its arguments are among the step's inputs."""
+
+    function: Any
+    kernel: codegen.Kernel
+    update: int  # index into the step's inputs
+    position: int
+    buffer: int
+
+
+class NvrtcKVStore(GroupStep):
+    """A KV store (``dsp::KVScatter``) as one CUDA C kernel (``codegen.kv_store``), where the
+    reference kernel builds the index on the device in three kernels and scatters in a fourth.
+
+    Its output is its buffer, written in place: the first run of each layout checks the kernel
+    on two zeroed copies of the buffer, one written by the reference kernel and one by the
+    kernel, which must be equal bit for bit (a store moves values: no tolerance).
+    """
+
+    backend_name = "NVRTC_JIT"
+
+    def __init__(
+        self,
+        report: GroupReport,
+        steps: list[Step],
+        in_flats: tuple[int, ...],
+        out_flats: tuple[int, ...],
+        node: codegen.NodeSpec,
+        cupy: Any,
+        capturing: Any,
+        cache: SegmentCache,
+    ) -> None:
+        super().__init__(report, steps, in_flats, out_flats, cupy, capturing, 0.0)
+        self.node = node
+        self.cache = cache
+
+    def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> BuiltStore:
+        buffer, update, position = self.node.inputs[:3]
+        if buffer is None or update is None or position is None or {buffer, update, position} - set(self.in_flats):
+            raise Unfusable("a KV store whose buffer, rows or position is made inside its group")
+        try:
+            values, device = reference_specs(local, self.in_flats, inputs)
+        except codegen.Unsupported as exc:
+            raise Unfusable(str(exc)) from exc
+        if {buffer, update, position} - set(device):
+            raise Unfusable("a KV store with an input on the host")
+        try:
+            kernel = codegen.kv_store(self.node, values)
+        except codegen.Unsupported as exc:
+            raise Unfusable(str(exc)) from exc
+        spec = codegen.GroupSpec("store", [self.node], values, [update, position], [buffer])
+        target = device_target(self.cp)
+        binary, hit = compiled(kernel, spec, target, self.cache)
+        self.report.kernel, self.report.cached = kernel.name, hit
+        where = {flat: k for k, flat in enumerate(self.in_flats)}
+        return BuiltStore(load(self.cp, kernel, binary, target), kernel, where[update], where[position], where[buffer])
+
+    def launch(self, built: BuiltStore, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        buffer = inputs[built.buffer]
+        args = (inputs[built.update], inputs[built.position], buffer)
+        built.function((built.kernel.grid,), (built.kernel.threads,), args)
+        return (buffer,)
+
+    def check(self, built: BuiltStore, inputs: Sequence[Any], want: tuple[Any, ...]) -> str | None:
+        cp = self.cp
+        mine, theirs = list(inputs), list(inputs)
+        mine[built.buffer] = cp.zeros_like(inputs[built.buffer])
+        theirs[built.buffer] = cp.zeros_like(inputs[built.buffer])
+        self.reference(theirs)  # both write their zeroed copy in place
+        self.launch(built, mine)
+        bad = mismatch((mine[built.buffer],), (theirs[built.buffer],), 0.0, cp.asnumpy)
+        if bad is None:
+            self.launch(built, inputs)  # the real buffer (the reference wrote it already: the same values)
+        return bad
 
 
 @dataclass

@@ -119,9 +119,10 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
 
     A MatMul of [..., M, K] by a [K, N] matrix, or a Gemm without transA, in a float dtype, of
     up to 16 rows where the rows are known (symbolic rows are decided per layout, when the
-    kernel is generated), whose weight holds at most ``codegen.MAX_PRODUCT_WEIGHTS`` elements
-    (one thread per output loops over K: for small products, where a kernel launch is the
-    cost); a merged product (the core's sibling rewrite) stays on cuBLAS.
+    kernel is generated), whose second operand is a constant weight (one warp per output, its
+    lanes over K, for a big one) or holds at most ``codegen.MAX_PRODUCT_WEIGHTS`` elements (one
+    thread per output loops over K); a merged product (the core's sibling rewrite) stays on
+    cuBLAS.
     """
     slot = plan.slots[s]
     if is_merged(slot) or slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx"):
@@ -138,10 +139,11 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
         return "a Gemm with transA"
     weights = ins[1][1]
     size = _fixed_count(weights)
-    if size is not None and size > codegen.MAX_PRODUCT_WEIGHTS:
+    constant = slot.inputs[1] is not None and slot.inputs[1] < 0
+    if not constant and (size is None or size > codegen.MAX_PRODUCT_WEIGHTS):
         return (
-            f"a weight of {list(weights)}: the template's one thread per output is for products of at most "
-            f"{codegen.MAX_PRODUCT_WEIGHTS} weights; cuBLAS streams bigger ones faster"
+            f"a second operand of {list(weights)} computed by the graph: the template takes one of at most "
+            f"{codegen.MAX_PRODUCT_WEIGHTS} elements, or a constant weight"
         )
     rows = _fixed_count(shape[:-1])
     if rows is not None and rows > codegen.MAX_PRODUCT_ROWS:

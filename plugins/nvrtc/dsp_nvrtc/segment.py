@@ -25,15 +25,16 @@ from dsp_core.plan.kernelspec import node_specs
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen, rowwise
 from dsp_nvrtc.cache import SegmentCache
-from dsp_nvrtc.kernels import NvrtcGreedyPick, NvrtcGroup
+from dsp_nvrtc.kernels import NvrtcGreedyPick, NvrtcGroup, NvrtcKVStore
 
 FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product"})  # the templates with a CUDA C kernel
+GENERATED = FUSED_TEMPLATES | {"store"}  # and the KV store's kernel (NvrtcKVStore)
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 
 
 def unfused_reason(plan: Plan, group: Group) -> str | None:
     """Why a group runs its reference kernels rather than a generated one (None: it is generated)."""
-    return fusion.unfused_reason(plan, group, FUSED_TEMPLATES, codegen.VIEW_ON_CUPY)
+    return fusion.unfused_reason(plan, group, GENERATED, codegen.VIEW_ON_CUPY)
 
 
 class NvrtcSegment(CudaGraphSegment):
@@ -72,18 +73,24 @@ class NvrtcSegment(CudaGraphSegment):
             if why is not None:
                 report.status, report.reason = "reference", why
                 return None
-            step = NvrtcGroup(
-                report,
-                mine,
-                ins,
-                outs,
-                node_specs(plan, g.slots),
-                self._constant,
-                st["cupy"],
-                lambda: self._capturing,
-                self._tolerance,
-                self._cache,
-            )
+            nodes = node_specs(plan, g.slots)
+            step: GroupStep
+            if g.template == "store":
+                step = NvrtcKVStore(report, mine, ins, outs, nodes[0], st["cupy"], lambda: self._capturing, self._cache)
+            else:
+                step = NvrtcGroup(
+                    report,
+                    mine,
+                    ins,
+                    outs,
+                    nodes,
+                    self._constant,
+                    st["cupy"],
+                    lambda: self._capturing,
+                    self._tolerance,
+                    self._cache,
+                    fixed=lambda flat: flat not in self._tainted,
+                )
             self.groups.append(step)
             return step
 

@@ -839,6 +839,7 @@ def nvrtc_step(group: FusedGroup) -> Any:
         group.capturing,
         group.tolerance,
         SegmentCache(),
+        fixed=group.fixed,
     )
 
 
