@@ -17,7 +17,7 @@ from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import DSPError
 from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
-from dsp_core.runtime.loader import compile_cached
+from dsp_core.runtime.loader import as_source, compile_cached
 from dsp_core.runtime.model import CompiledModel
 
 try:
@@ -52,10 +52,7 @@ def compile(  # noqa: A001  (the public name the API promises)
     "memory_fit", "pipeline_parallel", or a map {name_pattern: device}; None reads
     DSP_PLACEMENT when it is set, else one device without a placement pass.
     """
-    if placement is None and config.source("placement") == "environment":
-        placement = config.get("placement")
-    parsed: GraphExecutionMode = config.get("mode", mode)
-    strict = bool(config.get("strict", strict))
+    parsed, strict, placement = config.compile_options(mode, strict, placement)
     if isinstance(model, Graph):
         from dsp_core.ir.typecheck import check_types  # onnx's schemas: a warm start from the cache needs none
 
@@ -65,7 +62,7 @@ def compile(  # noqa: A001  (the public name the API promises)
     else:
         force = config.get("force_recompile", force_recompile)
         compiled = compile_cached(
-            _as_source(model),
+            as_source(model),
             parsed,
             strict,
             __version__,
@@ -75,16 +72,6 @@ def compile(  # noqa: A001  (the public name the API promises)
         )
     compiled.outputs_on_device = outputs_on_device
     return compiled
-
-
-def _as_source(model: Any) -> Any:
-    if isinstance(model, (str, os.PathLike, bytes)):
-        return model
-    import onnx
-
-    if isinstance(model, onnx.ModelProto):
-        return model
-    raise DSPError(f"dsp.compile takes a path, bytes, an onnx.ModelProto or a dsp Graph, not {type(model).__name__}")
 
 
 __all__ = [

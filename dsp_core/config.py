@@ -476,6 +476,18 @@ def source(name: str, explicit: Any = None) -> str:
     return "environment" if _raw(opt, None) is not None else "default"
 
 
+def compile_options(
+    mode: Any = None, strict: Any = None, placement: Any = None
+) -> tuple[GraphExecutionMode, bool, Any]:
+    """(mode, strict, placement) as ``dsp.compile`` resolves them: each argument, else its DSP_* variable.
+
+    A placement is read from DSP_PLACEMENT only when that is set: None is one device, no placement pass.
+    """
+    if placement is None and source("placement") == "environment":
+        placement = get("placement")
+    return get("mode", mode), bool(get("strict", strict)), placement
+
+
 def table() -> list[dict[str, Any]]:
     """Every option with its current value and where it came from (what `dsp config` prints).
 

@@ -2,7 +2,7 @@
 
 The cold and warm runs are separate Python processes sharing one cache directory, as two
 users' runs would be. What ran is counted, not timed: the child wraps the importer, the
-plan compiler and the two graph rewrites with counters (the real functions still run)
+plan compiler and the three graph rewrites with counters (the real functions still run)
 and reports them with the pipeline's ``warm_stats``.
 """
 
@@ -45,6 +45,7 @@ counted(loader, "import_model")
 counted(model, "compile_plan")
 counted(pipeline, "fixed_kv_buffers")
 counted(pipeline, "unroll")
+counted(pipeline, "last_position_logits")
 path, max_length, block, batch, sample, mode = sys.argv[1:7]
 max_length, block, batch = int(max_length), int(block), int(batch)
 pipe = GenerationPipeline(path, max_length=max_length, mode=mode, block_size=block, block_capture=True)
@@ -52,6 +53,14 @@ prompt = np.load(path.replace(".onnx", ".golden.npz"))["prompt"]
 prompt = np.repeat(prompt, batch, axis=0)
 greedy = pipe.generate(prompt, 32)
 out = {"greedy": greedy.tokens.tolist()}
+positions = np.repeat(np.arange(prompt.shape[1])[None], batch, axis=0)
+feeds = {"input_ids": prompt, "attention_mask": np.ones_like(prompt), "position_ids": positions}
+feeds = {k: v for k, v in feeds.items() if k in pipe.prefill_model.input_names}
+layout = pipe.decoder(batch).layout
+for name in pipe.past_names:
+    shape = list(layout.buffer_shapes[name])
+    shape[2] = 0  # an empty past: the prompt alone
+    feeds[name] = np.zeros(shape, layout.buffer_dtypes[name])
 if sample == "1":
     sampled = pipe.generate(prompt, 16, sampling=Sampling(temperature=0.8, top_p=0.9, seed=3))
     out["sampled"] = sampled.tokens.tolist()
@@ -59,6 +68,8 @@ out.update(
     calls=dict(calls),
     warm=pipe.warm_stats,
     prefill=pipe.prefill_model.stats.as_dict(),
+    prefill_logits=pipe.prefill_logits,
+    prefill_shape=list(pipe.prefill_model.run(feeds)["logits"].shape),
     decode=pipe.decode_model.stats.as_dict(),
     block_counters=pipe.block_model(batch, block).dsp.runtime.counters(),
 )
@@ -91,18 +102,23 @@ def golden_tokens(name: str) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["gpt2_eager", "gpt2_sdpa23", "gpt2_torchscript", "llama_eager", "llama_sdpa23"])
-def test_a_second_process_reuses_the_decode_and_block_plans(tmp_path: Path, name: str) -> None:
+def test_a_second_process_reuses_the_prefill_decode_and_block_plans(tmp_path: Path, name: str) -> None:
     cold = run_child(tmp_path, name)
     warm = run_child(tmp_path, name)
     assert cold["greedy"] == warm["greedy"] == [golden_tokens(name)]
     assert cold["sampled"] == warm["sampled"]
-    # cold: the graph imported once, the decode graph rewritten, two blocks unrolled, all stored
+    # cold: the graph imported once, the prefill's head cut to the last position, the decode graph
+    # rewritten, two blocks unrolled, all stored
     assert cold["calls"]["import_model"] == 1 and cold["calls"]["fixed_kv_buffers"] == 1
+    assert cold["calls"]["last_position_logits"] == 1
     assert cold["calls"]["unroll"] == 2 and cold["calls"]["compile_plan"] == 4
-    assert cold["warm"]["writes"] == 4 and cold["warm"]["hits"] == 0
-    # warm: metadata, decode plan, greedy and sampled block plans from the cache; nothing imported or rewritten
+    assert cold["warm"]["writes"] == 5 and cold["warm"]["hits"] == 0
+    # warm: metadata, prefill, decode plan, greedy and sampled block plans from the cache; nothing
+    # imported or rewritten, and the cached prefill plan computes the last position's logits alone
     assert warm["calls"] == {}
-    assert warm["warm"]["hits"] == 4 and warm["warm"]["misses"] == 0 and warm["warm"]["writes"] == 0
+    assert warm["warm"]["hits"] == 5 and warm["warm"]["misses"] == 0 and warm["warm"]["writes"] == 0
+    assert cold["prefill_logits"] == warm["prefill_logits"] == "last position"
+    assert cold["prefill_shape"] == warm["prefill_shape"] == [1, 1, 1000]
     assert warm["warm"]["graph_imports"] == 0 and warm["warm"]["rewrites"] == 0
     assert warm["prefill"]["disk_hits"] == 1 and warm["decode"]["disk_hits"] == 1
     # every big constant of the decode and block plans came from memory: each weight read once
@@ -141,10 +157,10 @@ def test_a_damaged_cached_decode_plan_is_quarantined_and_rebuilt(tmp_path: Path)
     assert damaged["greedy"] == cold["greedy"] == [golden_tokens(name)]
     assert damaged["calls"].get("fixed_kv_buffers") == 1  # the decode plan was rebuilt...
     assert damaged["calls"].get("unroll") is None  # ...the block plan still came from the cache
-    assert damaged["warm"]["writes"] == 1 and damaged["warm"]["hits"] == 2
+    assert damaged["warm"]["writes"] == 1 and damaged["warm"]["hits"] == 3  # metadata, prefill, block
     assert list((tmp_path / "quarantine").glob("objects-*.reason")), "the damaged object was not quarantined"
     healed = run_child(tmp_path, name, sample=False)
-    assert healed["calls"] == {} and healed["warm"]["hits"] == 3 and healed["greedy"] == cold["greedy"]
+    assert healed["calls"] == {} and healed["warm"]["hits"] == 4 and healed["greedy"] == cold["greedy"]
 
 
 def test_an_entry_that_passes_the_checksum_but_is_not_a_plan_is_rejected(tmp_path: Path) -> None:
@@ -174,24 +190,24 @@ def test_a_different_max_length_batch_or_block_size_is_a_miss(cache_dir: Path) -
     prompt = np.load(FIXTURES / "gpt2_eager.golden.npz")["prompt"]
     first = _pipe()
     expected = first.generate(prompt, 12).tokens
-    assert first.warm_stats["writes"] == 3  # metadata, decode, block
+    assert first.warm_stats["writes"] == 4  # metadata, prefill, decode, block
     same = _pipe()
     assert (same.generate(prompt, 12).tokens == expected).all()
-    assert same.warm_stats["hits"] == 3 and same.warm_stats["rewrites"] == 0
+    assert same.warm_stats["hits"] == 4 and same.warm_stats["rewrites"] == 0
 
-    longer = _pipe(max_length=44)  # new decode and block plans; the metadata is the model's
+    longer = _pipe(max_length=44)  # new decode and block plans; the metadata and prefill plan are the model's
     assert (longer.generate(prompt, 12).tokens == expected).all()
-    assert longer.warm_stats["hits"] == 1 and longer.warm_stats["rewrites"] == 2
+    assert longer.warm_stats["hits"] == 2 and longer.warm_stats["rewrites"] == 2
     assert longer.warm_stats["writes"] == 2
 
     other_k = _pipe(block=2)  # the decode plan is reused, the block plan is new
     assert (other_k.generate(prompt, 12).tokens == expected).all()
-    assert other_k.warm_stats["hits"] == 2 and other_k.warm_stats["writes"] == 1
+    assert other_k.warm_stats["hits"] == 3 and other_k.warm_stats["writes"] == 1
 
     two = _pipe()  # batch 2: a decode plan of its own
     rows = two.generate(np.repeat(prompt, 2, axis=0), 12).tokens
     assert (rows == np.repeat(expected, 2, axis=0)).all()
-    assert two.warm_stats["hits"] == 1 and two.warm_stats["writes"] == 2  # decode and block of batch 2
+    assert two.warm_stats["hits"] == 2 and two.warm_stats["writes"] == 2  # decode and block of batch 2
 
     sampled = _pipe()  # a sampling setting is part of the block key; the seed is not
     a = sampled.generate(prompt, 12, sampling=Sampling(temperature=0.7, seed=1)).tokens
@@ -205,7 +221,7 @@ def test_the_cache_off_builds_everything_and_stores_nothing(cache_dir: Path, mon
     for _ in range(2):
         pipe = _pipe()
         assert pipe.generate(prompt, 8).token_list() == golden_tokens("gpt2_eager")[:8]
-        assert pipe.warm_stats["hits"] == 0 and pipe.warm_stats["writes"] == 0 and pipe.warm_stats["rewrites"] == 2
+        assert pipe.warm_stats["hits"] == 0 and pipe.warm_stats["writes"] == 0 and pipe.warm_stats["rewrites"] == 3
     assert not list(cache_dir.rglob("*.dsp1"))
 
 
@@ -256,9 +272,11 @@ def test_dsp_generate_reports_the_start_and_a_second_run_is_warm(tmp_path: Path)
     assert cold.returncode == warm.returncode == 0, cold.stderr + warm.stderr
     c, w = json.loads(cold.stdout), json.loads(warm.stdout)
     assert c["tokens"] == w["tokens"]
-    assert c["start"]["warm"]["writes"] == 2 and c["start"]["warm"]["graph_imports"] == 1
-    assert w["start"]["warm"]["hits"] == 2 and w["start"]["warm"]["graph_imports"] == 0
+    assert c["start"]["warm"]["writes"] == 3 and c["start"]["warm"]["graph_imports"] == 1  # metadata, prefill, decode
+    assert w["start"]["warm"]["hits"] == 3 and w["start"]["warm"]["graph_imports"] == 0
+    assert c["start"]["prefill_logits"] == w["start"]["prefill_logits"] == "last position"
     assert {"prefill plan", "decode plan", "decode warm-up"} <= set(w["start"]["seconds"])
     text = run_cli(*args, env=env)
     assert text.returncode == 0
-    assert "start " in text.stderr and "(2 cached, 0 stored)" in text.stderr
+    assert "start " in text.stderr and "(3 cached, 0 stored)" in text.stderr
+    assert "prefill logits" not in text.stderr  # said only when the head was not found

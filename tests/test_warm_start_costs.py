@@ -54,6 +54,18 @@ def test_importing_dsp_imports_no_onnx() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_a_greedy_generation_imports_no_numpy_random() -> None:
+    """numpy.random (about 5 ms of imports) is for sampling: a greedy generation draws nothing."""
+    code = (
+        "import sys, numpy as np; from dsp_core.llm import GenerationPipeline; "
+        f"GenerationPipeline({str(FIXTURES / 'gpt2_eager.onnx')!r}, max_length=16).generate(np.arange(1, 5), 4); "
+        "print(sorted(m for m in sys.modules if m.startswith('numpy.random')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_a_warm_start_does_not_parse_a_model_for_its_external_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

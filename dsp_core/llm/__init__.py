@@ -1,4 +1,4 @@
-"""LLM decode: GenerationPipeline, GenerationSession, the fixed-KV rewrite, sampling, metrics.
+"""LLM decode: GenerationPipeline, GenerationSession, the prefill and fixed-KV rewrites, sampling, metrics.
 
 from dsp_core.llm import GenerationPipeline, Sampling
 pipe = GenerationPipeline("decoder.onnx", max_length=256)
@@ -10,6 +10,7 @@ See docs/llm.md.
 """
 
 from dsp_core.llm.kv import FixedKVGraph, KVGrowth, KVTransformError, find_kv_growth, fixed_kv_buffers
+from dsp_core.llm.lm_head import LastLogits, last_position_logits
 from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.pipeline import DecodeLoop, GenerationPipeline, GenerationResult, GenerationSession
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
@@ -24,8 +25,10 @@ __all__ = [
     "GenerationSession",
     "KVGrowth",
     "KVTransformError",
+    "LastLogits",
     "Sampler",
     "Sampling",
     "find_kv_growth",
     "fixed_kv_buffers",
+    "last_position_logits",
 ]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core.errors import InputError
+from dsp_core.llm.lm_head import LAST
 
 
 def add_llm_commands(sub: Any) -> None:
@@ -134,7 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "mode": pipe.mode.name,
             "decode_phase": pipe.decode_model.dsp.phase.name,
             "block_capture": pipe.captures_blocks(),
-            "start": {"seconds": pipe.timings, "warm": pipe.warm_stats},
+            "start": {"seconds": pipe.timings, "warm": pipe.warm_stats, "prefill_logits": pipe.prefill_logits},
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -151,7 +152,10 @@ def start_line(pipe: Any) -> str:
     parts = " + ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]))
     warm = pipe.warm_stats
     cached = f"{warm['hits']} cached, {warm['writes']} stored" if pipe.store.enabled else "disk cache off"
-    return f"start {sum(pipe.timings.values()):.2f} s = {parts or '0'} ({cached})"
+    line = f"start {sum(pipe.timings.values()):.2f} s = {parts or '0'} ({cached})"
+    if pipe.prefill_logits != LAST:  # the LM head was not found: the prefill computes every position
+        line += f"; prefill logits: {pipe.prefill_logits}"
+    return line
 
 
 def _stop_id(text: str, tok: Any) -> int:

@@ -2,9 +2,10 @@
 
 Two cached plans serve a decoder:
 
-- the **prefill** plan: the model as exported (a CompiledModel of the original graph),
-  fed the prompt (or an appended chunk) with the retained cache as ``past``; its
-  presents are written into the session's KV buffers;
+- the **prefill** plan: the model as exported, its LM head reading the last position
+  only (``last_position_logits``, dsp_core.llm.lm_head: the pipeline reads no other
+  position's logits), fed the prompt (or an appended chunk) with the retained cache as
+  ``past``; its presents are written into the session's KV buffers;
 - the **decode** plan: the graph rewritten by ``fixed_kv_buffers`` (dsp_core.llm.kv),
   compiled once per batch size, frozen on its first run. Its inputs (KV buffers,
   ``input_ids``, ``position_ids``, ``attention_mask`` at max_length, ``kv_position``)
@@ -36,6 +37,7 @@ outputs); its presents are copied into the device buffers.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import weakref
@@ -46,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from dsp_core import progress
+from dsp_core import config, progress
+from dsp_core.backends.base import Registry
 from dsp_core.cache.memory import CacheStats
 from dsp_core.devices.execution import device_of, input_devices, on_device
 from dsp_core.errors import DSPError, InputError
@@ -55,16 +58,22 @@ from dsp_core.ir.graph import Graph
 from dsp_core.llm.block import TOKENS, UNIFORMS, BlockHook, block_key, unroll
 from dsp_core.llm.kv import FixedKVGraph, KVLayout, fixed_kv_buffers, past_inputs
 from dsp_core.llm.limits import TableLimit, table_limit
+from dsp_core.llm.lm_head import ALL, LAST, last_position_logits
 from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
 from dsp_core.llm.store import EntryError, PlanStore
-from dsp_core.plan.plan import ExternalClass
+from dsp_core.plan.plan import ExternalClass, Plan
+from dsp_core.runtime import loader
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.model import CompiledModel
+
+log = logging.getLogger("dsp.llm")
 
 # Fed inputs the decode loop updates in place (besides the KV buffers, graph variables already).
 STATE_INPUTS = ("input_ids", "attention_mask", "position_ids")
 WARMUP_STEPS = 8  # enough for freeze -> warm -> capture -> two clean replays
+LOGITS = "logits"  # the decoder's logits output (the decode layout's too)
+PREFILL = {"logits": "last"}  # the prefill entry's parameters: its graph is the last-position rewrite
 
 
 @dataclass
@@ -477,6 +486,28 @@ class GenerationSession:
         )
 
 
+def _check_prefill(info: dict[str, Any], model: CompiledModel) -> str:
+    """A cached prefill plan returns the logits, of one position when its entry says the last only."""
+    kept = info.get("logits")
+    if not isinstance(kept, str) or not (kept == LAST or kept.startswith(ALL)):
+        raise EntryError(f"the prefill entry says its logits are {kept!r}")
+    if LOGITS not in model.output_names:
+        raise EntryError(f"the cached prefill plan returns {model.output_names}, not {LOGITS!r}")
+    if kept == LAST and _given_logits(model.plan()) != LAST:
+        raise EntryError("the cached prefill plan computes every position's logits, its entry says the last only")
+    return kept
+
+
+def _given_logits(plan: Plan | None) -> str:
+    """LAST when ``plan`` declares its logits [B, 1, V] (one position), else what a given plan computes."""
+    if plan is not None and LOGITS in plan.output_names:
+        ref = plan.outputs[plan.output_names.index(LOGITS)]
+        shape = plan.values[ref].shape if ref >= 0 else plan.externals[-ref - 1].shape
+        if shape is not None and len(shape) == 3 and shape[1] == 1:
+            return LAST
+    return f"{ALL} (a CompiledModel given to the pipeline runs as it is)"
+
+
 def _check_block(info: dict[str, Any], model: CompiledModel) -> None:
     """A cached block plan must return the block's tokens."""
     if TOKENS not in model.output_names:
@@ -517,6 +548,11 @@ class GenerationPipeline:
     usual KV naming (``input_ids``, ``attention_mask``, ``position_ids``,
     ``past_key_values.N.key/value`` -> ``logits``, ``present.N.key/value``).
 
+    The prefill plan computes the last position's logits only (``prefill_logits`` says
+    so, or why the LM head was not found and every position's are computed): the pipeline
+    never reads another's. A CompiledModel given with neither another mode nor another
+    placement is run as it is.
+
     Warm start: for a path, bytes or a proto, with the disk cache on, the prefill plan,
     the decode plans, the block plans and the model's metadata come from the disk cache
     (dsp_core/llm/store.py): a second process imports no graph and rewrites nothing, and
@@ -536,30 +572,20 @@ class GenerationPipeline:
         block_capture: bool | None = None,
         placement: Any = None,
     ) -> None:
-        import dsp_core as dsp
-
         self.timings: dict[str, float] = {}
         self._phases: list[list[float]] = []  # running phases: [start, seconds spent in phases inside it]
-        self._graph: Graph | None = None
-        source: Any = None
+        self._graph: Graph | None = None  # the model's graph as given (the decode rewrite's and metadata's source)
+        self._load_graph: Callable[[], Graph] | None = None
+        self.registry: Registry | None = None  # the backends every plan is auctioned among (the prefill plan's)
+        # LAST ("last position"): the prefill plan computes the last position's logits only; else
+        # "all positions (why: the LM head the rewrite looks for was not found)".
+        self.prefill_logits = ALL
         with self.phase("prefill plan"):
-            if isinstance(model, CompiledModel):
-                placement = model.placement_request if placement is None else placement
-                again = mode is not None or placement != model.placement_request
-                self.prefill_model = (
-                    dsp.compile(model.graph, mode=mode or model.mode.name, strict=strict, placement=placement)
-                    if again
-                    else model
-                )
-            else:
-                source = str(model) if isinstance(model, Path) else model
-                # None: DSP_MODE, DSP_STRICT, DSP_PLACEMENT
-                self.prefill_model = dsp.compile(source, mode=mode, strict=strict, placement=placement)
+            self.prefill_model = self._prefill_plan(model, mode, strict, placement)
         self.mode = self.prefill_model.mode
         # Every plan the pipeline makes (prefill, decode, blocks) is placed alike (docs/devices.md).
         self.placement = self.prefill_model.placement_request
-        # Only a model given by its content has a disk-cache key (a Graph or CompiledModel has none).
-        self.store = PlanStore(None if isinstance(model, (CompiledModel, Graph)) else source)
+        self.registry = self.prefill_model.registry
         self.store.share(self.prefill_model.plan())
         with self.phase("metadata"):
             meta = self._metadata()
@@ -584,13 +610,62 @@ class GenerationPipeline:
         self.swaps = 0  # sessions swapped in (each: the KV prefixes copied out and back)
         self.lock = threading.RLock()
 
+    # -- the prefill plan --------------------------------------------------------------
+    def _prefill_plan(self, model: Any, mode: str | None, strict: bool | None, placement: Any) -> CompiledModel:
+        """The prefill plan: the model's graph with its LM head cut to the last position, cached or compiled."""
+        import dsp_core as dsp
+
+        if isinstance(model, Graph):
+            self.store = PlanStore(None)  # only a model given by its content has a disk-cache key
+            self._graph = model
+            return dsp.compile(self._prefill_graph(), mode=mode, strict=strict, placement=placement)
+        if isinstance(model, CompiledModel):
+            self.store = PlanStore(None)
+            self._load_graph = lambda: model.graph
+            placement = model.placement_request if placement is None else placement
+            if mode is None and placement == model.placement_request:
+                self.prefill_logits = _given_logits(model.plan())
+                return model  # the caller's plan, run as it is
+            mode = mode or model.mode.name
+            return dsp.compile(self._prefill_graph(), mode=mode, strict=strict, placement=placement)
+        source = loader.as_source(str(model) if isinstance(model, Path) else model)
+        self.store = PlanStore(source)
+        self._load_graph = lambda: loader.import_model(source)
+        # The options as dsp.compile resolves them (None: DSP_MODE, DSP_STRICT, DSP_PLACEMENT).
+        self.mode, strict_on, self.placement = config.compile_options(mode, strict, placement)
+        cached = self.cached_model("prefill", PREFILL, self._prefill_graph, _check_prefill, strict=strict_on)
+        if cached is not None:
+            prefill, self.prefill_logits = cached
+        else:
+            prefill = self.new_model(self._prefill_graph(), strict=strict_on)
+            self._store_prefill(prefill.plan())
+        prefill.when_plan_learns(self._store_prefill)  # capture gaps learned: later starts know them
+        return prefill
+
+    def _prefill_graph(self) -> Graph:
+        """The graph the prefill plan runs: the model's, its LM head reading the last position only (lm_head.py)."""
+        graph = self.graph
+        with self.phase("rewrite prefill graph"):
+            cut = last_position_logits(graph, LOGITS)
+        self.prefill_logits = cut.kept
+        if cut.graph is not graph:
+            self.store.stats.rewrites += 1
+        elif cut.head is None:
+            log.info("DSP pipeline %s: the prefill computes every position's logits: %s", graph.name, cut.reason)
+        return cut.graph
+
+    def _store_prefill(self, plan: Plan | None) -> None:
+        if plan is not None:  # a declined graph runs on the interpreter: nothing to store
+            self.store.put("prefill", PREFILL, {"logits": self.prefill_logits}, plan)
+
     # -- the warm start ----------------------------------------------------------------
     @property
     def graph(self) -> Graph:
-        """The model's graph, imported on first use (a warm start never needs it)."""
+        """The model's graph as given (not the prefill's rewrite), imported on first use (a warm start needs none)."""
         if self._graph is None:
+            assert self._load_graph is not None
             with self.phase("import graph"):
-                self._graph = self.prefill_model.graph
+                self._graph = self._load_graph()
             self.store.stats.graph_imports += 1
         return self._graph
 
@@ -643,10 +718,10 @@ class GenerationPipeline:
             self.store.put("meta", {}, info)
         return meta
 
-    def new_model(self, graph: Graph) -> CompiledModel:
-        """A plan of a rewritten graph (decode, block), compiled here (a cold start, or a miss)."""
+    def new_model(self, graph: Graph, strict: bool = False) -> CompiledModel:
+        """A plan of a rewritten graph (prefill, decode, block), compiled here (a cold start, or a miss)."""
         with self.phase("compile plan"):
-            model = CompiledModel(graph, self.mode, registry=self.prefill_model.registry, placement=self.placement)
+            model = CompiledModel(graph, self.mode, strict, registry=self.registry, placement=self.placement)
         return model
 
     def cached_model(
@@ -655,6 +730,7 @@ class GenerationPipeline:
         params: dict[str, Any],
         load_graph: Callable[[], Graph],
         check: Callable[[dict[str, Any], CompiledModel], Any] | None = None,
+        strict: bool = False,
     ) -> tuple[CompiledModel, Any] | None:
         """(model, what ``check`` returned) from the disk cache's ``kind`` entry, or None to build it.
 
@@ -673,7 +749,8 @@ class GenerationPipeline:
                 model = CompiledModel(
                     None,
                     self.mode,
-                    registry=self.prefill_model.registry,
+                    strict,
+                    registry=self.registry,
                     plan=plan,
                     load_graph=load_graph,
                     stats=CacheStats(disk_hits=1),

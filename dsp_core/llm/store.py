@@ -1,29 +1,32 @@
-"""A GenerationPipeline's warm start: its decode and block plans and its metadata in the disk cache.
+"""A GenerationPipeline's warm start: its prefill, decode and block plans and its metadata in the disk cache.
 
-``dsp.compile`` caches the prefill plan (the model as exported). The decode plan and the
-K-step block plans are plans of *rewritten* graphs (``fixed_kv_buffers``, ``unroll``),
-and the pipeline needs a few facts that only the graph knows (its KV inputs, the
-vocabulary and position tables' sizes). Without this module a second process would
-import the whole graph and rewrite and compile it again. With it, the pipeline stores:
+The pipeline's plans are plans of *rewritten* graphs: the prefill plan's LM head reads
+the last position only (``last_position_logits``), the decode plan has fixed KV buffers
+(``fixed_kv_buffers``), the K-step block plans unroll it (``unroll``); so ``dsp.compile``'s
+entry of the model as exported cannot hold any of them. And the pipeline needs a few
+facts that only the graph knows (its KV inputs, the vocabulary and position tables'
+sizes). Without this module a second process would import the whole graph and rewrite
+and compile it again. With it, the pipeline stores:
 
 - ``meta``: the model's name, its ``past_key_values.*`` inputs, its table limits;
+- ``prefill``: the prefill plan, and whether its logits are the last position's alone;
 - ``decode``: per (batch, max_length), the decode plan and its KV layout;
 - ``block``: per (batch, max_length, k, sampling), the block plan;
 
 each in one DiskCache entry (atomic writes, checksummed, quarantined when damaged),
 keyed by the model's content key (``loader.model_key``: blake2b of its bytes and its
 external data, DSP's version) plus every parameter that changes the rewritten graph
-and a digest of the rewriting code itself (kv.py, block.py, limits.py, this file). The
-DiskCache's build fingerprint covers the importer, the op table, the plan compiler and
-DSP1. Mode and backends are not part of a key: a plan is mode-free, and the auction runs
-on the loaded plan in every process, as for ``dsp.compile``.
+and a digest of the rewriting code itself (kv.py, block.py, limits.py, lm_head.py, this
+file). The DiskCache's build fingerprint covers the importer, the op table, the plan
+compiler and DSP1. Mode and backends are not part of a key: a plan is mode-free, and the
+auction runs on the loaded plan in every process, as for ``dsp.compile``.
 
 An entry's payload: ``DSPL`` + u16 version + u32 JSON length + JSON + the DSP1 plan (none
 for ``meta``). The JSON repeats the entry's kind and parameters; one that disagrees, does
 not parse, or whose plan fails to load is rejected (quarantined) and rebuilt: a cache can
 make a start faster, never wrong.
 
-Big constants are stored by digest (the same weight files as the prefill plan's), and
+Big constants are stored by digest (the same weight files as ``dsp.compile``'s), and
 every plan of one pipeline shares one in-memory copy of each: the weights are read from
 disk once per process.
 """
@@ -54,9 +57,9 @@ VERSION = 1
 FORMAT = "dsp-llm-entry/1"
 _HEAD = struct.Struct("<4sHI")  # magic, version, JSON length
 _MAX_JSON = 1 << 24
-KINDS = ("meta", "decode", "block")
+KINDS = ("meta", "prefill", "decode", "block")
 # The code that decides the rewritten graphs and the metadata (a change invalidates every entry).
-REWRITE_CODE = ("kv.py", "block.py", "limits.py", "store.py")
+REWRITE_CODE = ("kv.py", "block.py", "limits.py", "lm_head.py", "store.py")
 
 
 class EntryError(ValueError):
@@ -67,12 +70,12 @@ class EntryError(ValueError):
 class WarmStats(Counters):
     """What a pipeline's start took from the disk cache and what it had to build (this process)."""
 
-    hits: int = 0  # entries read and used: metadata, decode plans, block plans
+    hits: int = 0  # entries read and used: metadata, prefill, decode and block plans
     misses: int = 0  # entries looked up and not found (or the cache is off)
     writes: int = 0  # entries stored
     rejects: int = 0  # entries found unusable: quarantined, then rebuilt
     graph_imports: int = 0  # the model's whole graph was needed (cold start, or a miss)
-    rewrites: int = 0  # fixed-KV rewrites and block unrolls compiled
+    rewrites: int = 0  # graph rewrites compiled: the prefill's last-position head, fixed-KV, block unrolls
     weights_shared: int = 0  # big constants a cached plan took from memory instead of reading them again
 
 

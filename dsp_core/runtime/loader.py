@@ -33,6 +33,17 @@ log = logging.getLogger("dsp.cache")
 INLINE_LIMIT = 1 << 16  # constants larger than this live in weight files
 
 
+def as_source(model: Any) -> Any:
+    """``model`` when ``dsp.compile`` can key and import it (a path, bytes, an onnx.ModelProto), else a DSPError."""
+    if isinstance(model, (str, os.PathLike, bytes)):
+        return model
+    import onnx  # only for what is neither a path nor bytes: a warm start from a path imports no onnx
+
+    if isinstance(model, onnx.ModelProto):
+        return model
+    raise DSPError(f"dsp.compile takes a path, bytes, an onnx.ModelProto or a dsp Graph, not {type(model).__name__}")
+
+
 def import_model(source: Any, base_dir: str | os.PathLike[str] | None = None) -> Any:
     """``dsp_core.ir.onnx_import.import_model``, imported on first use: it imports onnx, which a warm start skips."""
     from dsp_core.ir import onnx_import

@@ -1,4 +1,4 @@
-"""A GenerationPipeline's warm start on the GPU: a second process reuses the decode and block plans.
+"""A GenerationPipeline's warm start on the GPU: a second process reuses the prefill, decode and block plans.
 
 The same two-process check as tests/test_llm_warm_start.py, in CUDA_GRAPHS: the warm
 process imports no graph, rewrites nothing, compiles no plan, and its cached plans give
@@ -24,7 +24,9 @@ def test_a_second_process_reuses_the_plans_in_cuda_graphs(tmp_path: Path, name: 
     assert cold["greedy"] == warm["greedy"] == [want]
     assert cold["sampled"] == warm["sampled"]
     assert warm["calls"] == {}
-    assert warm["warm"]["hits"] == 4 and warm["warm"]["graph_imports"] == 0 and warm["warm"]["rewrites"] == 0
+    # metadata, prefill, decode, greedy and sampled blocks
+    assert warm["warm"]["hits"] == 5 and warm["warm"]["graph_imports"] == 0 and warm["warm"]["rewrites"] == 0
+    assert cold["prefill_shape"] == warm["prefill_shape"] == [1, 1, 1000]
     assert warm["block_counters"]["captures"] == cold["block_counters"]["captures"] == 1
 
 
@@ -58,6 +60,6 @@ def test_a_second_process_compiles_and_tunes_no_kernel_in_triton(
     warm = run_child(tmp_path, name, mode="triton")
     want = [int(t) for t in np.load(FIXTURES / f"{name}.golden.npz")["greedy_tokens"]]
     assert cold["greedy"] == warm["greedy"] == [want]
-    assert warm["calls"] == {} and warm["warm"]["hits"] == 4
+    assert warm["calls"] == {} and warm["warm"]["hits"] == 5
     after = _kernel_files(tmp_path)
     assert after == kernels, f"written by the warm process: {sorted(set(after.items()) - set(kernels.items()))[:20]}"
