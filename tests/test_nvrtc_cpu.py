@@ -709,6 +709,66 @@ def test_gather_nd_kernels_compile_and_match_the_reference_on_the_host(batch_dim
     assert len(picks) == 1 and picks[0].status == "ok", results
 
 
+# -- merged sibling products (dsp::MergedMatMul) as one kernel ----------------------------------
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("form", ["MatMul", "Gemm"])
+@pytest.mark.parametrize("lead", [(1, 1), (3,)])  # a decode row; three rows
+def test_merged_products_are_one_kernel_over_their_joined_weights(form: str, dtype: str, lead: tuple[int, ...]) -> None:
+    """Q/K/V-like parts of widths 24, 8, 8 (Gemm: transposed weights, biases, alpha): each part's
+    output equals its own product, rounded as the reference rounds (the product, then the bias)."""
+    rng = np.random.default_rng(len(lead))
+    k, widths = 40, (24, 8, 8)
+    a = rng.standard_normal((*lead, k)).astype(dtype)
+    gemm = form == "Gemm"
+    ws = [rng.standard_normal((n, k) if gemm else (k, n)).astype(dtype) for n in widths]
+    cs = [rng.standard_normal(n).astype(dtype) for n in widths] if gemm else []
+    outs = tuple(range(20, 20 + len(widths)))
+    ins = (1, *range(2, 2 + len(ws)), *range(10, 10 + len(cs)))
+    attrs = {"form": form, "transB": 1, "alpha": 0.5, "beta": 1.0, "bias": 1} if gemm else {"form": form}
+    node = codegen.NodeSpec("MergedMatMul", ins, outs, attrs, domain="dsp")
+    joined = np.ascontiguousarray(np.concatenate([w if gemm else w.T for w in ws], axis=0))
+    arrays = {1: a, codegen.MERGED_B: joined}
+    if gemm:
+        arrays[codegen.MERGED_C] = np.concatenate(cs)
+    values = {
+        v: codegen.TensorSpec(x.shape, dtype, tuple(st // x.itemsize for st in x.strides)) for v, x in arrays.items()
+    }
+    values |= {w: codegen.TensorSpec(x.shape, dtype, None) for w, x in zip(ins[1:], [*ws, *cs])}
+    values |= {o: codegen.TensorSpec((*lead, n), dtype) for o, n in zip(outs, widths)}
+    kernel = codegen.merged_product(node, values)
+    assert kernel.name.startswith("dsp_mm_") and kernel.args[-len(outs) :] == outs
+    if NVRTC_MISSING is None:
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("compute_75"))
+    spec = codegen.GroupSpec("product", [node], values, list(kernel.args[: kernel.n_inputs]), list(outs))
+    got = hostcheck.run_on_host(kernel, spec, arrays)
+    f = np.float64
+    for o, w, c in zip(outs, ws, cs or [None] * len(ws)):
+        prod = a.astype(f) @ (w.T if gemm else w).astype(f)
+        if gemm:
+            prod = (0.5 * prod).astype(dtype).astype(f) + c.astype(f)
+        tol = 2e-2 if dtype == "float16" else 1e-5
+        np.testing.assert_allclose(got[o].astype(f), prod.astype(dtype).astype(f), rtol=tol, atol=tol * 4)
+
+
+def test_merged_products_are_one_product_group_and_their_epilogues_run_apart() -> None:
+    from dsp_nvrtc.segment import unfused_reason
+
+    rng = np.random.default_rng(0)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float16", [1, 1, 64])
+    for i, n in enumerate((64, 16, 16)):
+        g.output(g.Relu(x @ g.constant(rng.standard_normal((64, n)).astype(np.float16))), f"y{i}")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    model.run({"x": np.ones((1, 1, 64), np.float16)})
+    plan = model.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())
+    merged = [gr for gr in result.groups if [plan.slots[s].op for s in gr.slots] == ["MergedMatMul"]]
+    assert len(merged) == 1 and merged[0].template == "product" and unfused_reason(plan, merged[0]) is None
+    assert sum("merged products store their parts" in b.reason for b in result.boundaries) == 3
+
+
 # -- the KV store (dsp::KVScatter) as one kernel ------------------------------------------------
 def _stored_on_host(buffer: np.ndarray, update: np.ndarray, position: np.ndarray, axis: int = -2) -> np.ndarray:
     """codegen.kv_store's kernel (compiled by NVRTC where it is installed) run on the host: the buffer after it."""

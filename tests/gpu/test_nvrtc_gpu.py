@@ -247,3 +247,32 @@ def test_the_decode_plans_kv_stores_are_one_kernel_each(name: str) -> None:
     assert result.tokens[0].tolist() == g["greedy_tokens"][:16].tolist()
     stores = [r for r in _reports(pipe.decode_model) if r["template"] == "store"]
     assert stores and all(r["status"] == "fused" and r["kernel"].startswith("dsp_kv_") for r in stores), stores
+
+
+@pytest.mark.parametrize("form", ["MatMul", "Gemm"])
+def test_merged_sibling_products_are_one_kernel_equal_to_the_reference(form: str) -> None:
+    """Q/K/V-like siblings (the core merges them into one dsp::MergedMatMul) run as one NVRTC kernel
+    over their weights joined once, each part's epilogue after it; outputs equal the reference's."""
+    rng = np.random.default_rng(3)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float16", [1, 1, 2048])
+    flat = g.Reshape(x, g.constant(np.array([1, 2048], np.int64)))  # one input read by the three Gemms
+    for i, n in enumerate((2048, 512, 512)):
+        if form == "MatMul":
+            y = x @ g.constant((rng.standard_normal((2048, n)) * 0.03).astype(np.float16))
+        else:
+            w = g.constant((rng.standard_normal((n, 2048)) * 0.03).astype(np.float16))
+            y = g.Gemm(flat, w, g.constant((rng.standard_normal(n) * 0.1).astype(np.float16)), transB=1)
+        g.output(g.Tanh(y), f"y{i}")
+    graph = g.build()
+    want = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
+    tol = _tolerance("nvrtc_jit")
+    for run in range(8):
+        feeds = {"x": rng.standard_normal((1, 1, 2048)).astype(np.float16)}
+        _close(model.run(feeds), want.run(feeds), tol, f"merged {form} run {run}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    plan = model.plan()
+    assert plan is not None
+    merged = [r for r in _reports(model) if [plan.slots[s].op for s in r["slots"]] == ["MergedMatMul"]]
+    assert len(merged) == 1 and merged[0]["status"] == "fused", _reports(model)

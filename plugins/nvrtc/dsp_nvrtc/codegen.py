@@ -1022,6 +1022,105 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
     return stores, n_rows
 
 
+# -- merged sibling products (dsp::MergedMatMul): one product over their joined weights ------
+MERGED_B, MERGED_C = -1001, -1002  # value ids of the joined weights ([sum N, K]) and biases ([sum N])
+
+
+def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The weights and biases of a ``dsp::MergedMatMul`` node (its parts in order)."""
+    k = len(node.outputs)
+    weights = node.inputs[1 : 1 + k]
+    biases = node.inputs[1 + k :] if node.attrs.get("bias") else ()
+    if node.inputs[0] is None or None in weights or None in biases or None in node.outputs:
+        raise Unsupported("a merged product with a missing operand")
+    return tuple(w for w in weights if w is not None), tuple(c for c in biases if c is not None)
+
+
+def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
+    """Sibling products merged by the core (Q/K/V, gate/up) as one kernel over their weights joined
+    into one [sum N, K] matrix (``MERGED_B``, K its unit stride; biases joined as ``MERGED_C``):
+    a warp per column of the joined product, its lanes over K, each part's columns stored to
+    that part's output. Rounded as ``_product`` rounds (the product, then the bias).
+
+    Arguments: (A, MERGED_B[, MERGED_C], the parts' outputs). Template ``product``.
+    """
+    a = node.inputs[0]
+    weights, biases = merged_operands(node)
+    assert a is not None
+    form = str(node.attrs.get("form", "MatMul"))
+    trans_b = form == "Gemm" and int(node.attrs.get("transB", 0)) == 1
+    sa = values[a]
+    if sa.strides is None or len(sa.shape) < 2 or sa.dtype not in FLOATS:
+        raise Unsupported("a merged product's input of unknown strides, a vector, or not floats")
+    shapes = [values[w].shape for w in weights]
+    if any(len(sh) != 2 for sh in shapes):
+        raise Unsupported("merged products of other than matrices")
+    widths = [int(sh[0] if trans_b else sh[1]) for sh in shapes]
+    k_len = int(sa.shape[-1])
+    rows = math.prod(sa.shape[:-1])
+    if rows > MAX_PRODUCT_ROWS:
+        raise Unsupported(f"{rows} rows: cuBLAS runs products of more than {MAX_PRODUCT_ROWS}")
+    outs = [o for o in node.outputs if o is not None]
+    dtype = values[outs[0]].dtype
+    if any(values[o].dtype != dtype for o in outs) or values[weights[0]].dtype != dtype or sa.dtype != dtype:
+        raise Unsupported("merged products of mixed dtypes")
+    storage = C_TYPES[dtype][0]
+    ct = "double" if dtype == "float64" else "float"
+    total = sum(widths)
+    load = (lambda x: f"({ct}){x}") if dtype not in HALF else (lambda x: _from_storage(x, dtype))
+    params = [f"const {storage}* __restrict__ in0", f"const {storage}* __restrict__ in1"]
+    gemm = form == "Gemm"
+    if gemm and biases:
+        params.append(f"const {storage}* __restrict__ in2")
+    params += [f"{storage}* __restrict__ out{k}" for k in range(len(outs))]
+    lines = [
+        f'extern "C" __global__ void __launch_bounds__({THREADS}) KERNEL({", ".join(params)}) {{',
+        f"    const long long lin = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({WARP});",
+        f"    const int lane = threadIdx.x % DSP_LANES({WARP});",
+        f"    if (lin >= {rows * total}) return;",
+        f"    const long long m = lin / {total}, c = lin % {total};",
+    ]
+    # the row's offset in A through its real strides (its leading dims flattened into m)
+    terms, rest = [], "m"
+    lead = sa.shape[:-1]
+    for d, (size, st) in enumerate(zip(lead, sa.strides[:-1])):
+        inner = math.prod(lead[d + 1 :])
+        if size != 1:
+            terms.append(f"(({rest} / {inner}) % {size}) * {st}LL")
+    lines.append(f"    const long long arow = {' + '.join(terms) if terms else '0'};")
+    lines += [
+        f"    {ct} acc = 0;",
+        "#pragma unroll 8",
+        f"    for (long long k = lane; k < {k_len}; k += DSP_LANES({WARP}))",
+        f"        acc += {load(f'in0[arow + k * {sa.strides[-1]}LL]')} * {load(f'in1[c * {k_len}LL + k]')};",
+        "    acc = dsp_warp_sum(acc);",
+    ]
+    expr = "acc"
+    if gemm:
+        alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
+        if alpha != 1.0:
+            expr = f"({ct})({alpha!r}) * {expr}"
+        if biases and beta != 0.0:
+            term = load("in2[c]") if beta == 1.0 else f"({ct})({beta!r}) * {load('in2[c]')}"
+            expr = f"{_round(expr, dtype)} + {term}"
+    lines.append(f"    const {ct} v = {_round(expr, dtype)};")
+    lines.append("    if (lane != 0) return;")
+    offset = 0
+    for k, width in enumerate(widths):
+        cond = f"c < {offset + width}" if k < len(widths) - 1 else "true"
+        store = f"out{k}[m * {width} + (c - {offset})] = {_to_storage('v', dtype)};"
+        lines.append(f"    {'if' if k == 0 else 'else if'} ({cond}) {store}")
+        offset += width
+    lines += ["}", ""]
+    source = "\n".join(lines)
+    name = "dsp_mm_" + hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
+    args = (a, MERGED_B, *((MERGED_C,) if gemm and biases else ()), *outs)
+    grid = (rows * total * WARP + THREADS - 1) // THREADS
+    return Kernel(
+        source.replace(" KERNEL(", f" {name}(", 1), name, args, len(args) - len(outs), grid, THREADS, "product"
+    )
+
+
 # -- the KV store (dsp::KVScatter): the step's rows written into the KV buffer in place --------
 def kv_store(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
     """``dsp::KVScatter(buffer, update, position)`` as one kernel: one thread per element of the

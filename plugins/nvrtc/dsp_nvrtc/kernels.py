@@ -46,9 +46,9 @@ class Built:
     # input flat -> (the array seen at build time, its value): inputs whose values shaped the
     # source (GroupStep checks them before reusing the kernel for another signature)
     constants: dict[int, tuple[Any, np.ndarray]] = field(default_factory=dict)
-    # input flat -> (its device address when made, the array the kernel reads instead): a
-    # product's [K, N] weight read through a copy laid out [N, K] (``NvrtcGroup._product_layout``)
-    substitutes: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    # argument -> the array the kernel reads there, made from constant inputs: a product's [K, N]
+    # weight as an [N, K] copy (``NvrtcGroup._product_layout``), merged siblings' joined weights
+    substitutes: dict[int, Derived] = field(default_factory=dict)
 
 
 def device_target(cp: Any) -> compiler.Target:
@@ -158,7 +158,7 @@ class NvrtcGroup(GroupStep):
 
     def _product_layout(
         self, spec: codegen.GroupSpec, local: dict[int, Any]
-    ) -> tuple[codegen.GroupSpec, dict[int, tuple[int, Any]]]:
+    ) -> tuple[codegen.GroupSpec, dict[int, Derived]]:
         """A product whose weight is bigger than one thread per output should loop over: a warp per
         output (``params["lanes"]``), its lanes reading consecutive elements of K, or a whole block
         where K is long and the outputs few (a warp each would leave most of the GPU idle). A
@@ -173,11 +173,11 @@ class NvrtcGroup(GroupStep):
         wb = spec.values[b]
         if b not in self.in_flats or not self.fixed(b) or len(wb.shape) != 2:
             raise Unfusable(f"a product's operand of {list(wb.shape)} that is not a constant weight")
-        values, subs = dict(spec.values), {}
+        values: dict[int, codegen.TensorSpec] = dict(spec.values)
+        subs: dict[int, Derived] = {}
         trans_b = node.op == "Gemm" and int(node.attrs.get("transB", 0)) == 1
         if not trans_b and wb.strides != (1, wb.shape[0]):
-            weight = local[b]
-            subs[b] = (int(weight.data.ptr), _nk_copy(self.cp, weight))
+            subs[b] = Derived.make(self.cp, (b,), [local[b]], _nk_copy)
             values[b] = codegen.TensorSpec(wb.shape, wb.dtype, (1, int(wb.shape[0])))
         k_len = int(wb.shape[1] if trans_b else wb.shape[0])
         out = node.outputs[0]
@@ -186,11 +186,32 @@ class NvrtcGroup(GroupStep):
         lanes = codegen.THREADS if block else codegen.WARP
         return dataclasses.replace(spec, values=values, params={**spec.params, "lanes": lanes}), subs
 
+    def _merged(self, spec: codegen.GroupSpec, local: dict[int, Any]) -> tuple[codegen.Kernel, dict[int, Derived]]:
+        """Merged siblings (``dsp::MergedMatMul``) as one kernel over their weights joined once into a
+        [sum N, K] copy (and their biases into one vector); the constants stay for the reference."""
+        node = spec.nodes[0]
+        weights, biases = codegen.merged_operands(node)
+        if len(spec.nodes) != 1 or any(not self.fixed(w) or w not in self.in_flats for w in (*weights, *biases)):
+            raise Unfusable("merged products with an epilogue, or whose weights are not constants")
+        trans_b = str(node.attrs.get("form", "MatMul")) == "Gemm" and int(node.attrs.get("transB", 0)) == 1
+        subs = {codegen.MERGED_B: Derived.make(self.cp, weights, [local[w] for w in weights], _joined_nk(trans_b))}
+        if biases:
+            subs[codegen.MERGED_C] = Derived.make(self.cp, biases, [local[c] for c in biases], _joined_bias)
+        kernel = codegen.merged_product(node, spec.values)
+        return kernel, subs
+
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
         asked: set[int] = set()
-        spec, subs = self._product_layout(self.spec(inputs, local, asked), local)
+        spec = self.spec(inputs, local, asked)
         try:
-            kernel = codegen.generate(spec)
+            if spec.nodes and (spec.nodes[0].domain, spec.nodes[0].op) == ("dsp", "MergedMatMul"):
+                kernel, subs = self._merged(spec, local)
+                spec = dataclasses.replace(
+                    spec, values={**spec.values, **{f: _spec_of(d.array) for f, d in subs.items()}}
+                )
+            else:
+                spec, subs = self._product_layout(spec, local)
+                kernel = codegen.generate(spec)
         except codegen.Unsupported as exc:
             raise Unfusable(str(exc)) from exc
         for v in kernel.args[: kernel.n_inputs]:
@@ -208,25 +229,57 @@ class NvrtcGroup(GroupStep):
         cp = self.cp
         kernel = built.kernel
         by_flat = dict(zip(self.in_flats, inputs))
-        for flat, (address, copy) in list(built.substitutes.items()):
-            source = by_flat[flat]
-            if int(source.data.ptr) != address:  # the weight was given another buffer: copy it again
+        for arg, derived in list(built.substitutes.items()):
+            sources = [by_flat[f] for f in derived.sources]
+            if tuple(int(x.data.ptr) for x in sources) != derived.addresses:  # a weight was given another buffer
                 if self.capturing():
-                    raise CaptureFailed(f"fusion group {self.report.index}'s weight moved during capture")
-                copy = _nk_copy(cp, source)
-                built.substitutes[flat] = (int(source.data.ptr), copy)
-            by_flat[flat] = copy
+                    raise CaptureFailed(f"fusion group {self.report.index}'s weights moved during capture")
+                built.substitutes[arg] = derived = Derived.make(cp, derived.sources, sources, derived.build)
+            by_flat[arg] = derived.array
         outs = {v: cp.empty(built.shapes[v][0], dtype=built.shapes[v][1]) for v in kernel.args[kernel.n_inputs :]}
         args = [by_flat[v] for v in kernel.args[: kernel.n_inputs]] + [outs[v] for v in kernel.args[kernel.n_inputs :]]
         built.function((kernel.grid,), (kernel.threads,), tuple(args))
         return tuple(outs[o] for o in self.out_flats)
 
 
-def _nk_copy(cp: Any, weight: Any) -> Any:
-    """A [K, N] weight as a [K, N] view of a contiguous [N, K] copy (K its unit stride), from
-    CuPy's default pool: made outside any capture and kept with the kernel."""
-    with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-        return cp.ascontiguousarray(weight.T).T
+@dataclass
+class Derived:
+    """An array a kernel reads in place of constant inputs, made from them once (outside any
+    capture, from CuPy's default pool) and again only if one of them moves."""
+
+    sources: tuple[int, ...]  # the input flats it is made from
+    addresses: tuple[int, ...]  # their device addresses when it was made
+    build: Callable[[Any, list[Any]], Any]
+    array: Any
+
+    @staticmethod
+    def make(cp: Any, flats: tuple[int, ...], arrays: list[Any], build: Callable[[Any, list[Any]], Any]) -> Derived:
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            got = build(cp, arrays)
+        return Derived(flats, tuple(int(x.data.ptr) for x in arrays), build, got)
+
+
+def _nk_copy(cp: Any, weights: list[Any]) -> Any:
+    """A [K, N] weight as a [K, N] view of a contiguous [N, K] copy: K is then its unit stride."""
+    return cp.ascontiguousarray(weights[0].T).T
+
+
+def _joined_nk(trans_b: bool) -> Callable[[Any, list[Any]], Any]:
+    """Merged products' weights ([K, N_i], or [N_i, K] transposed) joined as one contiguous [sum N_i, K]."""
+
+    def build(cp: Any, weights: list[Any]) -> Any:
+        return cp.ascontiguousarray(cp.concatenate([w if trans_b else w.T for w in weights], axis=0))
+
+    return build
+
+
+def _joined_bias(cp: Any, biases: list[Any]) -> Any:
+    return cp.ascontiguousarray(cp.concatenate([c.reshape(-1) for c in biases]))
+
+
+def _spec_of(x: Any) -> codegen.TensorSpec:
+    """A device array's spec (element strides), for the segment cache's key."""
+    return codegen.TensorSpec(tuple(x.shape), str(x.dtype), tuple(int(st) // x.itemsize for st in x.strides))
 
 
 @dataclass

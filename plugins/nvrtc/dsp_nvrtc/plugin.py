@@ -74,6 +74,8 @@ class NvrtcPolicy(ReferencePolicy):
     def _product_epilogue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A product's epilogue: generated pointwise ops over its output's elements (bias, activation,
         residual add, cast), each thread computing them on its own dot product."""
+        if is_merged(plan.slots[group.slots[0]]):
+            return "merged products store their parts: each part's epilogue is a kernel of its own"
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
@@ -121,11 +123,17 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     up to 16 rows where the rows are known (symbolic rows are decided per layout, when the
     kernel is generated), whose second operand is a constant weight (one warp per output, its
     lanes over K, for a big one) or holds at most ``codegen.MAX_PRODUCT_WEIGHTS`` elements (one
-    thread per output loops over K); a merged product (the core's sibling rewrite) stays on
-    cuBLAS.
+    thread per output loops over K); merged products (the core's sibling rewrite) of up to 16
+    rows are one kernel over their joined weights (``codegen.merged_product``).
     """
     slot = plan.slots[s]
-    if is_merged(slot) or slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx"):
+    if is_merged(slot):
+        shape = pattern.shape
+        rows = _fixed_count(shape[:-1]) if shape is not None and len(shape) >= 2 else None
+        if rows is not None and rows > codegen.MAX_PRODUCT_ROWS:
+            return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
+        return None  # its weights are constants (the rewrite merges only those)
+    if slot.op not in codegen.PRODUCT_OPS or slot.domain not in ("", "ai.onnx"):
         return f"{slot.op} is not a MatMul or Gemm the template takes"
     shape = pattern.shape
     if shape is None or len(shape) < 2:
