@@ -202,3 +202,17 @@ def reference_specs(
         values[flat] = TensorSpec(tuple(int(d) for d in x.shape), str(x.dtype), strides)
     device = [f for f, x in zip(in_flats, inputs) if x is not None and not isinstance(x, np.ndarray | np.generic)]
     return values, device
+
+
+# Value ids of merged sibling products' joined weights, biases and product (dsp::MergedMatMul).
+MERGED_B, MERGED_C, MERGED_Y = -1001, -1002, -1003
+
+
+def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The weights and biases of a ``dsp::MergedMatMul`` node (its parts in order)."""
+    k = len(node.outputs)
+    weights = node.inputs[1 : 1 + k]
+    biases = node.inputs[1 + k :] if node.attrs.get("bias") else ()
+    if node.inputs[0] is None or None in weights or None in biases or None in node.outputs:
+        raise Unsupported("a merged product with a missing operand")
+    return tuple(w for w in weights if w is not None), tuple(c for c in biases if c is not None)

@@ -48,10 +48,13 @@ from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: c
     pick_rows,
     row_major,
 )
+from dsp_core.plan.kernelspec import MERGED_B as MERGED_B
+from dsp_core.plan.kernelspec import MERGED_C as MERGED_C
 from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
 from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
+from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
 # numpy dtype -> (C storage type, C compute type)
 C_TYPES: dict[str, tuple[str, str]] = {
@@ -1023,19 +1026,6 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
 
 
 # -- merged sibling products (dsp::MergedMatMul): one product over their joined weights ------
-MERGED_B, MERGED_C = -1001, -1002  # value ids of the joined weights ([sum N, K]) and biases ([sum N])
-
-
-def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The weights and biases of a ``dsp::MergedMatMul`` node (its parts in order)."""
-    k = len(node.outputs)
-    weights = node.inputs[1 : 1 + k]
-    biases = node.inputs[1 + k :] if node.attrs.get("bias") else ()
-    if node.inputs[0] is None or None in weights or None in biases or None in node.outputs:
-        raise Unsupported("a merged product with a missing operand")
-    return tuple(w for w in weights if w is not None), tuple(c for c in biases if c is not None)
-
-
 def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
     """Sibling products merged by the core (Q/K/V, gate/up) as one kernel over their weights joined
     into one [sum N, K] matrix (``MERGED_B``, K its unit stride; biases joined as ``MERGED_C``):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from dsp_cuda_graphs.derived import Derived, joined_bias, joined_nk, nk_copy
 from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable, mismatch
 from dsp_cuda_graphs.greedy import PickLayout
 
@@ -177,7 +178,7 @@ class NvrtcGroup(GroupStep):
         subs: dict[int, Derived] = {}
         trans_b = node.op == "Gemm" and int(node.attrs.get("transB", 0)) == 1
         if not trans_b and wb.strides != (1, wb.shape[0]):
-            subs[b] = Derived.make(self.cp, (b,), [local[b]], _nk_copy)
+            subs[b] = Derived.make(self.cp, (b,), [local[b]], nk_copy)
             values[b] = codegen.TensorSpec(wb.shape, wb.dtype, (1, int(wb.shape[0])))
         k_len = int(wb.shape[1] if trans_b else wb.shape[0])
         out = node.outputs[0]
@@ -194,9 +195,9 @@ class NvrtcGroup(GroupStep):
         if len(spec.nodes) != 1 or any(not self.fixed(w) or w not in self.in_flats for w in (*weights, *biases)):
             raise Unfusable("merged products with an epilogue, or whose weights are not constants")
         trans_b = str(node.attrs.get("form", "MatMul")) == "Gemm" and int(node.attrs.get("transB", 0)) == 1
-        subs = {codegen.MERGED_B: Derived.make(self.cp, weights, [local[w] for w in weights], _joined_nk(trans_b))}
+        subs = {codegen.MERGED_B: Derived.make(self.cp, weights, [local[w] for w in weights], joined_nk(trans_b))}
         if biases:
-            subs[codegen.MERGED_C] = Derived.make(self.cp, biases, [local[c] for c in biases], _joined_bias)
+            subs[codegen.MERGED_C] = Derived.make(self.cp, biases, [local[c] for c in biases], joined_bias)
         kernel = codegen.merged_product(node, spec.values)
         return kernel, subs
 
@@ -231,7 +232,7 @@ class NvrtcGroup(GroupStep):
         by_flat = dict(zip(self.in_flats, inputs))
         for arg, derived in list(built.substitutes.items()):
             sources = [by_flat[f] for f in derived.sources]
-            if tuple(int(x.data.ptr) for x in sources) != derived.addresses:  # a weight was given another buffer
+            if derived.moved(sources):  # a weight was given another buffer
                 if self.capturing():
                     raise CaptureFailed(f"fusion group {self.report.index}'s weights moved during capture")
                 built.substitutes[arg] = derived = Derived.make(cp, derived.sources, sources, derived.build)
@@ -240,41 +241,6 @@ class NvrtcGroup(GroupStep):
         args = [by_flat[v] for v in kernel.args[: kernel.n_inputs]] + [outs[v] for v in kernel.args[kernel.n_inputs :]]
         built.function((kernel.grid,), (kernel.threads,), tuple(args))
         return tuple(outs[o] for o in self.out_flats)
-
-
-@dataclass
-class Derived:
-    """An array a kernel reads in place of constant inputs, made from them once (outside any
-    capture, from CuPy's default pool) and again only if one of them moves."""
-
-    sources: tuple[int, ...]  # the input flats it is made from
-    addresses: tuple[int, ...]  # their device addresses when it was made
-    build: Callable[[Any, list[Any]], Any]
-    array: Any
-
-    @staticmethod
-    def make(cp: Any, flats: tuple[int, ...], arrays: list[Any], build: Callable[[Any, list[Any]], Any]) -> Derived:
-        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-            got = build(cp, arrays)
-        return Derived(flats, tuple(int(x.data.ptr) for x in arrays), build, got)
-
-
-def _nk_copy(cp: Any, weights: list[Any]) -> Any:
-    """A [K, N] weight as a [K, N] view of a contiguous [N, K] copy: K is then its unit stride."""
-    return cp.ascontiguousarray(weights[0].T).T
-
-
-def _joined_nk(trans_b: bool) -> Callable[[Any, list[Any]], Any]:
-    """Merged products' weights ([K, N_i], or [N_i, K] transposed) joined as one contiguous [sum N_i, K]."""
-
-    def build(cp: Any, weights: list[Any]) -> Any:
-        return cp.ascontiguousarray(cp.concatenate([w if trans_b else w.T for w in weights], axis=0))
-
-    return build
-
-
-def _joined_bias(cp: Any, biases: list[Any]) -> Any:
-    return cp.ascontiguousarray(cp.concatenate([c.reshape(-1) for c in biases]))
 
 
 def _spec_of(x: Any) -> codegen.TensorSpec:

@@ -42,10 +42,14 @@ from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: c
     pick_rows,
     row_major,
 )
+from dsp_core.plan.kernelspec import MERGED_B as MERGED_B
+from dsp_core.plan.kernelspec import MERGED_C as MERGED_C
+from dsp_core.plan.kernelspec import MERGED_Y as MERGED_Y
 from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
 from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
+from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
 # numpy dtype name -> Triton dtype
 TL_DTYPES = {
@@ -963,19 +967,6 @@ def product_shape(spec: GroupSpec) -> ProductShape:
     else:
         body = "nk" if k_stride == 1 and n > 1 else "kn"
     return ProductShape(batch, m, k, n, ta, tb, body)
-
-
-MERGED_B, MERGED_C, MERGED_Y = -1001, -1002, -1003  # the joined weights, biases and product of merged siblings
-
-
-def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The weights and biases of a ``dsp::MergedMatMul`` node (its parts in order)."""
-    k = len(node.outputs)
-    weights = node.inputs[1 : 1 + k]
-    biases = node.inputs[1 + k :] if node.attrs.get("bias") else ()
-    if node.inputs[0] is None or None in weights or None in biases or None in node.outputs:
-        raise Unsupported("a merged product with a missing operand")
-    return tuple(w for w in weights if w is not None), tuple(c for c in biases if c is not None)
 
 
 def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpec:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from dsp_cuda_graphs.derived import Derived, joined_bias, joined_nk, nk_copy
 from dsp_cuda_graphs.fusion import constants_match, mismatch
 from dsp_cuda_graphs.greedy import PickLayout
 
@@ -245,7 +246,7 @@ class FusedGroup:
         reads = dict(by_flat)
         for flat, derived in compiled.substitutes.items():
             sources = [reads[f] for f in derived.sources]
-            if tuple(int(x.data.ptr) for x in sources) != derived.addresses:
+            if derived.moved(sources):
                 if self.capturing():
                     raise CaptureFailed(f"fusion group {self.report.index}'s weights moved during capture")
                 compiled.substitutes[flat] = derived = Derived.make(cp, derived.sources, sources, derived.build)
@@ -509,7 +510,7 @@ class FusedGroup:
             and getattr(weight, "ndim", 0) == 2
             and weight.size >= MIN_TRANSPOSED_WEIGHT
         ):
-            substitutes[b] = Derived.make(self.cp, (b,), [weight], _nk_copy)
+            substitutes[b] = Derived.make(self.cp, (b,), [weight], nk_copy)
             local[b] = substitutes[b].array
             values = dict(spec.values)
             values[b] = codegen.TensorSpec(values[b].shape, values[b].dtype, (1, int(weight.shape[0])))
@@ -528,10 +529,10 @@ class FusedGroup:
         if any(getattr(x, "ndim", 0) != 2 or isinstance(x, np.ndarray) for x in arrays):
             raise codegen.Unsupported("merged products of other than device matrices")
         trans_b = bool(node.attrs.get("transB", 0)) and str(node.attrs.get("form", "MatMul")) == "Gemm"
-        substitutes = {codegen.MERGED_B: Derived.make(self.cp, weights, arrays, _joined_nk(trans_b))}
+        substitutes = {codegen.MERGED_B: Derived.make(self.cp, weights, arrays, _joined_kn(trans_b))}
         if biases:
             cs = [local[c] for c in biases]
-            substitutes[codegen.MERGED_C] = Derived.make(self.cp, biases, cs, _joined_bias)
+            substitutes[codegen.MERGED_C] = Derived.make(self.cp, biases, cs, joined_bias)
         for syn, derived in substitutes.items():
             local[syn] = derived.array
         bias = substitutes.get(codegen.MERGED_C)
@@ -738,41 +739,10 @@ def _graph_us(cp: Any, stream: Any, body: Callable[[], Any]) -> float:
     return float(cp.cuda.get_elapsed_time(begin, end)) * 1000 / (TUNE_RUNS * TUNE_LAUNCHES)
 
 
-@dataclass
-class Derived:
-    """An array a kernel reads instead of (or besides) its inputs, made once from constant ones."""
-
-    sources: tuple[int, ...]  # the input flats it is made from
-    addresses: tuple[int, ...]  # their device addresses when it was made
-    build: Callable[[Any, list[Any]], Any]
-    array: Any
-
-    @staticmethod
-    def make(cp: Any, flats: tuple[int, ...], arrays: list[Any], build: Callable[[Any, list[Any]], Any]) -> Derived:
-        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-            got = build(cp, arrays)
-        # complete before any kernel reads it: a preloading product reads it before it waits
-        cp.cuda.get_current_stream().synchronize()
-        return Derived(flats, tuple(int(x.data.ptr) for x in arrays), build, got)
-
-
-def _nk_copy(cp: Any, weights: list[Any]) -> Any:
-    """A [K, N] weight as a [K, N] view of a contiguous [N, K] copy: K is then its unit stride."""
-    return cp.ascontiguousarray(weights[0].T).T
-
-
-def _joined_nk(trans_b: bool) -> Callable[[Any, list[Any]], Any]:
-    """Weights of merged products ([K, N_i], or [N_i, K] transposed) joined as one [K, sum N_i] view of [sum N_i, K]."""
-
-    def build(cp: Any, weights: list[Any]) -> Any:
-        rows = [w if trans_b else w.T for w in weights]
-        return cp.ascontiguousarray(cp.concatenate(rows, axis=0)).T
-
-    return build
-
-
-def _joined_bias(cp: Any, biases: list[Any]) -> Any:
-    return cp.ascontiguousarray(cp.concatenate(biases, axis=-1))
+def _joined_kn(trans_b: bool) -> Callable[[Any, list[Any]], Any]:
+    """Merged products' weights as one [K, sum N_i] view of their joined [sum N_i, K] copy."""
+    joined = joined_nk(trans_b)
+    return lambda cp, weights: joined(cp, weights).T
 
 
 class _Arg:
