@@ -95,6 +95,14 @@ def load(cp: Any, kernel: codegen.Kernel, binary: bytes, target: compiler.Target
     return module.get_function(kernel.name)
 
 
+def loaded(cp: Any, kernel: codegen.Kernel, spec: codegen.GroupSpec, cache: SegmentCache) -> tuple[Any, bool]:
+    """``kernel`` compiled for the current device (from the segment cache, or compiled and stored)
+    and loaded: (its function, whether the binary came from the cache)."""
+    target = device_target(cp)
+    binary, hit = compiled(kernel, spec, target, cache)
+    return load(cp, kernel, binary, target), hit
+
+
 class NvrtcGroup(GroupStep):
     """The step that runs one fusion group as one generated CUDA C kernel."""
 
@@ -218,13 +226,11 @@ class NvrtcGroup(GroupStep):
         for v in kernel.args[: kernel.n_inputs]:
             if isinstance(local.get(v), np.ndarray | np.generic):
                 raise Unfusable(f"input {v} is a host array")
-        target = device_target(self.cp)
-        binary, hit = compiled(kernel, spec, target, self.cache)
+        function, hit = loaded(self.cp, kernel, spec, self.cache)
         self.report.kernel = kernel.name
         self.report.cached = hit
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
-        baked = self._baked(kernel, inputs, asked)
-        return Built(load(self.cp, kernel, binary, target), kernel, shapes, baked, subs)
+        return Built(function, kernel, shapes, self._baked(kernel, inputs, asked), subs)
 
     def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
         cp = self.cp
@@ -300,11 +306,10 @@ class NvrtcKVStore(GroupStep):
         except codegen.Unsupported as exc:
             raise Unfusable(str(exc)) from exc
         spec = codegen.GroupSpec("store", [self.node], values, [update, position], [buffer])
-        target = device_target(self.cp)
-        binary, hit = compiled(kernel, spec, target, self.cache)
+        function, hit = loaded(self.cp, kernel, spec, self.cache)
         self.report.kernel, self.report.cached = kernel.name, hit
         where = {flat: k for k, flat in enumerate(self.in_flats)}
-        return BuiltStore(load(self.cp, kernel, binary, target), kernel, where[update], where[position], where[buffer])
+        return BuiltStore(function, kernel, where[update], where[position], where[buffer])
 
     def launch(self, built: BuiltStore, inputs: Sequence[Any]) -> tuple[Any, ...]:
         buffer = inputs[built.buffer]
@@ -366,17 +371,15 @@ class NvrtcGreedyPick(GroupStep):
         if not self.layout.takes(logits):
             raise Unfusable("logits on the host, or not reduced over their last axis")
         x = self.layout.rows(logits)
-        item = x.dtype.itemsize
-        spec = codegen.TensorSpec(tuple(x.shape), str(x.dtype), tuple(int(s) // item for s in x.strides))
+        spec = _spec_of(x)
         try:
             k1, k2 = codegen.argmax_rows(spec)
         except codegen.Unsupported as exc:
             raise Unfusable(str(exc)) from exc
-        target = device_target(self.cp)
         functions, hits = [], []
         for kernel, kspec in zip((k1, k2), codegen.argmax_specs(spec, k1)):
-            binary, hit = compiled(kernel, kspec, target, self.cache)
-            functions.append(load(self.cp, kernel, binary, target))
+            function, hit = loaded(self.cp, kernel, kspec, self.cache)
+            functions.append(function)
             hits.append(hit)
         self.report.kernel = f"{k1.name}+{k2.name}"
         self.report.cached = all(hits)
