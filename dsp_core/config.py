@@ -208,6 +208,15 @@ OPTIONS: tuple[Option, ...] = (
         "graph; docs/fusion.md); read once per process; off: plain launches.",
     ),
     Option(
+        "nvrtc_pdl",
+        "DSP_NVRTC_PDL",
+        "bool",
+        True,
+        "dsp-nvrtc launches its kernels as programmatic dependents on sm_90+ GPUs (cuLaunchKernelEx; each "
+        "kernel waits for the one before it, its constant weights read first, so launches and weight "
+        "loads overlap work inside a replayed graph; docs/nvrtc.md); read once per process; off: plain launches.",
+    ),
+    Option(
         "cublas_tf32",
         "DSP_CUBLAS_TF32",
         "bool",

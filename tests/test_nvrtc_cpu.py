@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import types
@@ -621,6 +622,56 @@ def test_products_with_their_epilogue_match_numpy_on_the_host(
     want = (np.maximum(prod, 0) + r).astype(dtype)
     tol = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
     np.testing.assert_allclose(got.astype(f), want.astype(f), rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("lanes", [codegen.WARP, codegen.THREADS])
+def test_constant_weights_are_read_16_bytes_a_load_before_the_kernel_waits(
+    dtype: str, trans_b: bool, lanes: int
+) -> None:
+    """A product by a constant weight (``fixed_b``) whose K is its unit stride: each lane's first
+    16-byte loads of the weight go into registers before ``DSP_WAIT()`` (the dependent launch's
+    wait), every other load and every store after it, once; the result is the product's, also
+    where the preload does not cover K (the loop after it) and on the host (one lane an output)."""
+    n = codegen.NodeSpec
+    rng = np.random.default_rng(lanes + trans_b)
+    k_len, width = 8 * codegen.PRELOAD_VECTORS * 3 + 64, 24  # longer than a warp's preload
+    a = rng.standard_normal((1, 1, k_len)).astype(np.float32)
+    w = rng.standard_normal((k_len, width)).astype(np.float32)
+    r = rng.standard_normal((1, 1, width)).astype(np.float32)
+    cast = hostcheck._np_dtype(dtype)
+    a_, w_, r_ = a.astype(cast), w.astype(cast), r.astype(cast)
+    nk = np.ascontiguousarray(w_.T)  # the [N, K] copy the plugin makes of a [K, N] weight
+    b = nk if trans_b else nk.T
+    op, attrs = ("Gemm", {"transB": 1}) if trans_b else ("MatMul", {})
+    if trans_b:
+        a_, r_ = a_.reshape(1, k_len), r_.reshape(1, width)
+    out = (*a_.shape[:-1], width)
+    nodes = [n(op, (1, 2), (3,), attrs), n("Add", (3, 4), (5,))]
+    values = {1: (a_.shape, dtype), 2: (b.shape, dtype), 3: (out, dtype), 4: (out, dtype), 5: (out, dtype)}
+    spec = _spec("product", nodes, values, [1, 2, 4], [5])
+    specs = dict(spec.values)
+    specs[2] = codegen.TensorSpec(b.shape, dtype, tuple(st // b.itemsize for st in b.strides))
+    spec = dataclasses.replace(spec, values=specs, params={"lanes": lanes, "fixed_b": 1})
+    kernel = codegen.generate(spec)
+    assert kernel.vector_args == (2,)
+    body = kernel.source.split("\n")
+    weight = kernel.args.index(2)
+    waits = [k for k, line in enumerate(body) if "DSP_WAIT();" in line]
+    preload = next(k for k, line in enumerate(body) if f"reinterpret_cast<const dsp_v16*>(in{weight}" in line)
+    # every other load (the row of A, the residual) and the store
+    touches = [k for k, line in enumerate(body) if re.search(r"\b(in[0-9]+|out[0-9]+)\[", line) and k != preload]
+    assert len(waits) == 1 and preload < waits[0] < min(touches), kernel.source
+    assert all(not body[k - 1].lstrip().startswith("#pragma") for k in waits), kernel.source  # pragmas precede loops
+    if NVRTC_MISSING is None:  # griddepcontrol needs sm_90
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    got = hostcheck.run_on_host(kernel, spec, {1: a_, 2: b, 4: r_})[5]
+    f = np.float64
+    want = (a_.astype(f) @ w_.astype(f)).astype(cast).astype(f) + r_.astype(f)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(got.astype(f), want.astype(cast).astype(f), rtol=tol, atol=tol * 8)
 
 
 def test_the_product_template_says_why_it_declines() -> None:

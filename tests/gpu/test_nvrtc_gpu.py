@@ -276,3 +276,34 @@ def test_merged_sibling_products_are_one_kernel_equal_to_the_reference(form: str
     assert plan is not None
     merged = [r for r in _reports(model) if [plan.slots[s].op for s in r["slots"]] == ["MergedMatMul"]]
     assert len(merged) == 1 and merged[0]["status"] == "fused", _reports(model)
+
+
+def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() -> None:
+    """48 products in a chain (each reads the one before; its weight preloaded, 16 bytes a load,
+    before it waits), a residual and pointwise kernels between them: with DSP_NVRTC_PDL on (the
+    default) every NVRTC kernel launches as a programmatic dependent, and the replayed graph still
+    gives the reference's values."""
+    import cupy as cp
+    from dsp_nvrtc import launch
+
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    assert launch.dependent_launch(cp), "DSP_NVRTC_PDL is on by default and this GPU supports it"
+    rng = np.random.default_rng(5)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float16", [1, 1, 768])
+    h = x
+    for layer in range(48):
+        w = g.constant((rng.standard_normal((768, 768)) / np.sqrt(768)).astype(np.float16), name=f"w{layer}")
+        h = g.Relu(h @ w) + h if layer % 2 else g.Tanh(h @ w)
+    g.output(h, "y")
+    graph = g.build()
+    want = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
+    tol = _tolerance("nvrtc_jit")
+    for run in range(10):
+        feeds = {"x": rng.standard_normal((1, 1, 768)).astype(np.float16)}
+        _close(model.run(feeds), want.run(feeds), tol, f"chain run {run}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    products = [r for r in _reports(model) if r["template"] == "product"]
+    assert len(products) == 48 and all(r["status"] == "fused" for r in products), products

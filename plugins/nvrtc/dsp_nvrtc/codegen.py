@@ -108,6 +108,19 @@ __device__ __forceinline__ double dsp_warp_sum(double v) {
     return v;
 }
 #define DSP_LANES(n) (n)  // a product's lanes (a warp, or a block) share one output's dot product
+// Programmatic dependent launch (sm_90+): every kernel waits for the kernel before it (its
+// completion and memory flush) before it touches memory that kernel may write, then lets the
+// next one launch; launched without the attribute, both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DSP_WAIT() \
+    asm volatile("griddepcontrol.wait;" ::: "memory"); \
+    asm volatile("griddepcontrol.launch_dependents;" :::)
+#else
+#define DSP_WAIT()
+#endif
+// 16 bytes of a constant weight, one vector load (its address is a multiple of 16)
+struct alignas(16) dsp_v16 { unsigned int w[4]; };
+__device__ __forceinline__ float dsp_u2f(unsigned int u) { return __uint_as_float(u); }
 __device__ __forceinline__ float dsp_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -190,6 +203,9 @@ static inline unsigned short dsp_f2bf(float f) {
 }
 // One lane a product's output: its own sum is the warp's (or the block's).
 #define DSP_LANES(n) 1
+#define DSP_WAIT()
+struct alignas(16) dsp_v16 { unsigned int w[4]; };
+static inline float dsp_u2f(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float dsp_warp_sum(float v) { return v; }
 static inline double dsp_warp_sum(double v) { return v; }
 // One thread a block: its own value is the block's.
@@ -218,6 +234,7 @@ class Kernel:
     grid: int  # blocks
     threads: int  # threads per block
     template: str
+    vector_args: tuple[int, ...] = ()  # inputs read 16 bytes a load (their addresses: multiples of 16)
 
     def device_source(self) -> str:
         """The whole translation unit NVRTC compiles."""
@@ -283,6 +300,24 @@ class _Gen:
         self.lanes = int(spec.params.get("lanes", 0)) if spec.template == "product" else 0
         if self.lanes not in (0, WARP, THREADS):
             raise Unsupported(f"{self.lanes} lanes per output (the template takes {WARP} or {THREADS})")
+        # ``spec.params["fixed_b"]``: the product's weight is a constant no kernel writes, so it is
+        # read before the kernel waits for the one before it (a dependent launch's overlap)
+        self.fixed_b = bool(spec.params.get("fixed_b")) and spec.template == "product"
+        self.constant_inputs: set[int] = set()
+        self.vector_args: list[int] = []
+        self.waited = False
+
+    def wait(self) -> None:
+        """``DSP_WAIT()`` once, in the kernel's top scope, before the first statement that touches
+        memory the kernel before it may write (a load of an input that is not a constant weight,
+        a store). Appended to the top scope now: ahead of the nested block being generated."""
+        if not self.waited:
+            self.waited = True
+            lines = self.top.lines
+            at = len(lines)
+            while at and lines[at - 1].lstrip().startswith("#pragma"):  # a pragma stays with its loop
+                at -= 1
+            lines.insert(at, f"{self.top.indent}DSP_WAIT();")
 
     # -- lines ----------------------------------------------------------------------------
     def let(self, expr: str, ctype: str = "long long", prefix: str = "t") -> str:
@@ -384,6 +419,8 @@ class _Gen:
         if v not in self.args:
             self.args.append(v)
         off = self.flatten(idx, spec.shape, spec.strides)
+        if v not in self.constant_inputs:
+            self.wait()
         raw = f"in{self.args.index(v)}[{off}]"
         return self.let(_from_storage(raw, spec.dtype), self.ctype(v), "x")
 
@@ -462,14 +499,20 @@ class _Gen:
         acc = f"acc{self.count}"
         kv = f"k{self.count}"
         self.count += 1
-        self.line(f"{ct} {acc} = 0;")
-        first, step = ("lane", f"DSP_LANES({self.lanes})") if self.lanes else ("0", "1")
-        if self.lanes:
-            self.line("#pragma unroll 8")  # loads of several K steps in flight per lane
-        with self.block(f"for (long long {kv} = {first}; {kv} < {k_len}; {kv} += {step})"):
-            xa = self.value(a, Idx((*idx.dims[:-1], kv)))
-            xb = self.value(b, Idx((idx.dims[-1], kv) if trans_b else (kv, idx.dims[-1])))
-            self.line(f"{acc} += ({ct})({xa}) * ({ct})({xb});")
+        if self.fixed_b:
+            self.constant_inputs.add(b)
+        vector = self._vector(b, k_len, trans_b)
+        if vector:
+            self._vector_dot(a, b, idx, k_len, vector, acc, ct, trans_b)
+        else:
+            self.line(f"{ct} {acc} = 0;")
+            first, step = ("lane", f"DSP_LANES({self.lanes})") if self.lanes else ("0", "1")
+            if self.lanes:
+                self.line("#pragma unroll 8")  # loads of several K steps in flight per lane
+            with self.block(f"for (long long {kv} = {first}; {kv} < {k_len}; {kv} += {step})"):
+                xa = self.value(a, Idx((*idx.dims[:-1], kv)))
+                xb = self.value(b, Idx((idx.dims[-1], kv) if trans_b else (kv, idx.dims[-1])))
+                self.line(f"{acc} += ({ct})({xa}) * ({ct})({xb});")
         if self.lanes == WARP:
             self.line(f"{acc} = dsp_warp_sum({acc});  // every lane holds the whole dot product")
         elif self.lanes:
@@ -488,6 +531,60 @@ class _Gen:
                 # the reference rounds the product before the bias where it computes in halves
                 expr = f"{_round(expr, out.dtype)} + {term}"
         return self.let(_round(expr, out.dtype), self.ctype(v), "p")
+
+    def _vector(self, b: int, k_len: int, trans_b: bool) -> int:
+        """Elements of the weight one 16-byte load reads (0: none): where lanes share an output, the
+        weight is a constant read directly, K is its unit stride and both K and the row stride are
+        multiples of the vector (every load aligned: the caller checks the weight's address)."""
+        wb = self.spec.values[b]
+        if not (self.lanes and self.fixed_b and b in self.inputs) or wb.dtype not in VECTOR_ELEMENTS:
+            return 0
+        if self._literal(b) is not None or wb.strides is None or len(wb.shape) != 2:
+            return 0
+        k_stride, n_stride = (wb.strides[1], wb.strides[0]) if trans_b else (wb.strides[0], wb.strides[1])
+        v = VECTOR_ELEMENTS[wb.dtype]
+        return v if k_stride == 1 and n_stride % v == 0 and k_len % v == 0 else 0
+
+    def _vector_dot(self, a: int, b: int, idx: Idx, k_len: int, v: int, acc: str, ct: str, trans_b: bool) -> None:
+        """The lanes' share of one output's dot product, the weight read 16 bytes a load: the first
+        ``PRELOAD_VECTORS`` loads of each lane into registers before the kernel waits for the one
+        before it (their DRAM latency overlaps that kernel's work), the rest in a loop after."""
+        wb = self.spec.values[b]
+        assert wb.strides is not None
+        if b not in self.args:
+            self.args.append(b)
+        self.vector_args.append(b)
+        lanes = f"DSP_LANES({self.lanes})"
+        n_stride = wb.strides[0] if trans_b else wb.strides[1]
+        base = self.let(f"{idx.dims[-1]} * {n_stride}LL", prefix="w") if idx.dims[-1] != "0" else "0"
+        ptr = f"in{self.args.index(b)}"
+        per_lane = -(-k_len // (self.lanes * v))
+        pre = min(per_lane, PRELOAD_VECTORS)
+        regs = f"wq{self.count}"
+        self.count += 1
+        self.line(f"dsp_v16 {regs}[{pre}];")
+        self.line("#pragma unroll")
+        with self.block(f"for (int it = 0; it < {pre}; ++it)"):
+            self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
+            self.line(f"if (kb < {k_len}) {regs}[it] = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
+        self.line(f"{ct} {acc} = 0;")
+
+        def dot(q: str) -> None:
+            self.line("#pragma unroll")
+            with self.block(f"for (int j = 0; j < {v}; ++j)"):
+                xa = self.value(a, Idx((*idx.dims[:-1], "(kb + j)")))
+                self.line(f"{acc} += ({ct})({xa}) * ({ct})({_vector_element(q, 'j', wb.dtype)});")
+
+        self.line("#pragma unroll")
+        with self.block(f"for (int it = 0; it < {pre}; ++it)"):
+            self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
+            with self.block(f"if (kb < {k_len})"):
+                dot(f"{regs}[it]")
+        # the rest of K (none on the device when the preload covered it; on the host check, whose
+        # one lane per output preloads only its first vectors, the remainder)
+        with self.block(f"for (long long kb = (lane + {pre} * {lanes}) * {v}LL; kb < {k_len}; kb += {lanes} * {v}LL)"):
+            self.line(f"const dsp_v16 q = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
+            dot("q")
 
     # -- injective ops -----------------------------------------------------------------------
     def _host(self, node: NodeSpec, k: int) -> list[int]:
@@ -812,6 +909,13 @@ def _from_storage(raw: str, dtype: str) -> str:
     return f"({raw} != 0)" if dtype == "bool" else raw
 
 
+def _vector_element(q: str, j: str, dtype: str) -> str:
+    """Element ``j`` of the 16-byte vector ``q`` (``dsp_v16``) of ``dtype``, in its compute type."""
+    if dtype in _HALF_FNS:
+        return _from_storage(f"(unsigned short)({q}.w[{j} >> 1] >> (({j} & 1) * 16))", dtype)
+    return f"dsp_u2f({q}.w[{j}])"
+
+
 def _to_storage(name: str, dtype: str) -> str:
     if dtype in _HALF_FNS:
         return f"{_HALF_FNS[dtype][2]}({name})"
@@ -886,6 +990,8 @@ _OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "
 INJECTIVE_OPS = INDEX_OPS
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
+VECTOR_ELEMENTS = {"float16": 8, "bfloat16": 8, "float32": 4}  # a 16-byte load of a constant weight
+PRELOAD_VECTORS = 16  # of them, per lane, read before the kernel waits (64 registers at most)
 MAX_PRODUCT_WEIGHTS = (
     1 << 18
 )  # weight elements of a product the policy gives the template (above: cuBLAS; see docs/nvrtc.md)
@@ -925,6 +1031,7 @@ def generate(spec: GroupSpec) -> Kernel:
         stores, grid = _pointwise_template(gen, spec)
     else:
         raise Unsupported(f"no CUDA C template for a {spec.template} group")
+    gen.wait()  # a kernel that stored nothing before this point still waits (once, here)
     body = gen.top.lines
     if len(body) > MAX_SOURCE_LINES:
         raise Unsupported(f"the kernel would have {len(body)} lines")
@@ -944,13 +1051,14 @@ def generate(spec: GroupSpec) -> Kernel:
     name = f"dsp_{prefix}_{tag}"
     source = source.replace(" KERNEL(", f" {name}(", 1)
     args = (*gen.args, *(v for v, _ in stores))
-    return Kernel(source, name, tuple(args), len(gen.args), grid, THREADS, spec.template)
+    return Kernel(source, name, tuple(args), len(gen.args), grid, THREADS, spec.template, tuple(gen.vector_args))
 
 
 def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
     spec = gen.spec.values[v]
     name = gen.value(v, idx)
     off = gen.flatten(idx, spec.shape)
+    gen.wait()
     gen.line(f"out{k}[{off}] = {_to_storage(name, spec.dtype)};")
 
 
@@ -978,6 +1086,7 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         for k, (v, idx) in enumerate(stores):
             name = gen.value(v, idx)
             off = gen.flatten(idx, spec.values[v].shape)
+            gen.wait()
             gen.line(f"if (lane == 0) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
         return stores, (numel * gen.lanes + THREADS - 1) // THREADS
     for k, (v, idx) in enumerate(stores):
@@ -1078,13 +1187,45 @@ def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
         if size != 1:
             terms.append(f"(({rest} / {inner}) % {size}) * {st}LL")
     lines.append(f"    const long long arow = {' + '.join(terms) if terms else '0'};")
-    lines += [
-        f"    {ct} acc = 0;",
-        "#pragma unroll 8",
-        f"    for (long long k = lane; k < {k_len}; k += DSP_LANES({WARP}))",
-        f"        acc += {load(f'in0[arow + k * {sa.strides[-1]}LL]')} * {load(f'in1[c * {k_len}LL + k]')};",
-        "    acc = dsp_warp_sum(acc);",
-    ]
+    v = VECTOR_ELEMENTS.get(dtype, 0) if k_len % VECTOR_ELEMENTS.get(dtype, k_len + 1) == 0 else 0
+    if v:  # the joined weight (a fresh [sum N, K] copy, 16-byte aligned) 16 bytes a load, preloaded
+        pre = min(-(-k_len // (WARP * v)), PRELOAD_VECTORS)
+        lanes = f"DSP_LANES({WARP})"
+        a_elem = load(f"in0[arow + (kb + j) * {sa.strides[-1]}LL]")
+        dot = [
+            "#pragma unroll",
+            f"for (int j = 0; j < {v}; ++j) acc += {a_elem} * {_vector_element('q', 'j', dtype)};",
+        ]
+        lines += [
+            f"    dsp_v16 wq[{pre}];",
+            "#pragma unroll",
+            f"    for (int it = 0; it < {pre}; ++it) {{",
+            f"        const long long kb = (lane + it * {lanes}) * {v}LL;",
+            f"        if (kb < {k_len}) wq[it] = *reinterpret_cast<const dsp_v16*>(in1 + c * {k_len}LL + kb);",
+            "    }",
+            "    DSP_WAIT();",
+            f"    {ct} acc = 0;",
+            "#pragma unroll",
+            f"    for (int it = 0; it < {pre}; ++it) {{",
+            f"        const long long kb = (lane + it * {lanes}) * {v}LL;",
+            f"        if (kb >= {k_len}) continue;",
+            "        const dsp_v16 q = wq[it];",
+            *(f"        {x}" for x in dot),
+            "    }",
+            f"    for (long long kb = (lane + {pre} * {lanes}) * {v}LL; kb < {k_len}; kb += {lanes} * {v}LL) {{",
+            f"        const dsp_v16 q = *reinterpret_cast<const dsp_v16*>(in1 + c * {k_len}LL + kb);",
+            *(f"        {x}" for x in dot),
+            "    }",
+        ]
+    else:
+        lines += [
+            "    DSP_WAIT();",
+            f"    {ct} acc = 0;",
+            "#pragma unroll 8",
+            f"    for (long long k = lane; k < {k_len}; k += DSP_LANES({WARP}))",
+            f"        acc += {load(f'in0[arow + k * {sa.strides[-1]}LL]')} * {load(f'in1[c * {k_len}LL + k]')};",
+        ]
+    lines.append("    acc = dsp_warp_sum(acc);")
     expr = "acc"
     if gemm:
         alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
@@ -1107,7 +1248,14 @@ def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
     args = (a, MERGED_B, *((MERGED_C,) if gemm and biases else ()), *outs)
     grid = (rows * total * WARP + THREADS - 1) // THREADS
     return Kernel(
-        source.replace(" KERNEL(", f" {name}(", 1), name, args, len(args) - len(outs), grid, THREADS, "product"
+        source.replace(" KERNEL(", f" {name}(", 1),
+        name,
+        args,
+        len(args) - len(outs),
+        grid,
+        THREADS,
+        "product",
+        (MERGED_B,) if v else (),
     )
 
 
@@ -1142,6 +1290,7 @@ def kv_store(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
     lines = [
         f'extern "C" __global__ void __launch_bounds__({THREADS}) KERNEL(const {storage}* __restrict__ in0, '
         f"const {C_TYPES[p.dtype][0]}* __restrict__ in1, {storage}* __restrict__ out0) {{",
+        "    DSP_WAIT();",
         "    const long long lin = (long long)blockIdx.x * blockDim.x + threadIdx.x;",
         f"    if (lin >= {numel}) return;",
     ]
@@ -1190,6 +1339,7 @@ def argmax_rows(logits: TensorSpec, chunk: int = ARGMAX_CHUNK) -> tuple[Kernel, 
         f"const {_KEY_TYPES[width]}* __restrict__ in0, long long* __restrict__ out0, long long* __restrict__ out1) {{",
         "    __shared__ long long dsp_sk[32];",
         "    __shared__ long long dsp_sp[32];",
+        "    DSP_WAIT();",
         f"    const long long b = blockIdx.x / {chunks}, c = blockIdx.x % {chunks};",
         f"    const long long end = (c + 1) * {blk} < {vocab} ? (c + 1) * {blk} : {vocab};",
         "    long long best = DSP_KEY_MIN, pos = DSP_KEY_MAX;",
@@ -1209,6 +1359,7 @@ def argmax_rows(logits: TensorSpec, chunk: int = ARGMAX_CHUNK) -> tuple[Kernel, 
         "const long long* __restrict__ in0, const long long* __restrict__ in1, long long* __restrict__ out0) {",
         "    __shared__ long long dsp_sk[32];",
         "    __shared__ long long dsp_sp[32];",
+        "    DSP_WAIT();",
         "    const long long b = blockIdx.x;",
         "    long long best = DSP_KEY_MIN, pos = DSP_KEY_MAX;",
         f"    for (long long c = threadIdx.x; c < {chunks}; c += blockDim.x) {{",

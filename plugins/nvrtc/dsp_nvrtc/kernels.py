@@ -25,6 +25,7 @@ from dsp_core.backends.base import CaptureFailed
 from dsp_core.plan.kernelspec import reference_specs
 from dsp_nvrtc import codegen, compiler
 from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_digest
+from dsp_nvrtc.launch import launch
 
 # (source, target, device) -> loaded module, for the process: a graph holds the functions it launches.
 _MODULES: dict[tuple[str, str, int], Any] = {}
@@ -35,6 +36,7 @@ OPTIONS: tuple[str, ...] = ()  # NVRTC options beyond compiler.OPTIONS (part of 
 # warp per output in ~96 steps of K each with 24 warps to an SM (11 us on the H200).
 BLOCK_LANES_MIN_K = 1024
 BLOCK_LANES_MAX_OUTPUTS = 4096
+VECTOR_ALIGNMENT = 16  # bytes: a weight read 16 bytes a load (codegen.VECTOR_ELEMENTS)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Built:
     # argument -> the array the kernel reads there, made from constant inputs: a product's [K, N]
     # weight as an [N, K] copy (``NvrtcGroup._product_layout``), merged siblings' joined weights
     substitutes: dict[int, Derived] = field(default_factory=dict)
+    aligned: tuple[int, ...] = ()  # arguments read 16 bytes a load: their address must stay a multiple of 16
 
 
 def device_target(cp: Any) -> compiler.Target:
@@ -177,6 +180,9 @@ class NvrtcGroup(GroupStep):
             return spec, {}
         node = next(n for n in spec.nodes if n.op in codegen.PRODUCT_OPS)
         b = node.inputs[1]
+        if b is not None and b in self.in_flats and self.fixed(b):
+            # a constant weight: read before the kernel waits for the one before it
+            spec = dataclasses.replace(spec, params={**spec.params, "fixed_b": 1})
         if b is None or spec.values[b].numel <= codegen.MAX_PRODUCT_WEIGHTS:
             return spec, {}
         wb = spec.values[b]
@@ -193,7 +199,10 @@ class NvrtcGroup(GroupStep):
         outputs = spec.values[out].numel if out is not None else wb.numel // max(1, k_len)
         block = k_len > BLOCK_LANES_MIN_K and outputs <= BLOCK_LANES_MAX_OUTPUTS and wb.dtype != "float64"
         lanes = codegen.THREADS if block else codegen.WARP
-        return dataclasses.replace(spec, values=values, params={**spec.params, "lanes": lanes}), subs
+        params = {**spec.params, "lanes": lanes}
+        if b not in subs and int(local[b].data.ptr) % VECTOR_ALIGNMENT:
+            params.pop("fixed_b", None)  # a weight read as it is, at an address 16-byte loads cannot take
+        return dataclasses.replace(spec, values=values, params=params), subs
 
     def _merged(self, spec: codegen.GroupSpec, local: dict[int, Any]) -> tuple[codegen.Kernel, dict[int, Derived]]:
         """Merged siblings (``dsp::MergedMatMul``) as one kernel over their weights joined once into a
@@ -230,7 +239,7 @@ class NvrtcGroup(GroupStep):
         self.report.kernel = kernel.name
         self.report.cached = hit
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
-        return Built(function, kernel, shapes, self._baked(kernel, inputs, asked), subs)
+        return Built(function, kernel, shapes, self._baked(kernel, inputs, asked), subs, kernel.vector_args)
 
     def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
         cp = self.cp
@@ -245,7 +254,12 @@ class NvrtcGroup(GroupStep):
             by_flat[arg] = derived.array
         outs = {v: cp.empty(built.shapes[v][0], dtype=built.shapes[v][1]) for v in kernel.args[kernel.n_inputs :]}
         args = [by_flat[v] for v in kernel.args[: kernel.n_inputs]] + [outs[v] for v in kernel.args[kernel.n_inputs :]]
-        built.function((kernel.grid,), (kernel.threads,), tuple(args))
+        for v in built.aligned:
+            if v not in built.substitutes and int(by_flat[v].data.ptr) % VECTOR_ALIGNMENT:
+                raise CaptureFailed(
+                    f"fusion group {self.report.index}'s weight moved to an address its 16-byte loads cannot read"
+                )
+        launch(cp, built.function, kernel.grid, kernel.threads, args)
         return tuple(outs[o] for o in self.out_flats)
 
 
@@ -314,7 +328,7 @@ class NvrtcKVStore(GroupStep):
     def launch(self, built: BuiltStore, inputs: Sequence[Any]) -> tuple[Any, ...]:
         buffer = inputs[built.buffer]
         args = (inputs[built.update], inputs[built.position], buffer)
-        built.function((built.kernel.grid,), (built.kernel.threads,), args)
+        launch(self.cp, built.function, built.kernel.grid, built.kernel.threads, args)
         return (buffer,)
 
     def check(self, built: BuiltStore, inputs: Sequence[Any], want: tuple[Any, ...]) -> str | None:
@@ -394,6 +408,6 @@ class NvrtcGreedyPick(GroupStep):
         pos = cp.empty((rows, built.chunks), dtype=cp.int64)
         out = cp.empty((rows,), dtype=cp.int64)
         k1, k2 = built.kernels
-        built.first((k1.grid,), (k1.threads,), (x, keys, pos))
-        built.second((k2.grid,), (k2.threads,), (keys, pos, out))
+        launch(cp, built.first, k1.grid, k1.threads, (x, keys, pos))
+        launch(cp, built.second, k2.grid, k2.threads, (keys, pos, out))
         return (out.reshape(self.layout.shape(logits)),)
