@@ -276,6 +276,7 @@ def run_dsp(path: Path, feeds: dict[str, Any], steps: int, want: np.ndarray) -> 
     got = cp.asnumpy(out["out"]).astype(np.float32)
     result["max_abs_diff_vs_torch"] = float(np.abs(got - want).max())
     result["ms"] = median_ms(lambda: model.run(dev), steps, 3, sync)
+    result["kernels"] = _guard(lambda: kernels_of(lambda: model.run(dev)))
     runtime = model.dsp.runtime
     plan = runtime.plan
     result["phase"] = model.dsp.phase.name
@@ -303,8 +304,8 @@ def run_torch(module: Any, feeds: dict[str, Any], steps: int, no_compile: bool) 
     return result, want
 
 
-def _torch_graph(module: Any, args: tuple[Any, ...], steps: int) -> float:
-    """The forward captured by hand in a CUDA graph (static inputs), replayed."""
+def _torch_graph(module: Any, args: tuple[Any, ...], steps: int) -> dict[str, Any]:
+    """The forward captured by hand in a CUDA graph (static inputs), replayed: median ms and its kernels."""
     torch = _torch()
     static = tuple(a.clone() for a in args)
     stream = torch.cuda.Stream()
@@ -316,7 +317,8 @@ def _torch_graph(module: Any, args: tuple[Any, ...], steps: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         module(*static)
-    return median_ms(graph.replay, steps, 3, torch.cuda.synchronize)
+    ms = median_ms(graph.replay, steps, 3, torch.cuda.synchronize)
+    return {"ms": ms, "kernels": _guard(lambda: kernels_of(graph.replay))}
 
 
 def _torch_compile(module: Any, args: tuple[Any, ...], steps: int) -> dict[str, float]:
@@ -334,6 +336,40 @@ def _torch_compile(module: Any, args: tuple[Any, ...], steps: int) -> dict[str, 
         compiled(*args)
 
     return {"ms": median_ms(step, steps, 3, torch.cuda.synchronize), "compile_s": round(compile_s, 1)}
+
+
+PROFILED_CALLS = 5
+
+
+def kernels_of(fn: Callable[[], Any], calls: int = PROFILED_CALLS) -> dict[str, Any]:
+    """The CUDA kernels of ``calls`` calls of ``fn`` (torch.profiler's CUDA activity, which sees the
+    kernels inside replayed graphs), per call: count, summed µs, busy µs, the most expensive ones."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from decode_gpu import summarize_trace, torch_profiler
+
+    torch.cuda.synchronize()
+    prof = torch_profiler(True)
+    prof.start()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    summary = summarize_trace(events, calls, "kernel", top=12)
+    return {
+        "per_call": summary["per_token"],
+        "us_per_call": round(summary["us_per_token"], 1),
+        "busy_us_per_call": round(summary["busy_us_per_token"], 1),
+        "top_by_time": [
+            {"name": k["name"][:60], "per_call": k["per_token"], "us_per_call": round(k["us_per_token"], 1)}
+            for k in summary["every_kernel"][:15]
+        ],
+    }
 
 
 def _guard(fn: Callable[[], Any]) -> Any:
@@ -373,14 +409,23 @@ def _ms(value: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "model | dtype | batch | DSP ms | phase | gaps | torch eager | torch graph | torch.compile | max |diff|"
-    lines = [head, " | ".join("---" for _ in range(10))]
+    head = (
+        "model | dtype | batch | DSP ms | phase | gaps | torch eager | torch graph | torch.compile | max |diff| "
+        "| kernels/call DSP / torch graph"
+    )
+    lines = [head, " | ".join("---" for _ in range(11))]
     for r in rows:
         d = r.get("dsp", {})
         gaps = str(d.get("units", {}).get("gap", "-"))
         diff = f"{d['max_abs_diff_vs_torch']:.2e}" if "max_abs_diff_vs_torch" in d else "-"
         torch_cells = [_ms(r.get(k)) for k in ("torch_eager_ms", "torch_graph_ms", "torch_compile_ms")]
+        graph = r.get("torch_graph_ms")
+        counts = [
+            f"{k['per_call']:.0f}" if isinstance(k, dict) and "per_call" in k else "-"
+            for k in (d.get("kernels"), graph.get("kernels") if isinstance(graph, dict) else None)
+        ]
         cells = [r["model"], r["dtype"], str(r["batch"]), _ms(d), d.get("phase", "error"), gaps, *torch_cells, diff]
+        cells.append(" / ".join(counts))
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
