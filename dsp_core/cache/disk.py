@@ -470,6 +470,11 @@ def _owned_buffer(n: int) -> Buffer:
     return buf
 
 
+def _cores() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _read_exactly(f: io.FileIO, n: int) -> Buffer | None:
     """The next ``n`` bytes of ``f`` into memory this process owns; None if the file ends first.
 
@@ -479,8 +484,7 @@ def _read_exactly(f: io.FileIO, n: int) -> Buffer | None:
     buf = _owned_buffer(n)
     view = memoryview(buf)
     start = f.tell()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    parts = min(_READ_THREADS, cores, max(1, n // _PARALLEL_READ))
+    parts = min(_READ_THREADS, _cores(), max(1, n // _PARALLEL_READ))
     bounds = [n * i // parts for i in range(parts + 1)]
     outcome: list[bool | OSError] = [False] * parts  # True: read whole; False: the file ended; or the error
 
@@ -508,6 +512,94 @@ def _read_exactly(f: io.FileIO, n: int) -> Buffer | None:
             raise result
     f.seek(start + n)
     return buf if all(outcome) else None
+
+
+class WeightPrefetch:
+    """Weight files read ahead on background threads, each exactly as ``DiskCache.weight`` reads it.
+
+    ``DiskCache.prefetch(wanted)`` starts it: a few daemon threads take the wanted
+    ``(digest, nbytes)`` in order and call ``DiskCache.weight`` on each, so a weight gets
+    every check a read in the caller's thread gets (kind, size, header, the digest unless
+    its stamp vouches for the bytes, quarantine of a damaged file), into memory this
+    process owns. Meanwhile the caller does work that needs no weight's value (backend
+    discovery, parsing the plan). ``take(digest, nbytes)`` then hands over the outcome in
+    the caller's thread: the bytes, None (absent or damaged: quarantined as a read in the
+    caller's thread would have), or the exception the read raised, raised again here. A
+    weight no thread has started yet (or one after ``cancel``) is read by ``take`` itself.
+    """
+
+    _PENDING, _RUNNING, _DONE = 0, 1, 2
+
+    def __init__(self, cache: DiskCache, wanted: Sequence[tuple[str, int]], threads: int) -> None:
+        self._cache = cache
+        self._order = list(dict.fromkeys(wanted))  # each (digest, nbytes) once, in the caller's order
+        self._state = dict.fromkeys(self._order, self._PENDING)
+        self._outcome: dict[tuple[str, int], tuple[Buffer | None, BaseException | None]] = {}
+        self._done = threading.Condition()
+        self._next = 0  # the first job a worker may still find pending
+        self._workers = [
+            threading.Thread(target=self._work, name=f"dsp-weight-read-{i}", daemon=True)
+            for i in range(max(1, min(threads, len(self._order))))
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def _claim(self) -> tuple[str, int] | None:
+        with self._done:
+            while self._next < len(self._order):
+                job = self._order[self._next]
+                self._next += 1
+                if self._state.get(job) == self._PENDING:  # not taken by the caller meanwhile
+                    self._state[job] = self._RUNNING
+                    return job
+        return None
+
+    def _work(self) -> None:
+        while (job := self._claim()) is not None:
+            self._run(job)
+
+    def _run(self, job: tuple[str, int]) -> None:
+        try:
+            outcome: tuple[Buffer | None, BaseException | None] = (self._cache.weight(*job), None)
+        except BaseException as exc:  # noqa: BLE001  (carried to the caller's thread by take)
+            outcome = (None, exc)
+        with self._done:
+            self._outcome[job] = outcome
+            self._state[job] = self._DONE
+            self._done.notify_all()
+
+    def take(self, digest: str, nbytes: int) -> tuple[bool, Buffer | None]:
+        """(True, what ``DiskCache.weight`` returned) for a wanted weight, once; (False, None) for any other.
+
+        Waits for a weight a thread is reading; reads one no thread has started here, in
+        the caller's thread. An exception of the read is raised here, in the caller's thread.
+        """
+        job = (digest, nbytes)
+        with self._done:
+            state = self._state.get(job)
+            if state is None:
+                return False, None
+            if state == self._PENDING:
+                self._state[job] = self._RUNNING
+            else:
+                while self._state[job] != self._DONE:
+                    self._done.wait()
+        if state == self._PENDING:
+            self._run(job)
+        with self._done:
+            del self._state[job]  # taken once: a second take of it reads the file again, as before
+            data, error = self._outcome.pop(job)
+        if error is not None:
+            raise error
+        return True, data
+
+    def cancel(self) -> None:
+        """No new reads: the threads finish the one each is in, and ``take`` reads what is left itself."""
+        with self._done:
+            self._next = len(self._order)
 
 
 def _read_file(path: Path, limit: int) -> tuple[bytes, int] | None:
@@ -1010,6 +1102,21 @@ class DiskCache:
             if data is not None:
                 return data
         return None
+
+    def prefetch(self, wanted: Sequence[tuple[str, int]]) -> WeightPrefetch | None:
+        """Start reading the weights ``wanted`` ((digest, nbytes), in the order they will be asked for)
+        on background threads, each as ``weight`` reads it; None when there is nothing to read.
+
+        The caller takes each one with ``WeightPrefetch.take`` (in its own thread) and may do
+        other work meanwhile: reading from the page cache into fresh memory is mostly page
+        faults and copies, outside the GIL, and each weight file is checked as ``weight``
+        checks it.
+        """
+        if not self.enabled or self.force_recompile or not wanted:
+            return None
+        for digest, _ in wanted:
+            _check_key(digest)
+        return WeightPrefetch(self, wanted, min(_READ_THREADS, _cores()))
 
     def _read_weight(self, path: Path, nbytes: int | None, start: bool = False) -> Buffer | None:
         """The verified bytes of a weight file; None when absent; _BadFile when damaged.

@@ -50,6 +50,7 @@ import numpy as np
 
 from dsp_core import config, progress
 from dsp_core.backends.base import Registry
+from dsp_core.backends.discovery import discover
 from dsp_core.cache.memory import CacheStats
 from dsp_core.devices.execution import device_of, input_devices, on_device
 from dsp_core.errors import DSPError, InputError
@@ -740,7 +741,16 @@ class GenerationPipeline:
         installed, a strict failure: those are raised), rejects the entry.
         """
         with self.phase(f"load {kind} plan"):
-            got = self.store.get(kind, params)
+            fetched = self.store.fetch(kind, params)
+        if fetched is None:
+            return None
+        if self.registry is None:
+            # The plan's weights are being read on background threads meanwhile (PlanStore.fetch):
+            # discovering the backends needs none of them.
+            with self.phase("discover backends"):
+                self.registry = discover()
+        with self.phase(f"load {kind} plan"):
+            got = fetched.load()
         if got is None:
             return None
         info, plan = got

@@ -28,7 +28,10 @@ make a start faster, never wrong.
 
 Big constants are stored by digest (the same weight files as ``dsp.compile``'s), and
 every plan of one pipeline shares one in-memory copy of each: the weights are read from
-disk once per process.
+disk once per process. ``fetch`` starts reading an entry's weights on background threads
+(``DiskCache.prefetch``, every check of ``DiskCache.weight`` included) before its plan is
+decoded, so the pipeline discovers the backends meanwhile; ``Fetched.load`` decodes the
+plan, taking each weight in its own thread.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core import diag
-from dsp_core.cache.disk import DiskCache, source_digest
+from dsp_core.cache.disk import DiskCache, WeightPrefetch, source_digest
 from dsp_core.counters import Counters
 from dsp_core.plan import serialize
 from dsp_core.plan.plan import Plan
@@ -112,6 +115,22 @@ def decode(payload: bytes, kind: str, params: dict[str, Any]) -> tuple[dict[str,
     return info, payload[_HEAD.size + n :]
 
 
+@dataclass
+class Fetched:
+    """An entry read from the disk cache (``PlanStore.fetch``), its weights being read ahead until ``load``."""
+
+    store: PlanStore
+    kind: str
+    params: dict[str, Any]
+    info: dict[str, Any]
+    blob: bytes  # the DSP1 plan (empty for ``meta``)
+    prefetch: WeightPrefetch | None
+
+    def load(self) -> tuple[dict[str, Any], Plan | None] | None:
+        """(JSON info, plan), as ``PlanStore.get`` returns it: None when the plan is rejected."""
+        return self.store._load(self)
+
+
 class PlanStore:
     """The disk-cache entries of one pipeline's model (see the module doc); off when the model has no key."""
 
@@ -151,12 +170,17 @@ class PlanStore:
                 self._weights.setdefault(digest.hex(), array)
                 self._digests[id(array)] = (array, digest)
 
-    def _weight(self, digest: str, nbytes: int) -> Any:
-        """``serialize.loads``'s by_digest: a constant already in memory, else the cache's weight file."""
+    def _weight(self, digest: str, nbytes: int, prefetch: WeightPrefetch | None = None) -> Any:
+        """``serialize.loads``'s by_digest: a constant already in memory, else the cache's weight file
+        (read ahead by the entry's ``prefetch`` when it has one: see ``fetch``)."""
         array = self._weights.get(digest)
         if array is not None and array.nbytes == nbytes:
             self.stats.weights_shared += 1
             return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        if prefetch is not None:
+            taken, data = prefetch.take(digest, nbytes)
+            if taken:
+                return data
         return self.cache.weight(digest, nbytes)
 
     def _seed_digests(self, plan: Plan) -> None:
@@ -171,6 +195,18 @@ class PlanStore:
     # -- entries --------------------------------------------------------------------------
     def get(self, kind: str, params: dict[str, Any]) -> tuple[dict[str, Any], Plan | None] | None:
         """(JSON info, plan) of an entry, or None on a miss; a damaged or wrong entry is rejected and missed."""
+        fetched = self.fetch(kind, params)
+        return None if fetched is None else fetched.load()
+
+    def fetch(self, kind: str, params: dict[str, Any]) -> Fetched | None:
+        """An entry read from the cache, its plan not yet decoded, or None on a miss (or a rejected entry).
+
+        The weights its plan stores by reference and that no plan in memory holds are
+        being read on background threads (``DiskCache.prefetch``) until ``Fetched.load``
+        decodes the plan, so the caller can do other work meanwhile (the pipeline
+        discovers the backends). Each weight is checked as a read in the caller's thread
+        checks it, and what its read raised is raised in the thread that loads.
+        """
         if not self.enabled:
             self.stats.misses += 1
             return None
@@ -181,15 +217,38 @@ class PlanStore:
             return None
         try:
             info, blob = decode(payload, kind, params)
-            plan = serialize.loads(blob, by_digest=self._weight) if blob else None
         except Exception as exc:  # noqa: BLE001  (whatever an entry holds, it only costs a rebuild)
             self.reject(kind, params, exc)
             return None
+        prefetch = None
+        if blob:
+            wanted = [(d, n) for d, n in serialize.referenced_weights(blob) if not self._in_memory(d, n)]
+            prefetch = self.cache.prefetch(wanted)
+        return Fetched(self, kind, params, info, blob, prefetch)
+
+    def _in_memory(self, digest: str, nbytes: int) -> bool:
+        array = self._weights.get(digest)
+        return array is not None and array.nbytes == nbytes
+
+    def _load(self, fetched: Fetched) -> tuple[dict[str, Any], Plan | None] | None:
+        kind, params, prefetch = fetched.kind, fetched.params, fetched.prefetch
+
+        def weight(digest: str, nbytes: int) -> Any:
+            return self._weight(digest, nbytes, prefetch)
+
+        try:
+            plan = serialize.loads(fetched.blob, by_digest=weight) if fetched.blob else None
+        except Exception as exc:  # noqa: BLE001  (whatever an entry holds, it only costs a rebuild)
+            self.reject(kind, params, exc)
+            return None
+        finally:
+            if prefetch is not None:
+                prefetch.cancel()  # a plan that failed to decode reads no more of its weights
         if kind != "meta" and plan is None:
             self.reject(kind, params, EntryError(f"a {kind} entry without its plan"))
             return None
         self.share(plan)
-        return info, plan
+        return fetched.info, plan
 
     def hit(self) -> None:
         """Count an entry that was used (get's caller decides: its info may still fail a check)."""

@@ -1117,6 +1117,42 @@ def _read_header(data: bytes, verify_checksum: bool) -> _Reader:
     return payload
 
 
+def referenced_weights(data: bytes | bytearray | memoryview) -> list[tuple[str, int]]:
+    """The by-reference constants of a DSP1 plan's top-level record: (digest hex, byte length), in the
+    order ``loads`` asks its ``by_digest`` for them.
+
+    A hint for reading them ahead (``DiskCache.prefetch``): it checks nothing (no checksum,
+    no digest of the plan) and a malformed plan gives what was found before the fault, or
+    nothing; ``loads`` judges the plan. Constants of control-flow regions are not listed.
+    """
+    found: list[tuple[str, int]] = []
+    try:
+        payload = _read_header(bytes(data), verify_checksum=False)
+        for tag in (Section.HEAD, Section.OPS):
+            payload.section(tag)
+        externals = _read_externals(payload.section(Section.EXTERNALS))
+        for tag in (Section.VALUES, Section.SLOTS, Section.OUTPUTS, Section.RELEASE):
+            payload.section(tag)
+        r = payload.section(Section.CONSTANTS)
+        for _ in range(r.count("constant count", 5)):
+            ext = externals[r.u32("constant external index")]
+            store = r.u8("constant storage")
+            if store == _Store.INLINE:
+                r.take(r.u64("constant byte length"), "constant bytes")
+                continue
+            if store != _Store.REF:
+                break
+            digest = r.raw(_DIGEST, "constant digest")
+            dims = [d for d in ext.shape or () if type(d) is int]
+            if ext.dtype is None or ext.shape is None or len(dims) != len(ext.shape):
+                continue
+            size = int(np.prod(dims, dtype=np.int64)) * dtypes.to_numpy(ext.dtype).itemsize
+            found.append((digest.hex(), size))
+    except Exception:  # noqa: BLE001  (a hint only: loads reports what is wrong with the plan)
+        pass
+    return found
+
+
 def loads(
     data: bytes,
     *,
