@@ -132,7 +132,8 @@ def test_plan_explain_shows_each_groups_chain_ending_at_the_winners_kernel() -> 
     groups = [g for seg in grouped.explain()["segments"] for g in seg["fusion"]["groups"]]
     verdicts = {g["template"]: g["chain"][-1]["verdict"] for g in groups}
     assert verdicts["row_reduction"] == "one generated kernel"
-    assert verdicts["matmul"].startswith("its slots' own kernels (a matmul group runs alone")
+    assert verdicts["decode_attention"] == "one generated kernel"  # the attention's products are in it
+    assert verdicts["copy"].startswith("its slots' own kernels (Transpose+Reshape only: views")
     assert all(g["chain"][-1]["backend"] == "slot_by_slot" for g in groups)
 
 
@@ -255,6 +256,47 @@ def test_a_scaled_masked_softmax_is_one_row_kernel(dtype: str) -> None:
     np.testing.assert_allclose(
         got.astype(np.float64), _softmax_want(x, mask), atol=2e-3 if dtype == "float16" else 1e-6
     )
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("width", [768, 2048, 2049 + codegen.ROW_CACHE_STEPS * codegen.THREADS])
+def test_a_residual_norm_reads_its_row_once_into_registers(width: int) -> None:
+    """RMSNorm of a residual sum as exported (Add, Pow, ReduceMean, Add eps, Sqrt, Reciprocal, Mul,
+    Mul by the weight), its sum also stored: a row of at most ROW_CACHE_STEPS elements a thread is
+    loaded once, by the first loop (each input at the row's index into registers the later loops
+    read); a longer row is looped over as before; both equal numpy's."""
+    n = codegen.NodeSpec
+    rows = 2
+    shape = (rows, width)
+    nodes = [
+        n("Add", (1, 2), (3,)),
+        n("Pow", (3, 10), (4,)),
+        n("ReduceMean", (4,), (5,), {"axes": [-1], "keepdims": 1}),
+        n("Add", (5, 11), (6,)),
+        n("Sqrt", (6,), (7,)),
+        n("Reciprocal", (7,), (8,)),
+        n("Mul", (3, 8), (9,)),
+        n("Mul", (9, 12), (13,)),
+    ]
+    f32 = "float32"
+    values = {1: (shape, f32), 2: (shape, f32), 3: (shape, f32), 4: (shape, f32), 5: ((rows, 1), f32)}
+    values |= {6: ((rows, 1), f32), 7: ((rows, 1), f32), 8: ((rows, 1), f32), 9: (shape, f32), 13: (shape, f32)}
+    values |= {10: ((), f32), 11: ((), f32), 12: ((width,), f32)}
+    consts = {10: np.array(2.0, np.float32), 11: np.array(1e-6, np.float32)}
+    spec = _spec("row_reduction", nodes, values, [1, 2, 10, 11, 12], [3, 13], lambda v: consts.get(v))
+    kernel = codegen.generate(spec)
+    cached = width <= codegen.ROW_CACHE_STEPS * codegen.THREADS
+    loads = [line for line in kernel.source.split("\n") if re.search(r"\bin[01]\[", line)]
+    assert len(loads) == (2 if cached else 4), kernel.source  # x and the residual: once each, or per loop
+    if NVRTC_MISSING is None:
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    rng = np.random.default_rng(width)
+    x, res, w = (rng.standard_normal(sh).astype(np.float32) for sh in (shape, shape, (width,)))
+    got = hostcheck.run_on_host(kernel, spec, {1: x, 2: res, 12: w})
+    h = x.astype(np.float64) + res
+    want = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(got[3], h, rtol=1e-6)
+    np.testing.assert_allclose(got[13], want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
@@ -978,3 +1020,251 @@ def test_the_pick_layout_reduces_the_last_axis_of_device_arrays_only() -> None:
     assert argmax.takes(Device(logits)) and argmax.rows(Device(logits)).shape == (6, 4)
     assert argmax.shape(logits) == (2, 3)
     assert not PickLayout(sample=False, axis=1).takes(Device(logits))  # not the last axis
+
+
+# -- decode attention (T4): one block per (batch, head) ---------------------------------------
+def _attention_graphs() -> Any:
+    """tests/triton_interp/attention_graphs.py: the exporters' decode-attention chain, GQA 1, 3, 4."""
+    folder = str(Path(__file__).parent / "triton_interp")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import attention_graphs
+
+    return attention_graphs
+
+
+ATTENTION_CASES = _attention_graphs().CASES
+
+
+def _attention_model(case: tuple[int, ...], dtype: str = "float32") -> tuple[dsp.CompiledModel, dict[str, Any]]:
+    ag = _attention_graphs()
+    heads, kv, length, valid, dim = case
+    model = ag.model(heads, kv, length, dim, "slot_by_slot", dtype)
+    feeds = ag.feeds(heads, kv, length, valid, dim, dtype)
+    model.run(feeds)
+    return model, feeds
+
+
+def _one_attention_group_per_layer(plan: Any, groups: list[Any], layers: int) -> list[Any]:
+    from dsp_nvrtc.segment import unfused_reason
+
+    attention = [g for g in groups if g.template == "decode_attention"]
+    assert len(attention) == layers, [(g.template, [plan.slots[s].op for s in g.slots]) for g in groups]
+    for g in attention:
+        ops = [plan.slots[s].op for s in g.slots]
+        assert ops.count("MatMul") == 2 and ops.count("Softmax") == 1, ops
+        assert unfused_reason(plan, g) is None
+        assert len(g.outputs) == 1  # only the weighted sum leaves the kernel
+    assert not [g for g in groups if g.template == "scores"]
+    softmax = [g for g in groups if "Softmax" in {plan.slots[s].op for s in g.slots}]
+    assert all(g.template == "decode_attention" for g in softmax)
+    return attention
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_decode_attention_is_one_group_reading_k_and_v_through_their_index_arithmetic(case: tuple[int, ...]) -> None:
+    model, _ = _attention_model(case)
+    plan = model.plan()
+    assert plan is not None
+    groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy()).groups
+    (g,) = _one_attention_group_per_layer(plan, groups, 1)
+    ops = [plan.slots[s].op for s in g.slots]
+    gqa = case[0] != case[1]
+    assert ops.count("Expand") == (2 if gqa else 0) and ops.count("Transpose") == 1, ops  # no K/V copies
+    assert ops.count("Cast") == 1
+
+
+def _decode_plan(name: str, source: str) -> Any:
+    if source == "pipeline":
+        from dsp_core.llm import GenerationPipeline
+
+        pipe = GenerationPipeline(str(FIXTURES / f"{name}.onnx"), mode="slot_by_slot")
+        pipe.generate(np.array([[1, 2, 3]], np.int64), max_new_tokens=3)
+        return pipe.decode_model.plan()
+    model = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    model.run(_feeds(name, model))  # the golden step 1: one new token over the past
+    return model.plan()
+
+
+@pytest.mark.parametrize("source", ["fixture", "pipeline"])
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
+def test_the_decoders_attention_is_one_decode_attention_group_per_layer(name: str, source: str) -> None:
+    plan = _decode_plan(name, source)
+    assert plan is not None
+    groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy()).groups
+    _one_attention_group_per_layer(plan, groups, 2)  # the 2-layer fixtures
+
+
+def _softmax_graph(weight_constant: bool = False, axis: int = -1, scores_out: bool = False, rows: int = 1) -> Any:
+    rng = np.random.default_rng(0)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float32", [1, 4, rows, 16])
+    k = g.constant(rng.standard_normal((16, 32)).astype(np.float32)) if weight_constant else None
+    scores = g.MatMul(x, k if k is not None else g.placeholder("k", "float32", [1, 4, 16, 32]))
+    probs = g.Softmax(scores, axis=axis)
+    g.output(g.MatMul(probs, g.placeholder("v", "float32", [1, 4, 32, 8])), "y")
+    if scores_out:
+        g.output(scores, "scores")
+    return g.build()
+
+
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        ({"weight_constant": True}, "a product by a constant weight is a projection, not attention"),
+        ({"axis": 1}, "a softmax over another axis"),
+        ({"scores_out": True}, "scores read outside the group"),
+        ({"rows": 5}, "five query rows: the products stay on cuBLAS"),
+    ],
+)
+def test_what_is_not_decode_attention_groups_as_before(kw: dict[str, Any], why: str, tmp_path: Path) -> None:
+    import onnx
+
+    from dsp_core.ir.onnx_export import to_onnx
+
+    path = tmp_path / "m.onnx"
+    onnx.save(to_onnx(_softmax_graph(**kw)), str(path))
+    model = dsp.compile(path, mode="slot_by_slot")
+    rng = np.random.default_rng(1)
+    shapes = {"x": (1, 4, kw.get("rows", 1), 16), "k": (1, 4, 16, 32), "v": (1, 4, 32, 8)}
+    model.run({n: rng.standard_normal(shapes[n]).astype(np.float32) for n in model.input_names})
+    plan = model.plan()
+    assert plan is not None
+    groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy()).groups
+    assert not [g for g in groups if g.template == "decode_attention"], why
+    assert not [g for g in groups if g.template == "scores"], why  # no scores group left over
+    products = [g for g in groups if any(plan.slots[s].op == "MatMul" for s in g.slots)]
+    assert len(products) == 2 and all(g.template in ("matmul", "product") and len(g.slots) == 1 for g in products)
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_the_decode_attention_kernel_compiles_for_sm90_and_matches_the_reference_on_the_host(
+    case: tuple[int, ...], dtype: str
+) -> None:
+    """GQA ratios 1, 3, 4; valid lengths 1, 255, 257, L-1 and L of the KV buffer (the rest masked)."""
+    model, feeds = _attention_model(case, dtype)
+    results = hostcheck.check_model(model, feeds)
+    assert not [r for r in results if r.status not in ("ok", "unsupported")], results
+    assert [r.status for r in results if r.template == "decode_attention"] == ["ok"], results
+    specs = hostcheck.group_specs(model, feeds)
+    found = [(spec, values) for _, g, spec, values in specs if g.template == "decode_attention"]
+    assert len(found) == 1
+    spec, values = found[0]
+    kernel = codegen.generate(spec)
+    heads = case[0]
+    assert kernel.name.startswith("dsp_attn_") and kernel.grid == heads and kernel.threads == codegen.ATTENTION_THREADS
+    assert kernel.source.count("out0[") == 1 and "Expand" not in kernel.source  # stores only the weighted sum
+    assert "DSP_WAIT();" in kernel.source and "__syncthreads();" in kernel.source
+    compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    got = hostcheck.run_on_host(kernel, spec, {v: np.asarray(values[v]) for v in kernel.args[: kernel.n_inputs]})
+    (out,) = spec.outputs
+    want = np.asarray(values[out]).astype(np.float64)
+    tol = 2e-2 if dtype == "float16" else 1e-5
+    np.testing.assert_allclose(got[out].astype(np.float64), want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+def _attention_spec(dtype: str, rows: int = 1, length: int = 300, heads: int = 4, dim: int = 16) -> codegen.GroupSpec:
+    """Transpose(K), q.Kt, x 0.25, + mask, Softmax, Cast, @ V over [1, heads, length, dim] caches."""
+    n = codegen.NodeSpec
+    nodes = [
+        n("Transpose", (2,), (3,), {"perm": [0, 1, 3, 2]}),
+        n("MatMul", (1, 3), (4,)),
+        n("Mul", (4, 10), (5,)),
+        n("Add", (5, 11), (6,)),
+        n("Softmax", (6,), (7,), {"axis": -1}, opset=13),
+        n("Cast", (7,), (8,), {"to": 1}),
+        n("MatMul", (8, 9), (12,)),
+    ]
+    q, kv, s = (1, heads, rows, dim), (1, heads, length, dim), (1, heads, rows, length)
+    values = {1: (q, dtype), 2: (kv, dtype), 3: ((1, heads, dim, length), dtype), 4: (s, dtype), 5: (s, dtype)}
+    values |= {6: (s, dtype), 7: (s, dtype), 8: (s, "float32"), 9: (kv, "float32"), 10: ((), dtype)}
+    values |= {11: ((1, 1, 1, length), dtype), 12: ((1, heads, rows, dim), "float32")}
+    scale = np.asarray(0.25, dtype if dtype != "bfloat16" else "float32")
+    return _spec("decode_attention", nodes, values, [1, 2, 9, 10, 11], [12], lambda v: scale if v == 10 else None)
+
+
+def _attention_inputs(spec: codegen.GroupSpec, valid: int) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(7)
+    arrays = {}
+    for v in (1, 2, 9):
+        tv = spec.values[v]
+        arrays[v] = rng.standard_normal(tv.shape).astype(hostcheck._np_dtype(tv.dtype))
+    mask = np.zeros(spec.values[11].shape, np.float32)
+    mask[..., valid:] = -np.inf
+    arrays[11] = mask.astype(hostcheck._np_dtype(spec.values[11].dtype))
+    return arrays
+
+
+def _attention_want(spec: codegen.GroupSpec, x: dict[int, np.ndarray]) -> np.ndarray:
+    """The reference's chain in numpy, rounded to the dtype after every op as the reference rounds."""
+    dt = hostcheck._np_dtype(spec.values[1].dtype)
+
+    def r(a: np.ndarray) -> np.ndarray:
+        return a.astype(dt).astype(np.float64)
+
+    f = {k: a.astype(np.float64) for k, a in x.items()}
+    s = r(r(r(f[1] @ f[2].transpose(0, 1, 3, 2)) * 0.25) + f[11])
+    e = np.exp(s - s.max(-1, keepdims=True))
+    p = r(e / e.sum(-1, keepdims=True)).astype(np.float32).astype(np.float64)
+    return p @ f[9]
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("valid", [1, 299, 300])
+def test_decode_attention_in_every_half_dtype_matches_numpy_on_the_host(dtype: str, valid: int) -> None:
+    spec = _attention_spec(dtype)
+    kernel = codegen.generate(spec)
+    assert kernel.template == "decode_attention" and kernel.grid == 4
+    assert "0.25f" in kernel.source  # the scale: a literal
+    compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    x = _attention_inputs(spec, valid)
+    got = hostcheck.run_on_host(kernel, spec, {v: x[v] for v in kernel.args[: kernel.n_inputs]})[12]
+    want = _attention_want(spec, x)
+    tol = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}[dtype]
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_a_prompts_attention_is_cublas_products_around_one_softmax_kernel() -> None:
+    """Query rows the one-block kernel declines (a prompt): the products on their reference steps,
+    the scale, mask, softmax and cast between them one generated row kernel."""
+    spec = _attention_spec("float16", rows=5)
+    with pytest.raises(codegen.Unsupported, match="5 query rows"):
+        codegen.generate(spec)
+    head, part, tail = codegen.attention_parts(spec)
+    assert (head, tail) == ([0, 1], [6]) and [nd.op for nd in part.nodes] == ["Mul", "Add", "Softmax", "Cast"]
+    kernel = codegen.generate(part)
+    assert kernel.template == "row_reduction" and kernel.args == (4, 11, 8)
+    x = _attention_inputs(spec, 200)
+    scores = (x[1].astype(np.float32) @ x[2].astype(np.float32).transpose(0, 1, 3, 2)).astype(np.float16)
+    probs = hostcheck.run_on_host(kernel, part, {4: scores, 11: x[11]})[8]
+    want = _attention_want(spec, x)
+    np.testing.assert_allclose(probs.astype(np.float64) @ x[9].astype(np.float64), want, rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
+def test_a_prompts_attention_softmax_part_matches_the_reference_on_the_host(name: str) -> None:
+    model = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    results = hostcheck.check_model(model, {n: golden["step0." + n] for n in model.input_names})
+    attention = [r for r in results if r.template == "decode_attention"]
+    assert len(attention) == 2 and all(r.status == "ok" and r.kernel.startswith("dsp_row_") for r in attention), results
+
+
+def test_the_decode_attention_kernel_says_what_it_declines() -> None:
+    with pytest.raises(codegen.Unsupported, match="KV positions"):
+        codegen.generate(_attention_spec("float16", length=codegen.MAX_ATTENTION_POSITIONS + 1))
+    with pytest.raises(codegen.Unsupported, match="head dims"):
+        codegen.generate(_attention_spec("float16", dim=codegen.MAX_ATTENTION_DIM + 8))
+    with pytest.raises(codegen.Unsupported, match="attention over float64"):
+        codegen.generate(_attention_spec("float64"))
+    spec = _attention_spec("float32")
+    relu = codegen.NodeSpec("Relu", (7,), (13,))  # between the softmax and the weighted sum
+    nodes = [*spec.nodes[:5], relu, codegen.NodeSpec("MatMul", (13, 9), (12,))]
+    values = {**spec.values, 13: codegen.TensorSpec(spec.values[7].shape, "float32")}
+    with pytest.raises(codegen.Unsupported, match="ops other than casts"):
+        codegen.generate(dataclasses.replace(spec, nodes=nodes, values=values))

@@ -216,3 +216,58 @@ def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if node.inputs[0] is None or None in weights or None in biases or None in node.outputs:
         raise Unsupported("a merged product with a missing operand")
     return tuple(w for w in weights if w is not None), tuple(c for c in biases if c is not None)
+
+
+# -- decode attention groups (both generators' T4) ----------------------------------------------
+def attention_nodes(spec: GroupSpec) -> tuple[NodeSpec, NodeSpec, NodeSpec]:
+    """The scores product, the Softmax and the weighted-sum product of an attention group."""
+    products = [n for n in spec.nodes if n.op == "MatMul" and n.domain in ("", "ai.onnx")]
+    softmax = [n for n in spec.nodes if n.op == "Softmax"]
+    if len(products) != 2 or len(softmax) != 1:
+        raise Unsupported(f"an attention group of {len(products)} products and {len(softmax)} softmaxes (parts)")
+    p1, sm, p2 = products[0], softmax[0], products[1]
+    if not spec.nodes.index(p1) < spec.nodes.index(sm) < spec.nodes.index(p2):
+        raise Unsupported("an attention group whose products and softmax are out of order")
+    return p1, sm, p2
+
+
+@dataclass(frozen=True)
+class AttentionValues:
+    """The values an attention group's kernel reads and makes: q, K and the scores of the first
+    product; the softmax's input (after the scale and mask) and its probabilities; the weighted
+    sum's first operand (the probabilities after any casts), V and the output."""
+
+    q: int
+    k: int
+    scores: int
+    x_in: int
+    probs: int
+    a: int
+    v: int
+    out: int
+
+
+def attention_values(spec: GroupSpec) -> tuple[NodeSpec, NodeSpec, NodeSpec, AttentionValues]:
+    """``attention_nodes`` and the values they connect, or Unsupported where an operand is missing."""
+    p1, sm, p2 = attention_nodes(spec)
+    got = (p1.inputs[0], p1.inputs[1], p1.outputs[0], sm.inputs[0], sm.outputs[0], p2.inputs[0], p2.inputs[1])
+    out = p2.outputs[0] if p2.outputs else None
+    if any(x is None for x in got) or out is None or len(p1.inputs) < 2 or len(p2.inputs) < 2:
+        raise Unsupported("an attention group with a missing operand")
+    q, k, scores, x_in, probs, a, v = (int(x) for x in got if x is not None)
+    return p1, sm, p2, AttentionValues(q, k, scores, x_in, probs, a, v, out)
+
+
+def value_side(nodes: Sequence[NodeSpec], weighted_sum: NodeSpec) -> set[int]:
+    """Indexes into ``nodes`` of the ops that make the weighted sum's second operand (V's index
+    arithmetic: GQA's expand, a transpose), up to a Softmax or a product."""
+    producer = {v: j for j, n in enumerate(nodes) for v in n.outputs if v is not None}
+    side: set[int] = set()
+    stack = [weighted_sum.inputs[1] if len(weighted_sum.inputs) > 1 else None]
+    while stack:
+        r = stack.pop()
+        j = producer.get(r) if r is not None else None
+        if j is not None and j not in side and nodes[j].op not in ("Softmax", "MatMul"):
+            side.add(j)
+            stack.extend(nodes[j].inputs)
+    return side

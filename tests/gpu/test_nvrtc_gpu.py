@@ -307,3 +307,47 @@ def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() 
     assert model.dsp.phase is PlanPhase.REPLAYING
     products = [r for r in _reports(model) if r["template"] == "product"]
     assert len(products) == 48 and all(r["status"] == "fused" for r in products), products
+
+
+# -- decode attention (T4) ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str) -> None:
+    """GQA ratios 1, 3, 4, valid lengths 1, 255, 257, L-1, L (the rest masked): one block per head
+    reading K and V through the group's index arithmetic; captured, replaying."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triton_interp"))
+    import attention_graphs as ag
+
+    tol = _tolerance("nvrtc_jit")
+    for heads, kv, length, valid, dim in ag.CASES:
+        feeds = ag.feeds(heads, kv, length, valid, dim, dtype)
+        want = ag.model(heads, kv, length, dim, "slot_by_slot", dtype).run(feeds)
+        model = ag.model(heads, kv, length, dim, "nvrtc_jit", dtype, strict=True)
+        for i in range(8):  # eager, freeze, warm (compiled and checked), capture, replays
+            _close(model.run(feeds), want, tol, f"attention {heads}/{kv} L{length} valid {valid} {dtype} run {i}")
+        assert model.dsp.phase is PlanPhase.REPLAYING
+        groups = [r for r in _reports(model) if r["template"] == "decode_attention"]
+        assert len(groups) == 1 and groups[0]["status"] == "fused", groups
+        assert groups[0]["kernel"].startswith("dsp_attn_"), groups
+
+
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
+def test_a_prompts_attention_runs_as_parts_and_the_decode_steps_as_one_kernel(name: str) -> None:
+    """The fixture's step 0 (the prompt's rows: products on cuBLAS, the softmax between them one
+    generated kernel) and step 1 (one decode token: one attention kernel per layer), both as the
+    reference gives them."""
+    ref = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    tol = _tolerance("nvrtc_jit")
+    for step in (0, 1):
+        model = dsp.compile(FIXTURES / f"{name}.onnx", mode="nvrtc_jit", strict=True)
+        feeds = {n: v for n, v in _feeds(name, step).items() if n in model.input_names}
+        want = ref.run(feeds)
+        for i in range(8):
+            _close(model.run(feeds), want, tol, f"{name} step {step} run {i}")
+        assert model.dsp.phase is PlanPhase.REPLAYING
+        groups = [r for r in _reports(model) if r["template"] == "decode_attention"]
+        assert len(groups) == 2 and all(r["status"] == "fused" for r in groups), groups
+        rows = int(feeds["input_ids"].shape[-1]) if "input_ids" in feeds else 1
+        prefix = "dsp_attn_" if rows == 1 else "dsp_row_"
+        assert all(r["kernel"].startswith(prefix) for r in groups), (step, groups)

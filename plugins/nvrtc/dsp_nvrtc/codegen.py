@@ -26,7 +26,9 @@ Templates (docs/fusion.md):
 - ``row_reduction`` (T2): one block per row of the reduction's input; each reduction stage
   is a loop of the block's threads over the row (fp32 accumulation, a warp-shuffle block
   reduction), then the row-space outputs are stored by a last loop and the outer-space
-  outputs (a mean, a max) by thread 0.
+  outputs (a mean, a max) by thread 0;
+- ``decode_attention`` (T4): one block per (batch, head) of a decode step's attention, the
+  scores and probabilities in shared memory (``_attention_template``).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: c
     INDEX_OPS,
     ORDERED_KEY_BITS,
     ROW_VALUED_OPS,
+    attention_values,
     gather_nd_layout,
     pick_rows,
     row_major,
+    value_side,
 )
 from dsp_core.plan.kernelspec import MERGED_B as MERGED_B
 from dsp_core.plan.kernelspec import MERGED_C as MERGED_C
@@ -54,6 +58,7 @@ from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
 from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
+from dsp_core.plan.kernelspec import attention_nodes as attention_nodes
 from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
 # numpy dtype -> (C storage type, C compute type)
@@ -76,6 +81,8 @@ FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 HALF = frozenset({"float16", "bfloat16"})
 MAX_ROW = 1 << 20  # rows are looped over, not held in registers: the limit only bounds a block's work
 THREADS = 256  # threads per block, both templates
+ROW_CACHE_STEPS = 8  # a row of at most this many elements a thread is read once, into registers
+ATTENTION_THREADS = 512  # threads of a decode-attention block (one block per head: its latency is the kernel's)
 WARP = 32  # lanes of a warp product's output
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 
@@ -118,6 +125,8 @@ __device__ __forceinline__ double dsp_warp_sum(double v) {
 #else
 #define DSP_WAIT()
 #endif
+// A row loop's steps: the row's elements per thread (a block's threads share the row)
+#define DSP_STEPS(steps, n) (steps)
 // 16 bytes of a constant weight, one vector load (its address is a multiple of 16)
 struct alignas(16) dsp_v16 { unsigned int w[4]; };
 __device__ __forceinline__ float dsp_u2f(unsigned int u) { return __uint_as_float(u); }
@@ -204,6 +213,8 @@ static inline unsigned short dsp_f2bf(float f) {
 // One lane a product's output: its own sum is the warp's (or the block's).
 #define DSP_LANES(n) 1
 #define DSP_WAIT()
+#define __syncthreads()  // one thread a block: nothing to wait for
+#define DSP_STEPS(steps, n) (n)  // one thread walks the whole row
 struct alignas(16) dsp_v16 { unsigned int w[4]; };
 static inline float dsp_u2f(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float dsp_warp_sum(float v) { return v; }
@@ -295,6 +306,11 @@ class _Gen:
         self.row_idx: Idx | None = None
         self.scalars: dict[int, str] = {}  # row template: per-row values (a mean, a max), top-level names
         self.row_recipes: dict[int, Callable[[Idx], str]] = {}  # Softmax/LayerNorm outputs at an index
+        # row template, rows of at most ROW_CACHE_STEPS elements a thread: each input read at the
+        # row's own index is loaded once, by the first loop over the row, into registers
+        # (``row_cache``: input -> its array) that the later loops read
+        self.row_steps = 0
+        self.row_cache: dict[int, str] = {}
         # product template, ``spec.params["lanes"]`` (a warp's 32, or a block's THREADS) per output:
         # they split K, then sum (0: one thread per output)
         self.lanes = int(spec.params.get("lanes", 0)) if spec.template == "product" else 0
@@ -306,6 +322,9 @@ class _Gen:
         self.constant_inputs: set[int] = set()
         self.vector_args: list[int] = []
         self.waited = False
+        # values held in a named local at one index (decode attention's scores and probabilities):
+        # value -> (the index's non-1 dims, the name)
+        self.pinned: dict[int, tuple[tuple[str, ...], str]] = {}
 
     def wait(self) -> None:
         """``DSP_WAIT()`` once, in the kernel's top scope, before the first statement that touches
@@ -313,11 +332,16 @@ class _Gen:
         a store). Appended to the top scope now: ahead of the nested block being generated."""
         if not self.waited:
             self.waited = True
-            lines = self.top.lines
-            at = len(lines)
-            while at and lines[at - 1].lstrip().startswith("#pragma"):  # a pragma stays with its loop
-                at -= 1
-            lines.insert(at, f"{self.top.indent}DSP_WAIT();")
+            self.top_line("DSP_WAIT();")
+
+    def top_line(self, text: str) -> None:
+        """``text`` appended to the kernel's top scope now (ahead of the nested block being generated),
+        before any ``#pragma`` that ends it: a pragma stays with its loop."""
+        lines = self.top.lines
+        at = len(lines)
+        while at and lines[at - 1].lstrip().startswith("#pragma"):
+            at -= 1
+        lines.insert(at, f"{self.top.indent}{text}")
 
     # -- lines ----------------------------------------------------------------------------
     def let(self, expr: str, ctype: str = "long long", prefix: str = "t") -> str:
@@ -404,6 +428,11 @@ class _Gen:
         """The name (or literal) of value ``v`` at ``idx`` in the current scope, in its compute type."""
         if v in self.scalars:
             return self._scalar_at(v, idx)
+        pin = self.pinned.get(v)
+        if pin is not None:
+            if _kept(self.spec.values[v].shape, idx) != pin[0]:
+                raise Unsupported(f"value {v} read at another index than the one the kernel holds it at")
+            return pin[1]
         key = (v, idx.dims)
         got = self.scope.memo.get(key)
         if got is None:
@@ -418,11 +447,39 @@ class _Gen:
             return literal
         if v not in self.args:
             self.args.append(v)
+        in_row = self.row_steps and self.row_idx is not None and idx.dims == self.row_idx.dims
+        if in_row and v in self.row_cache:
+            return f"{self.row_cache[v]}[r]"
         off = self.flatten(idx, spec.shape, spec.strides)
         if v not in self.constant_inputs:
             self.wait()
         raw = f"in{self.args.index(v)}[{off}]"
-        return self.let(_from_storage(raw, spec.dtype), self.ctype(v), "x")
+        x = self.let(_from_storage(raw, spec.dtype), self.ctype(v), "x")
+        if in_row and self.scope is not self.top:  # the first loop over the row: keep it
+            assert self.row is not None
+            name = f"rc{self.count}"
+            self.count += 1
+            self.top_line(f"{self.ctype(v)} {name}[DSP_STEPS({self.row_steps}, {self.row[-1]})];")
+            self.line(f"{name}[r] = {x};")
+            self.row_cache[v] = name
+        return x
+
+    @contextmanager
+    def row_loop(self) -> Iterator[None]:
+        """A loop of the block's threads over the row, element ``j``: for rows a thread holds in
+        registers, ``row_steps`` unrolled steps ``r`` (``j = threadIdx.x + r * blockDim.x``, the
+        same in every loop, so the registers of step ``r`` hold element ``j``), else a plain loop."""
+        assert self.row is not None
+        n = self.row[-1]
+        if not self.row_steps:
+            with self.block(f"for (long long j = threadIdx.x; j < {n}; j += blockDim.x)"):
+                yield
+            return
+        self.line("#pragma unroll")
+        with self.block(f"for (int r = 0; r < DSP_STEPS({self.row_steps}, {n}); ++r)"):
+            self.line("const long long j = threadIdx.x + (long long)r * blockDim.x;")
+            self.line(f"if (j >= {n}) break;")
+            yield
 
     def _literal(self, v: int) -> str | None:
         """A one-element constant input as a literal of its dtype (no parameter, no load)."""
@@ -784,8 +841,7 @@ class _Gen:
         self.count += 1
         neutral = {0: "0.f", 1: "-DSP_INF", 2: "DSP_INF"}[op]
         self.line(f"float {acc} = {neutral};")
-        n = self.row[-1] if self.row else 0
-        with self.block(f"for (long long j = threadIdx.x; j < {n}; j += blockDim.x)"):
+        with self.row_loop():
             x = body()
             step = {0: f"{acc} += {x};", 1: f"{acc} = fmaxf({acc}, {x});", 2: f"{acc} = fminf({acc}, {x});"}[op]
             self.line(step)
@@ -990,6 +1046,9 @@ _OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "
 INJECTIVE_OPS = INDEX_OPS
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
+ATTENTION_DTYPES = frozenset({"float16", "bfloat16", "float32"})  # operands of decode attention (T4)
+MAX_ATTENTION_POSITIONS = 8192  # KV positions of one decode attention: their scores in shared memory (32 KB)
+MAX_ATTENTION_DIM = 256  # head dims of q, K and V one decode-attention block takes
 VECTOR_ELEMENTS = {"float16": 8, "bfloat16": 8, "float32": 4}  # a 16-byte load of a constant weight
 PRELOAD_VECTORS = 16  # of them, per lane, read before the kernel waits (64 registers at most)
 MAX_PRODUCT_WEIGHTS = (
@@ -1029,9 +1088,12 @@ def generate(spec: GroupSpec) -> Kernel:
         stores, grid = _row_template(gen, spec)
     elif spec.template in ("pointwise", "copy", "product"):
         stores, grid = _pointwise_template(gen, spec)
+    elif spec.template == "decode_attention":
+        stores, grid = _attention_template(gen, spec)
     else:
         raise Unsupported(f"no CUDA C template for a {spec.template} group")
     gen.wait()  # a kernel that stored nothing before this point still waits (once, here)
+    threads = ATTENTION_THREADS if spec.template == "decode_attention" else THREADS
     body = gen.top.lines
     if len(body) > MAX_SOURCE_LINES:
         raise Unsupported(f"the kernel would have {len(body)} lines")
@@ -1040,18 +1102,20 @@ def generate(spec: GroupSpec) -> Kernel:
     source = "\n".join(
         [
             _HELPERS,
-            f'extern "C" __global__ void __launch_bounds__({THREADS}) KERNEL({", ".join(params)}) {{',
+            f'extern "C" __global__ void __launch_bounds__({threads}) KERNEL({", ".join(params)}) {{',
             *body,
             "}",
             "",
         ]
     )
     tag = hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
-    prefix = {"row_reduction": "row", "copy": "cp", "product": "mm"}.get(spec.template, "pw")
+    prefix = {"row_reduction": "row", "copy": "cp", "product": "mm", "decode_attention": "attn"}.get(
+        spec.template, "pw"
+    )
     name = f"dsp_{prefix}_{tag}"
     source = source.replace(" KERNEL(", f" {name}(", 1)
     args = (*gen.args, *(v for v, _ in stores))
-    return Kernel(source, name, tuple(args), len(gen.args), grid, THREADS, spec.template, tuple(gen.vector_args))
+    return Kernel(source, name, tuple(args), len(gen.args), grid, threads, spec.template, tuple(gen.vector_args))
 
 
 def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
@@ -1103,6 +1167,8 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
     if not row or row[-1] > MAX_ROW or row[-1] == 0:
         raise Unsupported(f"a row of {row[-1] if row else 0} elements (the template takes 1 to {MAX_ROW})")
     gen.row = row
+    if row[-1] <= ROW_CACHE_STEPS * THREADS:
+        gen.row_steps = -(-row[-1] // THREADS)
     n_rows = math.prod(row[:-1])
     gen.line("__shared__ float dsp_red[32];")
     gen.line("const long long row = blockIdx.x;")
@@ -1124,7 +1190,7 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
         else:
             raise Unsupported(f"an output of {list(spec.values[v].shape)} in a group over rows of {list(row)}")
     if in_row:
-        with gen.block(f"for (long long j = threadIdx.x; j < {row[-1]}; j += blockDim.x)"):
+        with gen.row_loop():
             for k, v in in_row:
                 _store(gen, k, v, gen.reshape(gen.row_idx, row, spec.values[v].shape))
     if in_outer:
@@ -1132,6 +1198,157 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
             for k, v in in_outer:
                 _store(gen, k, v, gen.reshape(outer, row[:-1], spec.values[v].shape))
     return stores, n_rows
+
+
+# -- decode attention (T4): one block per (batch, head) --------------------------------------
+def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
+    """Decode attention: one block of ATTENTION_THREADS threads per (batch, head), for one query row.
+
+    q (through its index arithmetic) is read once into shared memory. Phase 1: each thread takes
+    KV positions ``l = thread, thread + threads, ...``, the dot product q . K[l] over the head dim (K
+    read through the group's index arithmetic: GQA's expand and the transpose cost no copy),
+    summed in fp32 and rounded to the scores' dtype as the reference rounds the product; the
+    scale and mask (the scores' epilogue) are computed on it and the result kept in shared
+    memory. Phase 2: the block's max and sum of exponentials, the probabilities rounded to the
+    softmax's dtype, the casts after it; kept in shared memory in place of the scores. Phase 3:
+    threads over V's head dim (coalesced), the positions split among groups of them, each
+    group's fp32 sums combined through shared memory, rounded to the output's dtype, stored.
+    Every value between the products stays in the block: the kernel stores only the weighted
+    sum. Positions are the KV buffer's (fixed per plan); the valid ones are the mask's business.
+    """
+    p1, sm, p2, at_ = attention_values(spec)
+    q, k, scores, a, v, out, x_in, probs = at_.q, at_.k, at_.scores, at_.a, at_.v, at_.out, at_.x_in, at_.probs
+    sv, ov = spec.values[scores], spec.values[out]
+    qv, kv, vv, av = spec.values[q], spec.values[k], spec.values[v], spec.values[a]
+    if min(len(qv.shape), len(kv.shape), len(vv.shape), len(av.shape), len(ov.shape)) < 2:
+        raise Unsupported("attention over operands of rank below 2")
+    if qv.shape[-2] != 1:
+        raise Unsupported(f"attention for {qv.shape[-2]} query rows (the decode template takes one)")
+    d, length, d2 = qv.shape[-1], kv.shape[-1], vv.shape[-1]
+    if kv.shape[-2] != d or vv.shape[-2] != length or av.shape[-1] != length:
+        raise Unsupported("attention operands whose sizes do not chain")
+    rank = len(spec.values[x_in].shape)
+    if int(sm.attrs.get("axis", -1)) % rank != rank - 1:
+        raise Unsupported("a softmax over other than the last axis")
+    if tuple(spec.values[x_in].shape) != tuple(sv.shape) or tuple(av.shape) != tuple(spec.values[probs].shape):
+        raise Unsupported("ops between the products and the softmax change the shape")
+    batch = tuple(ov.shape[:-2])
+    if tuple(sv.shape[:-2]) != batch or ov.shape[-2] != 1 or ov.shape[-1] != d2:
+        raise Unsupported("scores and output of different batch shapes")
+    for x in (q, k, v, scores, x_in, probs, a, out):
+        if spec.values[x].dtype not in ATTENTION_DTYPES:
+            raise Unsupported(f"attention over {spec.values[x].dtype} (the template takes fp16, bf16, fp32)")
+    if not 1 <= length <= MAX_ATTENTION_POSITIONS:
+        raise Unsupported(f"{length} KV positions (the template holds 1 to {MAX_ATTENTION_POSITIONS} in shared memory)")
+    if not (1 <= d <= MAX_ATTENTION_DIM and 1 <= d2 <= MAX_ATTENTION_DIM):
+        raise Unsupported(f"head dims {d} and {d2} (the template takes up to {MAX_ATTENTION_DIM})")
+    at_value: int | None = a
+    while at_value != probs:  # the ops from the probabilities to the weighted sum's operand
+        found = gen.producer.get(at_value) if at_value is not None else None
+        if found is None or found[0].op not in ("Cast", "CastLike", "Identity"):
+            raise Unsupported("ops other than casts between the softmax and the weighted sum")
+        at_value = found[0].inputs[0]
+    if list(spec.outputs) != [out]:
+        raise Unsupported("an attention group that stores other than its weighted sum")
+    vw = min(ATTENTION_THREADS, _pow2(d2))  # threads over V's head dim; the other groups split the positions
+    gen.line("__shared__ float dsp_red[32];")
+    gen.line(f"__shared__ float att_q[{d}];")
+    gen.line(f"__shared__ float att_x[{length}];  // the scores, then the probabilities")
+    gen.line(f"__shared__ float att_part[{ATTENTION_THREADS // vw * d2}];")
+    bidx = gen.unflatten("(long long)blockIdx.x", batch) if batch else Idx(())
+
+    def at(x: int, pair: tuple[str, str]) -> Idx:
+        shape = spec.values[x].shape
+        head = gen.broadcast(bidx, batch, shape[:-2]) if batch else Idx(tuple("0" for _ in shape[:-2]))
+        tail = tuple(e if shape[len(shape) - 2 + j] != 1 else "0" for j, e in enumerate(pair))
+        return Idx((*head.dims, *tail))
+
+    with gen.block(f"for (long long d = threadIdx.x; d < {d}; d += blockDim.x)"):
+        gen.line(f"att_q[d] = (float)({gen.value(q, at(q, ('0', 'd')))});")
+    gen.wait()
+    gen.line("__syncthreads();")
+    # phase 1: the scores and their epilogue, a thread per position (its loads of K independent:
+    # many in flight, where a warp per position waits for each position's loads in turn)
+    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+        gen.line("float att_s = 0.f;")
+        gen.line("#pragma unroll 8")
+        with gen.block(f"for (long long d = 0; d < {d}; ++d)"):
+            gen.line(f"att_s += att_q[d] * (float)({gen.value(k, at(k, ('d', 'l')))});")
+        lane_l = at(scores, ("0", "l"))
+        gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
+        xs = gen.value(x_in, at(x_in, ("0", "l")))
+        gen.line(f"att_x[l] = (float)({xs});")
+        del gen.pinned[scores]
+    gen.line("__syncthreads();")
+    # phase 2: the softmax over the block's positions, then the casts before the weighted sum
+    gen.line("float mx = -DSP_INF;")
+    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+        gen.line("mx = fmaxf(mx, att_x[l]);")
+    gen.line("mx = dsp_block_reduce(mx, dsp_red, 1);")
+    gen.line("const float mu = mx == -DSP_INF ? 0.f : mx;  // a row of -inf: exp(-inf) = 0, then 0 / 0")
+    gen.line("float se = 0.f;")
+    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+        gen.line("se += expf(att_x[l] - mu);")
+    gen.line("se = dsp_block_reduce(se, dsp_red, 0);")
+    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+        pv = spec.values[probs]
+        at_p = at(probs, ("0", "l"))
+        gen.pinned[probs] = (_kept(pv.shape, at_p), gen.let(_round("expf(att_x[l] - mu) / se", pv.dtype), "float", "p"))
+        xa = gen.value(a, at(a, ("0", "l")))
+        gen.line(f"att_x[l] = (float)({xa});  // this thread's own positions: no other thread reads them yet")
+        del gen.pinned[probs]
+    gen.line("__syncthreads();")
+    # phase 3: the weighted sum, threads over V's head dim, groups of them over the positions
+    gen.line(f"const int vw = blockDim.x < {vw} ? blockDim.x : {vw};")
+    gen.line("const int tv = threadIdx.x % vw, tg = threadIdx.x / vw, ng = blockDim.x / vw;")
+    with gen.block(f"for (long long dv = tv; dv < {d2}; dv += vw)"):
+        gen.line("float att_o = 0.f;")
+        gen.line("#pragma unroll 4")
+        with gen.block(f"for (long long l = tg; l < {length}; l += ng)"):
+            gen.line(f"att_o += att_x[l] * (float)({gen.value(v, at(v, ('l', 'dv')))});")
+        gen.line(f"att_part[tg * {d2} + dv] = att_o;")
+    gen.line("__syncthreads();")
+    out_idx = at(out, ("0", "dv"))
+    with gen.block(f"for (long long dv = threadIdx.x; dv < {d2}; dv += blockDim.x)"):
+        gen.line("float att_o = 0.f;")
+        gen.line(f"for (int g = 0; g < ng; ++g) att_o += att_part[g * {d2} + dv];")
+        off = gen.flatten(out_idx, ov.shape)
+        gen.wait()
+        gen.line(f"out0[{off}] = {_to_storage('att_o', ov.dtype)};")
+    return [(out, out_idx)], max(1, math.prod(batch))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def attention_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
+    """An attention group as parts, for layouts the one-block kernel declines (prefill's query rows).
+
+    (the nodes before the softmax's row kernel: K's and q's index arithmetic and the scores
+    product, run on their reference kernels; the scale, mask, softmax and casts as one
+    ``row_reduction`` spec reading the stored scores, row-major; the nodes after: V's index
+    arithmetic and the weighted sum, on their reference kernels). Node lists are indexes into
+    ``spec.nodes``.
+    """
+    p1, sm, p2 = attention_nodes(spec)
+    nodes = spec.nodes
+    i_p1, i_p2 = nodes.index(p1), nodes.index(p2)
+    v_side = value_side(nodes, p2)
+    head = [j for j in range(i_p1 + 1) if j not in v_side]
+    row = [j for j in range(i_p1 + 1, i_p2) if j not in v_side]
+    tail = sorted(v_side | set(range(i_p2, len(nodes))))
+    scores, a = p1.outputs[0], p2.inputs[0]
+    if scores is None or a is None:
+        raise Unsupported("an attention group that does not split into scores, softmax and weighted sum")
+    made = {v for j in row for v in nodes[j].outputs if v is not None}
+    reads = list(dict.fromkeys(r for j in row for r in nodes[j].inputs if r is not None and r not in made))
+    if any(r != scores and r not in spec.inputs for r in reads) or a not in made:
+        raise Unsupported("the softmax part reads values its group makes elsewhere")
+    values = dict(spec.values)
+    values[scores] = TensorSpec(values[scores].shape, values[scores].dtype, tuple(row_major(values[scores].shape)))
+    part = GroupSpec("row_reduction", [nodes[j] for j in row], values, reads, [a], spec.constants)
+    return head, part, tail
 
 
 # -- merged sibling products (dsp::MergedMatMul): one product over their joined weights ------

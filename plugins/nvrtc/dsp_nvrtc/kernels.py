@@ -53,6 +53,10 @@ class Built:
     # weight as an [N, K] copy (``NvrtcGroup._product_layout``), merged siblings' joined weights
     substitutes: dict[int, Derived] = field(default_factory=dict)
     aligned: tuple[int, ...] = ()  # arguments read 16 bytes a load: their address must stay a multiple of 16
+    # an attention layout the one-block kernel declines (prefill): the reference steps before the
+    # kernel (the scores product) and after it (the weighted sum); the kernel is the softmax's
+    head: list[Step] = field(default_factory=list)
+    tail: list[Step] = field(default_factory=list)
 
 
 def device_target(cp: Any) -> compiler.Target:
@@ -231,7 +235,9 @@ class NvrtcGroup(GroupStep):
                 spec, subs = self._product_layout(spec, local)
                 kernel = codegen.generate(spec)
         except codegen.Unsupported as exc:
-            raise Unfusable(str(exc)) from exc
+            if spec.template != "decode_attention" or "query rows" not in str(exc):
+                raise Unfusable(str(exc)) from exc
+            return self._attention_parts(spec, inputs, local, asked, str(exc))
         for v in kernel.args[: kernel.n_inputs]:
             if isinstance(local.get(v), np.ndarray | np.generic):
                 raise Unfusable(f"input {v} is a host array")
@@ -241,7 +247,42 @@ class NvrtcGroup(GroupStep):
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
         return Built(function, kernel, shapes, self._baked(kernel, inputs, asked), subs, kernel.vector_args)
 
+    def _attention_parts(
+        self, spec: codegen.GroupSpec, inputs: Sequence[Any], local: dict[int, Any], asked: set[int], why: str
+    ) -> Built:
+        """A decode-attention group for a layout its kernel declines (prefill: many query rows): the
+        scores and the weighted sum on their reference steps (cuBLAS), the scale, mask, softmax and
+        casts between them as one generated row kernel (``codegen.attention_parts``)."""
+        try:
+            head, part, tail = codegen.attention_parts(spec)
+            kernel = codegen.generate(part)
+        except codegen.Unsupported as exc:
+            raise Unfusable(f"{why}; as parts: {exc}") from exc
+        for v in kernel.args[: kernel.n_inputs]:
+            if v in self.in_flats and isinstance(local.get(v), np.ndarray | np.generic):
+                raise Unfusable(f"input {v} is a host array")
+        function, hit = loaded(self.cp, kernel, part, self.cache)
+        self.report.kernel, self.report.cached = kernel.name, hit
+        self.report.reason = f"{why}: the products on cuBLAS, the softmax between them as this kernel"
+        shapes = {v: (part.values[v].shape, np.dtype(part.values[v].dtype)) for v in part.outputs}
+        built = Built(function, kernel, shapes, self._baked(kernel, inputs, asked))
+        built.head, built.tail = [self.steps[j] for j in head], [self.steps[j] for j in tail]
+        return built
+
+    def _launch_parts(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        cp, kernel = self.cp, built.kernel
+        local: dict[int, Any] = dict(zip(self.in_flats, inputs))
+        _run_steps(built.head, local)
+        outs = {v: cp.empty(built.shapes[v][0], dtype=built.shapes[v][1]) for v in kernel.args[kernel.n_inputs :]}
+        args = [cp.ascontiguousarray(local[v]) for v in kernel.args[: kernel.n_inputs]] + list(outs.values())
+        launch(cp, built.function, kernel.grid, kernel.threads, args)
+        local.update(outs)
+        _run_steps(built.tail, local)
+        return tuple(local[o] for o in self.out_flats)
+
     def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        if built.head or built.tail:
+            return self._launch_parts(built, inputs)
         cp = self.cp
         kernel = built.kernel
         by_flat = dict(zip(self.in_flats, inputs))
@@ -261,6 +302,16 @@ class NvrtcGroup(GroupStep):
                 )
         launch(cp, built.function, kernel.grid, kernel.threads, args)
         return tuple(outs[o] for o in self.out_flats)
+
+
+def _run_steps(steps: Sequence[Step], local: dict[int, Any]) -> None:
+    """Reference steps on ``local`` (value id -> array), their outputs added to it."""
+    for kernel, ins, outs, _ in steps:
+        got = kernel(*[local.get(i) for i in ins])
+        if isinstance(outs, int):
+            local[outs] = got
+        else:
+            local.update(zip(outs, got))
 
 
 def _spec_of(x: Any) -> codegen.TensorSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dsp_cuda_graphs import device
+from dsp_cuda_graphs import attention, device
 from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
 
 from dsp_core import config, hookimpl
@@ -21,6 +21,7 @@ from dsp_core.plan.fusion import (
     SlotPattern,
     feeds_only_norm_statistics,
 )
+from dsp_core.plan.kernelspec import ROW_VALUED_OPS
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen, compiler
@@ -43,7 +44,16 @@ def _contract(tolerance: float) -> ModeContract:
 
 
 class NvrtcPolicy(ReferencePolicy):
-    """The reference templates (pointwise, row reduction, copy), limited to the ops the generator takes."""
+    """The reference templates (pointwise, row reduction, copy), limited to the ops the generator takes;
+    skinny products with their epilogue (T3); decode attention (T4).
+
+    Decode attention forms as dsp-triton's does (``dsp_cuda_graphs.attention``): a MatMul of two
+    activations whose scores, through pointwise ops, feed a Softmax seeds a ``scores`` group (it
+    takes K's index arithmetic as its prologue, the scale and mask as its epilogue); the Softmax
+    makes it ``decode_attention``; casts and the weighted sum with V (V's index arithmetic
+    absorbed) join. Nothing after the weighted sum joins: the kernel stores only its output. A
+    ``scores`` group the softmax did not join runs its reference kernels.
+    """
 
     name = "nvrtc"
     limits = FusionLimits(max_nodes=64, max_inputs=16)
@@ -54,7 +64,9 @@ class NvrtcPolicy(ReferencePolicy):
     def seed(self, plan: Plan, s: int, pattern: SlotPattern) -> str:
         template = super().seed(plan, s, pattern)
         if template == "matmul":
-            return "product" if product_declined(plan, s, pattern) is None else template
+            if product_declined(plan, s, pattern) is None:
+                return "product"
+            return "scores" if self._scores(plan, s, pattern) is None else template
         if template in ("pointwise", "row_reduction", "copy") and not _generated(plan, s):
             return "opaque"  # no template generates it: alone, on the reference kernels
         return template
@@ -62,6 +74,19 @@ class NvrtcPolicy(ReferencePolicy):
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         if group.template == "product":
             return self._product_epilogue(plan, group, s, pattern)
+        if group.template == "scores":
+            if plan.slots[s].op == "Softmax" and pattern.kind is PatternKind.ROW_REDUCTION:
+                return attention.softmax_joins(plan, group, s, pattern, self.readers(plan))
+            return self._product_epilogue(plan, group, s, pattern)
+        if group.template == "decode_attention":
+            if len(attention.products(group)) >= 2:
+                return "the decode-attention kernel stores only its weighted sum: what follows is a kernel of its own"
+            return attention.weighted_sum_joins(plan, group, s, pattern, self.readers(plan), attention_declined)
+        if pattern.kind is PatternKind.MATMUL and group.template in ("copy", "view"):
+            why = self._scores(plan, s, pattern)
+            if why is not None:
+                return why
+            return attention.index_prologue(plan, group, s, self.readers(plan))  # K's transpose, GQA's expand
         if pattern.kind not in (PatternKind.MATMUL, PatternKind.ATTENTION, PatternKind.OPAQUE) and not _generated(
             plan, s
         ):
@@ -74,7 +99,8 @@ class NvrtcPolicy(ReferencePolicy):
     def _product_epilogue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A product's epilogue: generated pointwise ops over its output's elements (bias, activation,
         residual add, cast), each thread computing them on its own dot product."""
-        if is_merged(plan.slots[group.slots[0]]):
+        first = next((m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL), group.slots[0])
+        if is_merged(plan.slots[first]):
             return "merged products store their parts: each part's epilogue is a kernel of its own"
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
@@ -85,7 +111,7 @@ class NvrtcPolicy(ReferencePolicy):
         if feeds_only_norm_statistics(plan, group.patterns, self.readers(plan), s):
             return f"{op} feeds only a norm's reduction: it goes with the norm"
         # The same elements (a view may regroup the rows): each thread computes one dot product.
-        anchor = group.patterns[group.slots[0]]
+        anchor = group.patterns[first]
         shape, product = pattern.shape, anchor.shape
         if (
             shape is None
@@ -101,9 +127,45 @@ class NvrtcPolicy(ReferencePolicy):
     def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
         if group.template == "product":
             return "product"
+        if group.template == "scores":
+            return "decode_attention" if pattern.kind is PatternKind.ROW_REDUCTION else "scores"
+        if group.template == "decode_attention":
+            return "decode_attention"
+        if pattern.kind is PatternKind.MATMUL and group.template in ("copy", "view"):
+            return "scores"  # the scores product reading K through its index arithmetic (merge_ok checked)
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
             return group.template if self._ops.get(s) in VIEW_OPS else "copy"
         return super().joined(group, s, pattern)
+
+    def absorbs(self, plan: Plan, group: GroupView, s: int, other: GroupView) -> bool:
+        """The scores product takes K's index arithmetic; the weighted sum, V's (GQA's expand)."""
+        if plan.slots[s].op != "MatMul" or group.template not in ("scores", "decode_attention"):
+            return False
+        return attention.absorbs_operand(plan, group, s, other, self.readers(plan))
+
+    def _scores(self, plan: Plan, s: int, pattern: SlotPattern) -> str | None:
+        """Why MatMul slot ``s`` is not an attention's scores (None: it is): a product of two
+        activations the decode-attention kernel takes, whose output only pointwise ops read, one
+        after the other, up to a Softmax."""
+        why = attention_declined(plan, s, pattern)
+        if why is not None:
+            return why
+        b = plan.slots[s].inputs[1]
+        if b is None or b < 0:
+            return "the product's second operand is a constant (a projection, not attention)"
+        readers = self.readers(plan)
+        v = plan.slots[s].outputs[0]
+        for _ in range(16):
+            found = sorted(set(readers.get(v, ()))) if v is not None else []
+            if len(found) != 1 or v in plan.outputs:
+                break
+            slot = plan.slots[found[0]]
+            if slot.op == "Softmax" and slot.domain in ("", "ai.onnx"):
+                return None
+            if not _generated(plan, found[0]) or slot.op in _NOT_POINTWISE or len(slot.outputs) != 1:
+                break
+            v = slot.outputs[0]
+        return "a batched product of two activations whose scores feed no softmax (it runs on cuBLAS)"
 
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
         if template == "view" or all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in slots):
@@ -157,6 +219,32 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     if rows is not None and rows > codegen.MAX_PRODUCT_ROWS:
         return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
     return None
+
+
+def attention_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
+    """Why the decode-attention kernel (T4) does not take product slot ``s`` as its scores or its
+    weighted sum (None: it may): a MatMul of fp16, bf16 or fp32 operands of rank 2 or more, for one
+    query row where the rows are known (symbolic rows are decided per layout, when the kernel is
+    generated; a layout it declines runs the group's reference kernels)."""
+    slot = plan.slots[s]
+    if slot.op != "MatMul" or slot.domain not in ("", "ai.onnx"):
+        return f"{slot.op} is not a MatMul"
+    shape = pattern.shape
+    if shape is None or len(shape) < 2:
+        return "its output is of unknown rank or a vector"
+    ins = [plan.ref_info(r) if r is not None else (None, None) for r in slot.inputs[:2]]
+    if len(ins) < 2 or any(sh is None or len(sh) < 2 for _, sh in ins):
+        return "an operand of unknown rank or of rank below 2"
+    if any(dt not in codegen.ATTENTION_DTYPES for dt, _ in ins):
+        return "operands other than fp16, bf16 or fp32"
+    rows = shape[-2]
+    if isinstance(rows, int) and rows != 1:
+        return f"{rows} query rows: the decode-attention kernel takes one (cuBLAS runs the products)"
+    return None
+
+
+# Generated ops that are not pointwise: they end the walk from a product's scores to their softmax.
+_NOT_POINTWISE = codegen.INJECTIVE_OPS | codegen.PRODUCT_OPS | ROW_VALUED_OPS
 
 
 def _fixed_count(dims: Sequence[object]) -> int | None:

@@ -27,7 +27,8 @@ from dsp_nvrtc import codegen, rowwise
 from dsp_nvrtc.cache import SegmentCache
 from dsp_nvrtc.kernels import NvrtcGreedyPick, NvrtcGroup, NvrtcKVStore
 
-FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product"})  # the templates with a CUDA C kernel
+# the templates with a CUDA C kernel
+FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product", "decode_attention"})
 GENERATED = FUSED_TEMPLATES | {"store"}  # and the KV store's kernel (NvrtcKVStore)
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 

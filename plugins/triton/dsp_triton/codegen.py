@@ -38,9 +38,11 @@ import numpy as np
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
     INDEX_OPS,
     ROW_VALUED_OPS,
+    attention_values,
     gather_nd_layout,
     pick_rows,
     row_major,
+    value_side,
 )
 from dsp_core.plan.kernelspec import MERGED_B as MERGED_B
 from dsp_core.plan.kernelspec import MERGED_C as MERGED_C
@@ -49,6 +51,7 @@ from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
 from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
+from dsp_core.plan.kernelspec import attention_nodes as attention_nodes
 from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
 # numpy dtype name -> Triton dtype
@@ -1252,18 +1255,6 @@ def _forward_layout(gen: _Gen, spec: GroupSpec, product: NodeSpec, at: dict[int,
 
 
 # -- decode attention (T4): scores, softmax and the weighted sum in one kernel ---------------
-def attention_nodes(spec: GroupSpec) -> tuple[NodeSpec, NodeSpec, NodeSpec]:
-    """The scores product, the Softmax and the weighted-sum product of an attention group."""
-    products = [n for n in spec.nodes if n.op == "MatMul" and n.domain in ("", "ai.onnx")]
-    softmax = [n for n in spec.nodes if n.op == "Softmax"]
-    if len(products) != 2 or len(softmax) != 1:
-        raise Unsupported(f"an attention group of {len(products)} products and {len(softmax)} softmaxes (parts)")
-    p1, sm, p2 = products[0], softmax[0], products[1]
-    if not spec.nodes.index(p1) < spec.nodes.index(sm) < spec.nodes.index(p2):
-        raise Unsupported("an attention group whose products and softmax are out of order")
-    return p1, sm, p2
-
-
 def attention_configs(spec: GroupSpec) -> list[dict[str, int]]:
     """KV positions per loop step (BLOCK_L) and warps the tuner times; the first is the default."""
     p1, _, _ = attention_nodes(spec)
@@ -1291,16 +1282,7 @@ def attention_parts(spec: GroupSpec) -> list[tuple[GroupSpec, list[int]]]:
     if i_p2 < i_sm:
         raise Unsupported("an attention group whose products and softmax are out of order")
     sm = nodes[i_sm]
-    producer = {v: j for j, n in enumerate(nodes) for v in n.outputs if v is not None}
-    v_side: set[int] = set()
-    if i_p2 < len(nodes):
-        stack = [nodes[i_p2].inputs[1]]
-        while stack:
-            r = stack.pop()
-            j = producer.get(r) if r is not None else None
-            if j is not None and j not in v_side and j != i_sm and nodes[j].op not in ("Softmax", "MatMul"):
-                v_side.add(j)
-                stack.extend(nodes[j].inputs)
+    v_side = value_side(nodes, nodes[i_p2]) if i_p2 < len(nodes) else set()
     part_a = [j for j in range(i_sm) if j not in v_side]
     part_b = [j for j in range(i_sm, i_p2) if j not in v_side]
     part_c = sorted(v_side | set(range(i_p2, len(nodes)))) if i_p2 < len(nodes) else []
@@ -1331,14 +1313,8 @@ def _attention(
     gen: _Gen, spec: GroupSpec, config: dict[str, int] | None
 ) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
     """One program per (batch, head): q.K over the KV positions in blocks, online softmax, P@V."""
-    p1, sm, p2 = attention_nodes(spec)
-    q, k, scores = p1.inputs[0], p1.inputs[1], p1.outputs[0]
-    a, v, out = p2.inputs[0], p2.inputs[1], p2.outputs[0]
-    x_in, probs = sm.inputs[0], sm.outputs[0]
-    if None in (q, k, scores, a, v, out, x_in, probs):
-        raise Unsupported("an attention group with a missing operand")
-    assert q is not None and k is not None and scores is not None and a is not None
-    assert v is not None and out is not None and x_in is not None and probs is not None
+    p1, sm, p2, at_ = attention_values(spec)
+    q, k, scores, a, v, out, x_in, probs = at_.q, at_.k, at_.scores, at_.a, at_.v, at_.out, at_.x_in, at_.probs
     sv, ov = spec.values[scores], spec.values[out]
     qv, kv, vv = spec.values[q], spec.values[k], spec.values[v]
     if min(len(qv.shape), len(kv.shape), len(vv.shape), len(spec.values[a].shape)) < 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dsp_cuda_graphs import device
+from dsp_cuda_graphs import attention, device
 from dsp_cuda_graphs.plugin import DTYPES, HOST_READING_OPS, CudaGraphsBackend
 
 from dsp_core import config, hookimpl
@@ -140,18 +140,7 @@ class TritonPolicy(ReferencePolicy):
             return norm_prologue(plan, group, s, self.readers(plan)) or self._looped(plan, group)
         if is_merged(plan.slots[s]):
             return "a merged product reads its joined weights: no prologue of index arithmetic is fused"
-        if group.template not in ("copy", "view"):
-            return f"a {group.template} group is not index arithmetic a product can read through"
-        members = {*group.slots, s}
-        for m in group.slots:
-            if group.patterns[m].kind is not PatternKind.INJECTIVE:
-                return f"slot {m} computes values: a product reads only index arithmetic as its prologue"
-            for v in plan.slots[m].outputs:
-                if v is None:
-                    continue
-                if v in plan.outputs or any(r not in members for r in self.readers(plan).get(v, ())):
-                    return f"slot {m}'s output is read outside the product: it must be stored"
-        return None
+        return attention.index_prologue(plan, group, s, self.readers(plan))
 
     def _store_ok(self, plan: Plan, group: GroupView, s: int) -> str | None:
         """The KV store as the last store of the kernel that computes the row it writes (the core
@@ -184,68 +173,27 @@ class TritonPolicy(ReferencePolicy):
             return group.reduction is None and self._only_for(plan, other.slots, members) is None
         if plan.slots[s].op not in codegen.PRODUCT_OPS or group.template not in ("product", "decode_attention"):
             return False
-        if self._only_for(plan, other.slots, members) is not None:
-            return False
-        if all(other.patterns[m].kind is PatternKind.INJECTIVE for m in other.slots):
-            return True
-        if other.template != "decode_attention" or group.template != "product":
-            return False
-        waiting = sum(other.patterns[m].kind is PatternKind.MATMUL for m in other.slots) == 1
-        prologue = all(group.patterns[m].kind is PatternKind.INJECTIVE for m in group.slots if m != s)
-        made = {v for m in other.slots for v in plan.slots[m].outputs if v is not None}
-        return waiting and prologue and plan.slots[s].inputs[0] in made and plan.slots[s].op == "MatMul"
+        return attention.absorbs_operand(plan, group, s, other, self.readers(plan))
 
     def merged(self, group: GroupView, other: GroupView) -> str:
         return "decode_attention" if other.template == "decode_attention" else group.template
 
     def _only_for(self, plan: Plan, slots: Sequence[int], members: set[int]) -> str | None:
         """None when every value ``slots`` make is read only by ``members`` (and is no plan output)."""
-        readers = self.readers(plan)
-        for m in slots:
-            for v in plan.slots[m].outputs:
-                if v is None:
-                    continue
-                if v in plan.outputs or any(r not in members for r in readers.get(v, ())):
-                    return f"slot {m}'s output is read outside the group: it must be stored"
-        return None
+        return attention.only_for(plan, self.readers(plan), slots, members)
 
     def _softmax_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """Scores (a product of two activations, with scale and mask) followed by their softmax."""
         if not config.get("triton_attention"):
             return "DSP_TRITON_ATTENTION is off: softmax and products run as separate kernels"
-        anchors = [m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL]
-        if len(anchors) != 1 or plan.slots[anchors[0]].op != "MatMul":
-            return "a softmax joins only a MatMul's scores"
-        weights = plan.slots[anchors[0]].inputs[1]
-        if weights is not None and weights < 0:
-            return "the scores' second operand is a constant (a projection, not attention)"
-        slot = plan.slots[s]
-        rank = len(pattern.row) if pattern.row else 0
-        if rank == 0 or int(slot.attrs.get("axis", -1)) % rank != rank - 1:
-            return "a softmax over other than the last axis"
-        scores = group.patterns[anchors[0]].shape
-        if scores is None or pattern.row is None or tuple(pattern.row) != tuple(scores):
-            return "the softmax's rows are not the product's scores"
-        return self._only_for(plan, group.slots, {*group.slots, s})
+        return attention.softmax_joins(plan, group, s, pattern, self.readers(plan))
 
     def _attention_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """After the softmax: casts of the probabilities, their product with V, then its epilogue."""
-        anchors = [m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL]
-        op = plan.slots[s].op
+        anchors = attention.products(group)
         if len(anchors) >= 2:
             return self._epilogue_ok(plan, group, s, pattern, anchor=anchors[-1])
-        if op in ("Cast", "Identity"):
-            return None
-        if pattern.kind is not PatternKind.MATMUL or op != "MatMul":
-            return f"{op} between the softmax and the weighted sum (an online softmax takes casts only)"
-        why = product_declined(plan, s, pattern)
-        if why is not None:
-            return why
-        produced = {v for m in group.slots for v in plan.slots[m].outputs if v is not None}
-        a = plan.slots[s].inputs[0]
-        if a is None or a not in produced:
-            return "the weighted sum's first operand is not the softmax's probabilities"
-        return self._only_for(plan, group.slots, {*group.slots, s})
+        return attention.weighted_sum_joins(plan, group, s, pattern, self.readers(plan), product_declined)
 
     def _epilogue_ok(
         self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
