@@ -83,6 +83,7 @@ MAX_ROW = 1 << 20  # rows are looped over, not held in registers: the limit only
 THREADS = 256  # threads per block, both templates
 ROW_CACHE_STEPS = 8  # a row of at most this many elements a thread is read once, into registers
 ATTENTION_THREADS = 512  # threads of a decode-attention block (one block per head: its latency is the kernel's)
+ATTENTION_UNROLL_DIM = 64  # head dims up to this: a position's whole row of K loaded at once (one register each)
 WARP = 32  # lanes of a warp product's output
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 
@@ -1271,7 +1272,7 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     # many in flight, where a warp per position waits for each position's loads in turn)
     with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
         gen.line("float att_s = 0.f;")
-        gen.line("#pragma unroll 8")
+        gen.line("#pragma unroll" if d <= ATTENTION_UNROLL_DIM else "#pragma unroll 16")  # the row's loads at once
         with gen.block(f"for (long long d = 0; d < {d}; ++d)"):
             gen.line(f"att_s += att_q[d] * (float)({gen.value(k, at(k, ('d', 'l')))});")
         lane_l = at(scores, ("0", "l"))
@@ -1303,7 +1304,7 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     gen.line("const int tv = threadIdx.x % vw, tg = threadIdx.x / vw, ng = blockDim.x / vw;")
     with gen.block(f"for (long long dv = tv; dv < {d2}; dv += vw)"):
         gen.line("float att_o = 0.f;")
-        gen.line("#pragma unroll 4")
+        gen.line("#pragma unroll 16")  # the loads of 16 positions in flight
         with gen.block(f"for (long long l = tg; l < {length}; l += ng)"):
             gen.line(f"att_o += att_x[l] * (float)({gen.value(v, at(v, ('l', 'dv')))});")
         gen.line(f"att_part[tg * {d2} + dv] = att_o;")
