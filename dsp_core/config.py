@@ -208,6 +208,16 @@ OPTIONS: tuple[Option, ...] = (
         "graph; docs/fusion.md); read once per process; off: plain launches.",
     ),
     Option(
+        "nvrtc_attention",
+        "DSP_NVRTC_ATTENTION",
+        "bool",
+        False,
+        "dsp-nvrtc runs decode attention (scores with scale and mask, softmax, the weighted sum) as one "
+        "CUDA C kernel a head (one block per head: on the H200 slower than the three kernels it replaces, "
+        "27 us a layer on GPT-2 124M, until it splits the KV positions); off: cuBLAS products and a softmax "
+        "row kernel.",
+    ),
+    Option(
         "nvrtc_pdl",
         "DSP_NVRTC_PDL",
         "bool",

@@ -31,6 +31,11 @@ def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
     monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "dsp-cache"))
 
 
+@pytest.fixture
+def nvrtc_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSP_NVRTC_ATTENTION", "1")  # off by default (docs/nvrtc.md)
+
+
 def _tolerance(mode: str) -> float:
     from dsp_nvrtc.plugin import NvrtcBackend, PtxBackend
 
@@ -309,6 +314,7 @@ def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() 
     assert len(products) == 48 and all(r["status"] == "fused" for r in products), products
 
 
+@pytest.mark.usefixtures("nvrtc_attention")
 # -- decode attention (T4) ---------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str) -> None:
@@ -332,6 +338,7 @@ def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str) -> No
         assert groups[0]["kernel"].startswith("dsp_attn_"), groups
 
 
+@pytest.mark.usefixtures("nvrtc_attention")
 @pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
 def test_a_prompts_attention_runs_as_parts_and_the_decode_steps_as_one_kernel(name: str) -> None:
     """The fixture's step 0 (the prompt's rows: products on cuBLAS, the softmax between them one

@@ -147,6 +147,8 @@ class NvrtcPolicy(ReferencePolicy):
         """Why MatMul slot ``s`` is not an attention's scores (None: it is): a product of two
         activations the decode-attention kernel takes, whose output only pointwise ops read, one
         after the other, up to a Softmax."""
+        if not config.get("nvrtc_attention"):
+            return "DSP_NVRTC_ATTENTION is off: the scores and the weighted sum are cuBLAS products"
         why = attention_declined(plan, s, pattern)
         if why is not None:
             return why
