@@ -24,7 +24,7 @@ from dsp_core.plan.fusion import (
 from dsp_core.plan.kernelspec import ROW_VALUED_OPS
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
-from dsp_nvrtc import codegen, compiler
+from dsp_nvrtc import codegen
 
 # Fused kernels accumulate reductions in fp32 (the reference rounds a half row's sum per
 # op): half-precision results differ by an ulp or two of the reference's rounding.
@@ -292,6 +292,8 @@ def nvrtc_probe() -> str | None:
     reason = device.probe()
     if reason is not None:
         return reason
+    from dsp_nvrtc import compiler  # only where a GPU is: its import (ctypes.util, subprocess) costs every start
+
     return compiler.available()
 
 
