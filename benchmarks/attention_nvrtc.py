@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "tests" / "triton_interp"))
     import attention_graphs as ag
     import cupy as cp
-
     from dsp_nvrtc import codegen, compiler, hostcheck
 
     results: dict[str, Any] = {}
