@@ -326,15 +326,10 @@ def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() 
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
     assert kernels.dependent_launch(cp), "DSP_TRITON_PDL is on by default and this GPU supports it"
+    from .chain_graph import product_chain
+
     rng = np.random.default_rng(5)
-    g = dsp.GraphBuilder()
-    x = g.placeholder("x", "float16", [1, 1, 768])
-    h = x
-    for layer in range(48):
-        w = g.constant((rng.standard_normal((768, 768)) / np.sqrt(768)).astype(np.float16), name=f"w{layer}")
-        h = g.Relu(h @ w) + h if layer % 2 else g.Tanh(h @ w)
-    g.output(h, "y")
-    graph = g.build()
+    graph = product_chain(rng)
     want = dsp.compile(graph, mode="slot_by_slot")
     model = dsp.compile(graph, mode="triton", strict=True)
     for run in range(10):
