@@ -2,9 +2,9 @@
 
 For GPT-2 124M's shape (12 heads) and Llama-3.2-1B's (32 heads over 8 KV heads), 296 KV
 positions, head dim 64, fp16: the group's kernel (``codegen._attention_template``) generated
-with 256, 512 and 1,024 threads a block and with K's row loaded at once or 16 elements at a
-time, compiled by NVRTC for the device, launched 30 times after 5 warm-up launches (CUDA
-events, median), and its output compared with the reference's.
+with 256, 512 and 1,024 threads a block and 4, 8 or 32 lanes per KV position for the scores,
+compiled by NVRTC for the device, launched 30 times after 5 warm-up launches (CUDA events,
+median), and its output compared with the reference's.
 
     python3 benchmarks/attention_nvrtc.py --out $OUT/attention_nvrtc_variants.json
 """
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         _, _, spec, values = found[0]
         want = np.asarray(values[spec.outputs[0]]).astype(np.float32)
         for threads in (256, 512, 1024):
-            for unroll in (0, 64):
-                codegen.ATTENTION_THREADS, codegen.ATTENTION_UNROLL_DIM = threads, unroll
+            for lanes in (4, 8, 32):
+                codegen.ATTENTION_THREADS, codegen.ATTENTION_LANES = threads, lanes
                 kernel = codegen.generate(spec)
                 target = compiler.Target(f"sm_{cp.cuda.Device().compute_capability}")
                 module = cp.cuda.function.Module()
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                     stop.synchronize()
                     times.append(cp.cuda.get_elapsed_time(start, stop) * 1000)
                 err = float(np.abs(cp.asnumpy(out).astype(np.float32) - want).max())
-                key = f"h{heads}/kv{kv_heads} L{length} threads {threads} unroll {unroll}"
+                key = f"h{heads}/kv{kv_heads} L{length} threads {threads} lanes {lanes}"
                 results[key] = {"us_median": float(np.median(times)), "max_err": err}
                 print(key, results[key], flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -83,7 +83,7 @@ MAX_ROW = 1 << 20  # rows are looped over, not held in registers: the limit only
 THREADS = 256  # threads per block, both templates
 ROW_CACHE_STEPS = 8  # a row of at most this many elements a thread is read once, into registers
 ATTENTION_THREADS = 512  # threads of a decode-attention block (one block per head: its latency is the kernel's)
-ATTENTION_UNROLL_DIM = 64  # head dims up to this: a position's whole row of K loaded at once (one register each)
+ATTENTION_LANES = 8  # lanes per KV position sharing the scores' dot product over the head dim
 WARP = 32  # lanes of a warp product's output
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 
@@ -116,6 +116,11 @@ __device__ __forceinline__ double dsp_warp_sum(double v) {
     return v;
 }
 #define DSP_LANES(n) (n)  // a product's lanes (a warp, or a block) share one output's dot product
+// the sum over groups of ``n`` adjacent lanes (n a power of two up to 32; every lane of the warp calls it)
+__device__ __forceinline__ float dsp_lanes_sum(float v, int n) {
+    for (int o = n >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 // Programmatic dependent launch (sm_90+): every kernel waits for the kernel before it (its
 // completion and memory flush) before it touches memory that kernel may write, then lets the
 // next one launch; launched without the attribute, both are no-ops.
@@ -220,6 +225,7 @@ struct alignas(16) dsp_v16 { unsigned int w[4]; };
 static inline float dsp_u2f(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float dsp_warp_sum(float v) { return v; }
 static inline double dsp_warp_sum(double v) { return v; }
+static inline float dsp_lanes_sum(float v, int n) { (void)n; return v; }
 // One thread a block: its own value is the block's.
 static inline float dsp_block_reduce(float v, float* sh, int op) { (void)sh; (void)op; return v; }
 #define DSP_KEY_MIN (-9223372036854775807LL - 1)
@@ -1205,8 +1211,9 @@ def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], in
 def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
     """Decode attention: one block of ATTENTION_THREADS threads per (batch, head), for one query row.
 
-    q (through its index arithmetic) is read once into shared memory. Phase 1: each thread takes
-    KV positions ``l = thread, thread + threads, ...``, the dot product q . K[l] over the head dim (K
+    q (through its index arithmetic) is read once into shared memory. Phase 1: ATTENTION_LANES
+    adjacent lanes per KV position (the block's slots take positions ``l0 + slot``, round after
+    round), the lanes splitting the dot product q . K[l] over the head dim (K
     read through the group's index arithmetic: GQA's expand and the transpose cost no copy),
     summed in fp32 and rounded to the scores' dtype as the reference rounds the product; the
     scale and mask (the scores' epilogue) are computed on it and the result kept in shared
@@ -1268,18 +1275,26 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         gen.line(f"att_q[d] = (float)({gen.value(q, at(q, ('0', 'd')))});")
     gen.wait()
     gen.line("__syncthreads();")
-    # phase 1: the scores and their epilogue, a thread per position (its loads of K independent:
-    # many in flight, where a warp per position waits for each position's loads in turn)
-    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+    # phase 1: the scores and their epilogue, ATTENTION_LANES lanes per position over the head dim
+    # (adjacent lanes read adjacent elements of K's row: a warp's load touches a few lines, where
+    # a thread per position makes every load of a warp touch 32 lines, each an L1 wavefront);
+    # every lane runs the same rounds, so the lanes' shuffle sees the whole warp
+    gen.line(f"const int pl = DSP_LANES({ATTENTION_LANES});")
+    gen.line("const int plane = threadIdx.x % pl, slot = threadIdx.x / pl, slots = blockDim.x / pl;")
+    with gen.block(f"for (long long l0 = 0; l0 < {length}; l0 += slots)"):
+        gen.line("const long long l = l0 + slot;")
         gen.line("float att_s = 0.f;")
-        gen.line("#pragma unroll" if d <= ATTENTION_UNROLL_DIM else "#pragma unroll 16")  # the row's loads at once
-        with gen.block(f"for (long long d = 0; d < {d}; ++d)"):
-            gen.line(f"att_s += att_q[d] * (float)({gen.value(k, at(k, ('d', 'l')))});")
-        lane_l = at(scores, ("0", "l"))
-        gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
-        xs = gen.value(x_in, at(x_in, ("0", "l")))
-        gen.line(f"att_x[l] = (float)({xs});")
-        del gen.pinned[scores]
+        with gen.block(f"if (l < {length})"):
+            gen.line("#pragma unroll")
+            with gen.block(f"for (long long d = plane; d < {d}; d += pl)"):
+                gen.line(f"att_s += att_q[d] * (float)({gen.value(k, at(k, ('d', 'l')))});")
+        gen.line("att_s = dsp_lanes_sum(att_s, pl);  // every lane of the position holds the dot product")
+        with gen.block(f"if (l < {length} && plane == 0)"):
+            lane_l = at(scores, ("0", "l"))
+            gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
+            xs = gen.value(x_in, at(x_in, ("0", "l")))
+            gen.line(f"att_x[l] = (float)({xs});")
+            del gen.pinned[scores]
     gen.line("__syncthreads();")
     # phase 2: the softmax over the block's positions, then the casts before the weighted sum
     gen.line("float mx = -DSP_INF;")
