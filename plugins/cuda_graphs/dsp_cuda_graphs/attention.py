@@ -25,9 +25,7 @@ Declined = Callable[[Plan, int, SlotPattern], "str | None"]
 CASTS = ("Cast", "Identity")  # the ops an online softmax takes between the probabilities and the weighted sum
 
 
-def only_for(
-    plan: Plan, readers: Readers, slots: Sequence[int], members: set[int], what: str = "group"
-) -> str | None:
+def only_for(plan: Plan, readers: Readers, slots: Sequence[int], members: set[int], what: str = "group") -> str | None:
     """None when every value ``slots`` make is read only by ``members`` (and is no plan output)."""
     for m in slots:
         for v in plan.slots[m].outputs:

@@ -118,6 +118,30 @@ def constants_match(
     return True
 
 
+def run_step(step: Step, local: dict[int, Any]) -> dict[int, Any]:
+    """One reference step on ``local`` (value id -> array): the values it made, also added to ``local``."""
+    kernel, ins, outs, _ = step
+    got = kernel(*[local.get(i) for i in ins])
+    made = {outs: got} if isinstance(outs, int) else dict(zip(outs, got))
+    local.update(made)
+    return made
+
+
+def run_reference(
+    steps: Sequence[Step], in_flats: Sequence[int], out_flats: Sequence[int], inputs: Sequence[Any], keep: bool = False
+) -> tuple[tuple[Any, ...], dict[int, Any]]:
+    """A group's slots on their reference kernels: its outputs, and its values (every one with
+    ``keep``; else each released after its last reader, unless it is an output)."""
+    local: dict[int, Any] = dict(zip(in_flats, inputs))
+    for step in steps:
+        run_step(step, local)
+        if not keep:
+            for r in step[3]:  # the values this step's slot releases
+                if r not in out_flats:
+                    local.pop(r, None)
+    return tuple(local.get(o) for o in out_flats), local
+
+
 class GroupStep:
     """The one step that runs a fusion group: its built kernel per input layout, or its reference steps."""
 
@@ -145,18 +169,7 @@ class GroupStep:
 
     def reference(self, inputs: Sequence[Any], keep: bool = False) -> tuple[tuple[Any, ...], dict[int, Any]]:
         """The group's slots on their reference kernels: its outputs (and, with ``keep``, every value)."""
-        local: dict[int, Any] = dict(zip(self.in_flats, inputs))
-        for kernel, ins, outs, releases in self.steps:
-            got = kernel(*[local.get(i) for i in ins])
-            if isinstance(outs, int):
-                local[outs] = got
-            else:
-                local.update(zip(outs, got))
-            if not keep:
-                for r in releases:
-                    if r not in self.out_flats:
-                        local.pop(r, None)
-        return tuple(local.get(o) for o in self.out_flats), local
+        return run_reference(self.steps, self.in_flats, self.out_flats, inputs, keep)
 
     def __call__(self, *inputs: Any) -> Any:
         if self.report.status in ("reference", "demoted"):

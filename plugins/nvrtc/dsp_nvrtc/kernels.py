@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from dsp_cuda_graphs.derived import Derived, joined_bias, joined_nk, nk_copy
-from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable, mismatch
+from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable, mismatch, run_step
 from dsp_cuda_graphs.greedy import PickLayout
 
 from dsp_core.backends.base import CaptureFailed
@@ -272,12 +272,14 @@ class NvrtcGroup(GroupStep):
     def _launch_parts(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
         cp, kernel = self.cp, built.kernel
         local: dict[int, Any] = dict(zip(self.in_flats, inputs))
-        _run_steps(built.head, local)
+        for step in built.head:
+            run_step(step, local)
         outs = {v: cp.empty(built.shapes[v][0], dtype=built.shapes[v][1]) for v in kernel.args[kernel.n_inputs :]}
         args = [cp.ascontiguousarray(local[v]) for v in kernel.args[: kernel.n_inputs]] + list(outs.values())
         launch(cp, built.function, kernel.grid, kernel.threads, args)
         local.update(outs)
-        _run_steps(built.tail, local)
+        for step in built.tail:
+            run_step(step, local)
         return tuple(local[o] for o in self.out_flats)
 
     def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
@@ -302,16 +304,6 @@ class NvrtcGroup(GroupStep):
                 )
         launch(cp, built.function, kernel.grid, kernel.threads, args)
         return tuple(outs[o] for o in self.out_flats)
-
-
-def _run_steps(steps: Sequence[Step], local: dict[int, Any]) -> None:
-    """Reference steps on ``local`` (value id -> array), their outputs added to it."""
-    for kernel, ins, outs, _ in steps:
-        got = kernel(*[local.get(i) for i in ins])
-        if isinstance(outs, int):
-            local[outs] = got
-        else:
-            local.update(zip(outs, got))
 
 
 def _spec_of(x: Any) -> codegen.TensorSpec:

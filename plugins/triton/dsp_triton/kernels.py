@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from dsp_cuda_graphs.derived import Derived, joined_bias, joined_nk, nk_copy
-from dsp_cuda_graphs.fusion import constants_match, mismatch
+from dsp_cuda_graphs.fusion import constants_match, mismatch, run_reference, run_step
 from dsp_cuda_graphs.greedy import PickLayout
 
 from dsp_core import config as dsp_config
@@ -163,19 +163,7 @@ class FusedGroup:
     # -- the reference path ----------------------------------------------------------------
     def reference(self, inputs: Sequence[Any], keep: bool = False) -> tuple[tuple[Any, ...], dict[int, Any]]:
         """The group's slots on their reference kernels: its outputs (and, with ``keep``, every value)."""
-        local: dict[int, Any] = dict(zip(self.in_flats, inputs))
-        for kernel, ins, outs, releases in self.steps:
-            got = kernel(*[local.get(i) for i in ins])
-            if isinstance(outs, int):
-                local[outs] = got
-            else:
-                for o, x in zip(outs, got):
-                    local[o] = x
-            if not keep:
-                for r in releases:
-                    if r not in self.out_flats:
-                        local.pop(r, None)
-        return tuple(local.get(o) for o in self.out_flats), local
+        return run_reference(self.steps, self.in_flats, self.out_flats, inputs, keep)
 
     def __call__(self, *inputs: Any) -> Any:
         if self.fallback is not None:
@@ -265,11 +253,8 @@ class FusedGroup:
     @staticmethod
     def _run_steps(steps: list[Step], reads: dict[int, Any], by_flat: dict[int, Any]) -> None:
         """Reference steps around a kernel (cuBLAS for a product of more than 16 rows)."""
-        for step, ins, out, _ in steps:
-            got = step(*[reads.get(i) for i in ins])
-            made = {out: got} if isinstance(out, int) else dict(zip(out, got))
-            reads.update(made)
-            by_flat.update(made)
+        for step in steps:
+            by_flat.update(run_step(step, reads))
 
     def _spec(self, inputs: Sequence[Any]) -> tuple[codegen.GroupSpec, tuple[Any, ...], dict[int, Any]]:
         ref_outs, local = self.reference(inputs, keep=True)
