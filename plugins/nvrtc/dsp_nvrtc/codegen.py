@@ -84,6 +84,8 @@ THREADS = 256  # threads per block, both templates
 ROW_CACHE_STEPS = 8  # a row of at most this many elements a thread is read once, into registers
 ATTENTION_THREADS = 512  # threads of a decode-attention block (one block per head: its latency is the kernel's)
 ATTENTION_LANES = 8  # lanes per KV position sharing the scores' dot product over the head dim
+ATTENTION_ROUNDS = 8  # rounds of K's positions whose loads a decode-attention thread has in flight
+ATTENTION_UNROLL = 16  # positions of V whose loads a decode-attention thread has in flight
 WARP = 32  # lanes of a warp product's output
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
 
@@ -116,6 +118,7 @@ __device__ __forceinline__ double dsp_warp_sum(double v) {
     return v;
 }
 #define DSP_LANES(n) (n)  // a product's lanes (a warp, or a block) share one output's dot product
+#define DSP_BLOCK(n) (n)  // a block's threads (the templates that fix their block size)
 // the sum over groups of ``n`` adjacent lanes (n a power of two up to 32; every lane of the warp calls it)
 __device__ __forceinline__ float dsp_lanes_sum(float v, int n) {
     for (int o = n >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -218,6 +221,7 @@ static inline unsigned short dsp_f2bf(float f) {
 }
 // One lane a product's output: its own sum is the warp's (or the block's).
 #define DSP_LANES(n) 1
+#define DSP_BLOCK(n) 1
 #define DSP_WAIT()
 #define __syncthreads()  // one thread a block: nothing to wait for
 #define DSP_STEPS(steps, n) (n)  // one thread walks the whole row
@@ -405,11 +409,42 @@ class _Gen:
         return self.let(" + ".join(terms), prefix="f") if terms else "0"
 
     def reshape(self, idx: Idx, out_shape: Sequence[int], in_shape: Sequence[int]) -> Idx:
-        kept = _kept(out_shape, idx)
-        if tuple(d for d in out_shape if d != 1) == tuple(d for d in in_shape if d != 1):
-            it = iter(kept)
-            return Idx(tuple("0" if d == 1 else next(it) for d in in_shape))
-        return self.unflatten(self.flatten(idx, out_shape), in_shape)
+        """The index into a reshape's input of its output's element at ``idx``.
+
+        The two shapes' dims (1s aside) pair up into runs of equal product; a run of one dim on
+        each side passes its expression through, and only a run that merges or splits dims is
+        flattened and unflattened, within the run. (Flattening the whole index, as a reshape's
+        definition reads, costs a 64-bit division per dim of every load: decode attention's K,
+        read through GQA's expand, spent most of its time there.)
+        """
+        out_nz = [k for k, d in enumerate(out_shape) if d != 1]
+        in_nz = [k for k, d in enumerate(in_shape) if d != 1]
+        if math.prod(out_shape) != math.prod(in_shape) or 0 in out_shape:
+            return self.unflatten(self.flatten(idx, out_shape), in_shape)
+        dims = ["0"] * len(in_shape)
+        i = j = 0
+        while i < len(out_nz) and j < len(in_nz):
+            run_out, run_in = [out_nz[i]], [in_nz[j]]
+            p_out, p_in = out_shape[out_nz[i]], in_shape[in_nz[j]]
+            i, j = i + 1, j + 1
+            while p_out != p_in:
+                if p_out < p_in:
+                    run_out.append(out_nz[i])
+                    p_out *= out_shape[out_nz[i]]
+                    i += 1
+                else:
+                    run_in.append(in_nz[j])
+                    p_in *= in_shape[in_nz[j]]
+                    j += 1
+            if len(run_out) == 1 and len(run_in) == 1:
+                dims[run_in[0]] = idx.dims[run_out[0]]
+                continue
+            sub_out = [out_shape[k] for k in run_out]
+            flat = self.flatten(Idx(tuple(idx.dims[k] for k in run_out)), sub_out)
+            sub = self.unflatten(flat, [in_shape[k] for k in run_in])
+            for k, e in zip(run_in, sub.dims):
+                dims[k] = e
+        return Idx(tuple(dims))
 
     @staticmethod
     def broadcast(idx: Idx, out_shape: Sequence[int], in_shape: Sequence[int]) -> Idx:
@@ -1279,22 +1314,39 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     # (adjacent lanes read adjacent elements of K's row: a warp's load touches a few lines, where
     # a thread per position makes every load of a warp touch 32 lines, each an L1 wavefront);
     # every lane runs the same rounds, so the lanes' shuffle sees the whole warp
-    gen.line(f"const int pl = DSP_LANES({ATTENTION_LANES});")
-    gen.line("const int plane = threadIdx.x % pl, slot = threadIdx.x / pl, slots = blockDim.x / pl;")
-    with gen.block(f"for (long long l0 = 0; l0 < {length}; l0 += slots)"):
-        gen.line("const long long l = l0 + slot;")
-        gen.line("float att_s = 0.f;")
-        with gen.block(f"if (l < {length})"):
+    # Every loop's trip count is a constant of the kernel and every load's index is clamped into
+    # the buffer (a position past it is weighted zero, not branched around), so the compiler
+    # issues a chunk's loads together: a loop that tests its bound between loads waits out one
+    # memory latency per load.
+    gen.line(f"constexpr int T = DSP_BLOCK({ATTENTION_THREADS}), PL = DSP_LANES({ATTENTION_LANES});")
+    gen.line(f"constexpr int SLOTS = T / PL, DPL = ({d} + PL - 1) / PL, ROUNDS = ({length} + SLOTS - 1) / SLOTS;")
+    gen.line(f"constexpr int R = ROUNDS < {ATTENTION_ROUNDS} ? ROUNDS : {ATTENTION_ROUNDS};  // rounds in flight")
+    gen.line("const int plane = threadIdx.x % PL, slot = threadIdx.x / PL;")
+    with gen.block(f"for (int l0 = 0; l0 < {length}; l0 += SLOTS * R)"):
+        gen.line("float att_k[R][DPL];")
+        gen.line("#pragma unroll")
+        with gen.block("for (int r = 0; r < R; ++r)"):
+            gen.line("const long long l = l0 + r * SLOTS + slot;")
+            gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
             gen.line("#pragma unroll")
-            with gen.block(f"for (long long d = plane; d < {d}; d += pl)"):
-                gen.line(f"att_s += att_q[d] * (float)({gen.value(k, at(k, ('d', 'l')))});")
-        gen.line("att_s = dsp_lanes_sum(att_s, pl);  // every lane of the position holds the dot product")
-        with gen.block(f"if (l < {length} && plane == 0)"):
-            lane_l = at(scores, ("0", "l"))
+            with gen.block("for (int j = 0; j < DPL; ++j)"):
+                gen.line("const long long d = plane + j * PL;")
+                gen.line(f"const long long dc = d < {d} ? d : {d - 1};")
+                kx = gen.value(k, at(k, ("dc", "lc")))
+                gen.line(f"att_k[r][j] = d < {d} ? att_q[dc] * (float)({kx}) : 0.f;")
+        gen.line("#pragma unroll")
+        with gen.block("for (int r = 0; r < R; ++r)"):
+            gen.line("const long long l = l0 + r * SLOTS + slot;")
+            gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
+            gen.line("float att_s = 0.f;")
+            gen.line("#pragma unroll")
+            gen.line("for (int j = 0; j < DPL; ++j) att_s += att_k[r][j];")
+            gen.line("att_s = dsp_lanes_sum(att_s, PL);  // every lane of the position holds the dot product")
+            lane_l = at(scores, ("0", "lc"))
             gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
-            xs = gen.value(x_in, at(x_in, ("0", "l")))
-            gen.line(f"att_x[l] = (float)({xs});")
+            xs = gen.value(x_in, at(x_in, ("0", "lc")))
             del gen.pinned[scores]
+            gen.line(f"if (l < {length} && plane == 0) att_x[l] = (float)({xs});")
     gen.line("__syncthreads();")
     # phase 2: the softmax over the block's positions, then the casts before the weighted sum
     gen.line("float mx = -DSP_INF;")
@@ -1315,19 +1367,28 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         del gen.pinned[probs]
     gen.line("__syncthreads();")
     # phase 3: the weighted sum, threads over V's head dim, groups of them over the positions
-    gen.line(f"const int vw = blockDim.x < {vw} ? blockDim.x : {vw};")
-    gen.line("const int tv = threadIdx.x % vw, tg = threadIdx.x / vw, ng = blockDim.x / vw;")
-    with gen.block(f"for (long long dv = tv; dv < {d2}; dv += vw)"):
+    gen.line(f"constexpr int VW = T < {vw} ? T : {vw}, NG = T / VW, PER = ({length} + NG - 1) / NG;")
+    gen.line(f"constexpr int U = PER < {ATTENTION_UNROLL} ? PER : {ATTENTION_UNROLL};  // V's loads in flight")
+    gen.line("const int tv = threadIdx.x % VW, tg = threadIdx.x / VW;")
+    with gen.block(f"for (long long dv = tv; dv < {d2}; dv += VW)"):
         gen.line("float att_o = 0.f;")
-        gen.line("#pragma unroll 16")  # the loads of 16 positions in flight
-        with gen.block(f"for (long long l = tg; l < {length}; l += ng)"):
-            gen.line(f"att_o += att_x[l] * (float)({gen.value(v, at(v, ('l', 'dv')))});")
+        with gen.block(f"for (int l0 = 0; l0 < {length}; l0 += NG * U)"):
+            gen.line("float att_v[U];")
+            gen.line("#pragma unroll")
+            with gen.block("for (int u = 0; u < U; ++u)"):
+                gen.line("const long long l = l0 + u * NG + tg;")
+                gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
+                gen.line(f"att_v[u] = (float)({gen.value(v, at(v, ('lc', 'dv')))});")
+            gen.line("#pragma unroll")
+            with gen.block("for (int u = 0; u < U; ++u)"):
+                gen.line("const long long l = l0 + u * NG + tg;")
+                gen.line(f"if (l < {length}) att_o += att_x[l] * att_v[u];")
         gen.line(f"att_part[tg * {d2} + dv] = att_o;")
     gen.line("__syncthreads();")
     out_idx = at(out, ("0", "dv"))
     with gen.block(f"for (long long dv = threadIdx.x; dv < {d2}; dv += blockDim.x)"):
         gen.line("float att_o = 0.f;")
-        gen.line(f"for (int g = 0; g < ng; ++g) att_o += att_part[g * {d2} + dv];")
+        gen.line(f"for (int g = 0; g < NG; ++g) att_o += att_part[g * {d2} + dv];")
         off = gen.flatten(out_idx, ov.shape)
         gen.wait()
         gen.line(f"out0[{off}] = {_to_storage('att_o', ov.dtype)};")
