@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if warms[-1]["tokens"] != colds[-1]["tokens"]:
             raise SystemExit(f"warm tokens {warms[-1]['tokens']} differ from cold {colds[-1]['tokens']}")
         shutil.rmtree(cache, ignore_errors=True)
+    if args.profile and args.out:  # the warm run's whole profile, for pstats
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(work / "warm.prof", Path(args.out) / "warm_start_warm.prof")
     cold, warm = median_record(colds), median_record(warms)
     record = {
         "model": args.export or str(args.model),

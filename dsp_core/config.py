@@ -213,9 +213,9 @@ OPTIONS: tuple[Option, ...] = (
         "bool",
         False,
         "dsp-nvrtc runs decode attention (scores with scale and mask, softmax, the weighted sum) as one "
-        "CUDA C kernel a head (one block per head: on the H200 slower than the three kernels it replaces, "
-        "27 us a layer on GPT-2 124M, until it splits the KV positions); off: cuBLAS products and a softmax "
-        "row kernel.",
+        "CUDA C kernel a head (one block per head: on the H200 no faster than the three kernels it replaces, "
+        "12 us a launch on GPT-2 124M's shape, until it splits the KV positions); off: cuBLAS products and a "
+        "softmax row kernel.",
     ),
     Option(
         "nvrtc_pdl",

@@ -830,15 +830,25 @@ def dependent_launch(cp: Any) -> bool:
     return got
 
 
+_DEVICE_NAMES: dict[int, str] = {}
+
+
 def _device_name(cp: Any) -> str:
+    """The current device's name and capability (a tuning choice's key), once per device and process:
+    ``getDeviceProperties`` costs about a millisecond, and a decode block plan asks for every group
+    (850 calls, 1 s of an H200 warm start, before this was kept)."""
     dev = cp.cuda.Device()
+    got = _DEVICE_NAMES.get(dev.id)
+    if got is not None:
+        return got
     cc = dev.compute_capability
     try:
         name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
         name = name.decode() if isinstance(name, bytes) else str(name)
     except Exception:  # noqa: BLE001
         name = "cuda"
-    return f"{name}:sm{cc}"
+    got = _DEVICE_NAMES[dev.id] = f"{name}:sm{cc}"
+    return got
 
 
 def _mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, cp: Any) -> str | None:
