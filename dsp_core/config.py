@@ -218,6 +218,15 @@ OPTIONS: tuple[Option, ...] = (
         "softmax row kernel.",
     ),
     Option(
+        "nvrtc_norm_prologue",
+        "DSP_NVRTC_NORM_PROLOGUE",
+        "bool",
+        True,
+        "dsp-nvrtc computes a norm (LayerNorm, RMSNorm) in the prologue of the one-row product that reads "
+        "it: each block of the product's kernel reduces the row and stages it normalised in shared memory, "
+        "so the norm is no kernel of its own (docs/nvrtc.md); off: the norm's own row kernel.",
+    ),
+    Option(
         "nvrtc_pdl",
         "DSP_NVRTC_PDL",
         "bool",

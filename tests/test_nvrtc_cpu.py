@@ -1288,3 +1288,89 @@ def test_the_decode_attention_kernel_says_what_it_declines() -> None:
     values = {**spec.values, 13: codegen.TensorSpec(spec.values[7].shape, "float32")}
     with pytest.raises(codegen.Unsupported, match="ops other than casts"):
         codegen.generate(dataclasses.replace(spec, nodes=nodes, values=values))
+
+
+# -- a norm as the prologue of its one-row product ---------------------------------------------
+def _norm_product_spec(k_len: int, width: int, dtype: str, rows: int, lanes: int) -> codegen.GroupSpec:
+    """LayerNorm(x) -> Reshape to [rows, K] -> Gemm by a [K, width] weight with a bias: GPT-2's
+    ln_1 and c_attn, as the NVRTC policy groups them for a decode step."""
+    n = codegen.NodeSpec
+    shape = (1, rows, k_len) if rows == 1 else (rows, 1, k_len)
+    nodes = [
+        n("LayerNormalization", (1, 2, 3), (4,), {"axis": -1, "epsilon": 1e-5}),
+        n("Reshape", (4, 5), (6,)),
+        n("Gemm", (6, 7, 8), (9,)),
+    ]
+    values = {1: (shape, dtype), 2: ((k_len,), dtype), 3: ((k_len,), dtype), 4: (shape, dtype)}
+    values |= {5: ((2,), "int64"), 6: ((rows, k_len), dtype), 7: ((k_len, width), dtype), 8: ((width,), dtype)}
+    values |= {9: ((rows, width), dtype)}
+    target = np.array([rows, k_len], np.int64)
+    spec = _spec("product", nodes, values, [1, 2, 3, 5, 7, 8], [9], lambda v: target if v == 5 else None)
+    return dataclasses.replace(spec, params={"lanes": lanes} if lanes else {})
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("k_len", [96, 768, 3000])  # rows held in registers, and one longer (looped)
+@pytest.mark.parametrize("lanes", [0, codegen.WARP, codegen.THREADS])
+def test_a_norm_is_the_prologue_of_its_one_row_product(dtype: str, k_len: int, lanes: int) -> None:
+    """One kernel: every block reduces the row, stages it normalised (rounded to the norm's dtype,
+    as the reference rounds it) in shared memory and the product reads A from there; no thread
+    leaves before the block's barriers (the last block's spare warps compute the last output
+    again and store nothing); the result is the reference's (LayerNorm, then the product)."""
+    rng = np.random.default_rng(k_len + lanes)
+    width = 300
+    cast = hostcheck._np_dtype(dtype)
+    x = (rng.standard_normal((1, 1, k_len)) * 2 + 0.5).astype(cast)
+    gamma, beta = (rng.random(k_len) + 0.5).astype(cast), rng.standard_normal(k_len).astype(cast)
+    w, c = (rng.standard_normal((k_len, width)) / 8).astype(cast), rng.standard_normal(width).astype(cast)
+    spec = _norm_product_spec(k_len, width, dtype, 1, lanes)
+    kernel = codegen.generate(spec)
+    source = kernel.source
+    assert "dsp_pro[" in source and "__syncthreads();" in source and "return;" not in source, source
+    assert kernel.grid * kernel.threads >= width * max(1, lanes)
+    if NVRTC_MISSING is None:
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    got = hostcheck.run_on_host(kernel, spec, {1: x, 2: gamma, 3: beta, 7: w, 8: c})[9]
+    f = np.float64
+    xf = x.astype(f)
+    mean = xf.mean(-1, keepdims=True)
+    ln = ((xf - mean) / np.sqrt(((xf - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * gamma + beta).astype(cast)
+    want = ((ln.reshape(1, k_len).astype(f) @ w.astype(f)).astype(cast).astype(f) + c).astype(cast)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(got.astype(f), want.astype(f), rtol=tol, atol=tol * 8)
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_a_norm_prologue_over_several_rows_runs_as_parts() -> None:
+    """A prompt's layout (3 rows): the kernel declines it, and the group splits into the norm as one
+    row kernel storing the product's operand, then the product and its epilogue (reference steps)."""
+    spec = _norm_product_spec(96, 40, "float32", 3, codegen.WARP)
+    with pytest.raises(codegen.Unsupported, match="one row"):
+        codegen.generate(spec)
+    head, part, tail = codegen.prologue_parts(spec)
+    assert head == [] and [n.op for n in part.nodes] == ["LayerNormalization", "Reshape"] and tail == [2]
+    assert part.template == "row_reduction" and part.outputs == [6]
+    kernel = codegen.generate(part)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 1, 96)).astype(np.float32)
+    gamma, beta = rng.random(96).astype(np.float32) + 0.5, rng.standard_normal(96).astype(np.float32)
+    got = hostcheck.run_on_host(kernel, part, {1: x, 2: gamma, 3: beta})[6]
+    mean = x.mean(-1, keepdims=True)
+    want = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * gamma + beta
+    np.testing.assert_allclose(got, want.reshape(3, 96), rtol=1e-5, atol=1e-5)
+
+
+def test_the_policy_takes_a_norm_into_its_one_row_product_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2's decode plan: each ln_1 and ln_2 joins the product after it (c_attn, c_fc), so the norm
+    is no group of its own; DSP_NVRTC_NORM_PROLOGUE=0 keeps them apart, with that reason."""
+    plan = _decode_plan("gpt2_eager", "pipeline")
+    groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())
+    norms = [g for g in groups.groups if any(plan.slots[s].op == "LayerNormalization" for s in g.slots)]
+    assert len(norms) == 5  # 2 layers x (ln_1, ln_2), and ln_f before the LM head (cuBLAS: no prologue)
+    assert sum(g.template == "product" for g in norms) == 4, [(g.template, g.slots) for g in norms]
+    monkeypatch.setenv("DSP_NVRTC_NORM_PROLOGUE", "0")
+    apart = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())
+    norms = [g for g in apart.groups if any(plan.slots[s].op == "LayerNormalization" for s in g.slots)]
+    assert all(g.template == "row_reduction" for g in norms)
+    assert any("DSP_NVRTC_NORM_PROLOGUE is off" in b.reason for b in apart.boundaries)

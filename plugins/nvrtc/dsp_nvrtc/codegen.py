@@ -119,6 +119,8 @@ __device__ __forceinline__ double dsp_warp_sum(double v) {
 }
 #define DSP_LANES(n) (n)  // a product's lanes (a warp, or a block) share one output's dot product
 #define DSP_BLOCK(n) (n)  // a block's threads (the templates that fix their block size)
+#define DSP_TID threadIdx.x  // a thread's place in a loop the block's threads share (a row)
+#define DSP_NTID blockDim.x
 // the sum over groups of ``n`` adjacent lanes (n a power of two up to 32; every lane of the warp calls it)
 __device__ __forceinline__ float dsp_lanes_sum(float v, int n) {
     for (int o = n >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -222,6 +224,8 @@ static inline unsigned short dsp_f2bf(float f) {
 // One lane a product's output: its own sum is the warp's (or the block's).
 #define DSP_LANES(n) 1
 #define DSP_BLOCK(n) 1
+#define DSP_TID 0u  // every host thread walks a shared loop whole (its own value is the block's)
+#define DSP_NTID 1u
 #define DSP_WAIT()
 #define __syncthreads()  // one thread a block: nothing to wait for
 #define DSP_STEPS(steps, n) (n)  // one thread walks the whole row
@@ -336,6 +340,10 @@ class _Gen:
         # values held in a named local at one index (decode attention's scores and probabilities):
         # value -> (the index's non-1 dims, the name)
         self.pinned: dict[int, tuple[tuple[str, ...], str]] = {}
+        # product template: a norm's row staged in shared memory by the block (``_norm_prologue``),
+        # emitted once, after the weight's preload; value -> the shared array (one row, read at K)
+        self.prologue: Callable[[], None] | None = None
+        self.staged: dict[int, str] = {}
 
     def wait(self) -> None:
         """``DSP_WAIT()`` once, in the kernel's top scope, before the first statement that touches
@@ -470,6 +478,8 @@ class _Gen:
         """The name (or literal) of value ``v`` at ``idx`` in the current scope, in its compute type."""
         if v in self.scalars:
             return self._scalar_at(v, idx)
+        if v in self.staged:
+            return f"{self.staged[v]}[{idx.dims[-1]}]"
         pin = self.pinned.get(v)
         if pin is not None:
             if _kept(self.spec.values[v].shape, idx) != pin[0]:
@@ -514,12 +524,12 @@ class _Gen:
         assert self.row is not None
         n = self.row[-1]
         if not self.row_steps:
-            with self.block(f"for (long long j = threadIdx.x; j < {n}; j += blockDim.x)"):
+            with self.block(f"for (long long j = DSP_TID; j < {n}; j += DSP_NTID)"):
                 yield
             return
         self.line("#pragma unroll")
         with self.block(f"for (int r = 0; r < DSP_STEPS({self.row_steps}, {n}); ++r)"):
-            self.line("const long long j = threadIdx.x + (long long)r * blockDim.x;")
+            self.line("const long long j = DSP_TID + (long long)r * DSP_NTID;")
             self.line(f"if (j >= {n}) break;")
             yield
 
@@ -604,6 +614,7 @@ class _Gen:
         if vector:
             self._vector_dot(a, b, idx, k_len, vector, acc, ct, trans_b)
         else:
+            self.run_prologue()
             self.line(f"{ct} {acc} = 0;")
             first, step = ("lane", f"DSP_LANES({self.lanes})") if self.lanes else ("0", "1")
             if self.lanes:
@@ -666,6 +677,7 @@ class _Gen:
         with self.block(f"for (int it = 0; it < {pre}; ++it)"):
             self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
             self.line(f"if (kb < {k_len}) {regs}[it] = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
+        self.run_prologue()  # after the preload: the weight's loads overlap the kernel before
         self.line(f"{ct} {acc} = 0;")
 
         def dot(q: str) -> None:
@@ -684,6 +696,12 @@ class _Gen:
         with self.block(f"for (long long kb = (lane + {pre} * {lanes}) * {v}LL; kb < {k_len}; kb += {lanes} * {v}LL)"):
             self.line(f"const dsp_v16 q = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
             dot("q")
+
+    def run_prologue(self) -> None:
+        """The product's norm prologue (``_norm_prologue``), once, where the product's code begins."""
+        if self.prologue is not None:
+            body, self.prologue = self.prologue, None
+            body()
 
     # -- injective ops -----------------------------------------------------------------------
     def _host(self, node: NodeSpec, k: int) -> list[int]:
@@ -1088,6 +1106,8 @@ _OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "
 INJECTIVE_OPS = INDEX_OPS
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
+PROLOGUE_NORMS = frozenset({"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
+MAX_PROLOGUE_ROW = 8192  # elements of the row a norm prologue stages in shared memory (32 KB)
 ATTENTION_DTYPES = frozenset({"float16", "bfloat16", "float32"})  # operands of decode attention (T4)
 MAX_ATTENTION_POSITIONS = 8192  # KV positions of one decode attention: their scores in shared memory (32 KB)
 MAX_ATTENTION_DIM = 256  # head dims of q, K and V one decode-attention block takes
@@ -1171,14 +1191,24 @@ def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
 def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
     space = max(spec.outputs, key=lambda v: spec.values[v].numel)
     numel = max(1, spec.values[space].numel)
+    staged = _norm_prologue(gen, spec)
+    if gen.lanes == THREADS or staged:
+        gen.line("__shared__ float dsp_red[32];")
+    at = "((long long)blockIdx.x * blockDim.x + threadIdx.x)"
     if gen.lanes:  # a warp (or block) per element returns together: its shuffles and barriers stay whole
-        if gen.lanes == THREADS:
-            gen.line("__shared__ float dsp_red[32];")
-        gen.line(f"const long long lin = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({gen.lanes});")
-        gen.line(f"const int lane = threadIdx.x % DSP_LANES({gen.lanes});")
+        at = f"{at} / DSP_LANES({gen.lanes})"
+    live = ""
+    if staged:  # every thread stays for the prologue's barriers; one past the end computes the last element
+        gen.line(f"const long long dsp_at = {at};")
+        gen.line(f"const bool dsp_live = dsp_at < {numel};")
+        gen.line(f"const long long lin = dsp_live ? dsp_at : {numel - 1};")
+        live = "dsp_live && "
     else:
-        gen.line("const long long lin = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
-    gen.line(f"if (lin >= {numel}) return;")
+        gen.line(f"const long long lin = {at};")
+    if gen.lanes:
+        gen.line(f"const int lane = threadIdx.x % DSP_LANES({gen.lanes});")
+    if not staged:
+        gen.line(f"if (lin >= {numel}) return;")
     stores: list[tuple[int, Idx]] = []
     for v in spec.outputs:
         oshape = spec.values[v].shape
@@ -1187,17 +1217,68 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         # the threads past its size: every index stays in bounds, no store disagrees.
         flat = "lin" if size == numel else gen.let(f"lin % {size}", prefix="i")
         stores.append((v, gen.unflatten(flat, oshape)))
-    if gen.lanes:
-        # Every lane computes every value (the shuffles need all of them); lane 0 stores.
-        for k, (v, idx) in enumerate(stores):
-            name = gen.value(v, idx)
+    if gen.lanes or staged:
+        # Every lane computes every value (the shuffles and barriers need all of them); lane 0 stores.
+        names = [gen.value(v, idx) for v, idx in stores]
+        lane0 = "lane == 0" if gen.lanes else ""
+        guard = f"{live}{lane0}".removesuffix(" && ")
+        for k, ((v, idx), name) in enumerate(zip(stores, names)):
             off = gen.flatten(idx, spec.values[v].shape)
             gen.wait()
-            gen.line(f"if (lane == 0) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
-        return stores, (numel * gen.lanes + THREADS - 1) // THREADS
+            gen.line(f"if ({guard}) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
+        lanes = gen.lanes or 1
+        return stores, (numel * lanes + THREADS - 1) // THREADS
     for k, (v, idx) in enumerate(stores):
         _store(gen, k, v, idx)
     return stores, (numel + THREADS - 1) // THREADS
+
+
+def _norm_prologue(gen: _Gen, spec: GroupSpec) -> bool:
+    """A product group that begins with a norm of its one row (``NvrtcPolicy._norm_prologue``).
+
+    Every block reduces the row itself (the row template's stages: its threads over the row,
+    block-wide sums) and stages the normalised row, rounded as the reference rounds the norm's
+    output and through the ops between it and the product, in shared memory; the product reads
+    A from there (``_Gen.staged``). The prologue is emitted where the product's code begins,
+    after the weight's preload (``_Gen.run_prologue``), so those loads still overlap the kernel
+    before. True when the group has one (the caller keeps every thread to the end).
+    """
+    norms = [n for n in spec.nodes if n.op in _ROW_VALUED]
+    if not norms:
+        return False
+    products = [n for n in spec.nodes if n.op in PRODUCT_OPS]
+    if spec.template != "product" or len(products) != 1:
+        raise Unsupported("a row-valued op in a pointwise group")
+    node, product = norms[0], products[0]
+    if len(norms) != 1 or node.op not in PROLOGUE_NORMS:
+        raise Unsupported("a product's prologue computes one norm (LayerNorm, RMSNorm)")
+    if spec.nodes.index(node) > spec.nodes.index(product):
+        raise Unsupported("a norm after the product (its epilogue takes pointwise ops only)")
+    src, a = node.inputs[0], product.inputs[0]
+    if src is None or a is None:
+        raise Unsupported("a norm or product without its input")
+    row, a_shape = tuple(spec.values[src].shape), tuple(spec.values[a].shape)
+    if not row or math.prod(row[:-1]) != 1 or math.prod(a_shape[:-1]) != 1 or a_shape[-1] != row[-1]:
+        raise Unsupported("the norm prologue takes one row, reduced over the product's K")
+    n = row[-1]
+    if not 1 <= n <= MAX_PROLOGUE_ROW:
+        raise Unsupported(f"a row of {n} elements (the prologue stages 1 to {MAX_PROLOGUE_ROW})")
+
+    def body() -> None:
+        gen.row = row
+        gen.row_idx = Idx((*("0" for _ in row[:-1]), "j"))
+        gen.row_steps = -(-n // THREADS) if n <= ROW_CACHE_STEPS * THREADS else 0
+        gen.line(f"__shared__ float dsp_pro[{n}];  // the norm's row, as the product reads it")
+        gen._reduce(node)
+        with gen.row_loop():
+            x = gen.value(a, Idx((*("0" for _ in a_shape[:-1]), "j")))
+            gen.line(f"dsp_pro[j] = (float)({x});")
+        gen.line("__syncthreads();")
+        gen.staged[a] = "dsp_pro"
+        gen.row_steps, gen.row_cache = 0, {}
+
+    gen.prologue = body
+    return True
 
 
 def _row_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
@@ -1426,6 +1507,31 @@ def attention_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
     values[scores] = TensorSpec(values[scores].shape, values[scores].dtype, tuple(row_major(values[scores].shape)))
     part = GroupSpec("row_reduction", [nodes[j] for j in row], values, reads, [a], spec.constants)
     return head, part, tail
+
+
+def prologue_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
+    """A product group with a norm prologue as parts, for layouts its kernel declines (a prompt's
+    rows): the norm and the ops before the product as one ``row_reduction`` spec that stores the
+    product's first operand, row-major; the product and its epilogue after it, on their
+    reference kernels (cuBLAS for the product). As ``attention_parts``: node lists index
+    ``spec.nodes`` (head, part, tail; the head is empty)."""
+    products = [j for j, n in enumerate(spec.nodes) if n.op in PRODUCT_OPS]
+    if len(products) != 1 or not any(n.op in _ROW_VALUED for n in spec.nodes[: products[0]]):
+        raise Unsupported("not a product group with a norm prologue")
+    cut = products[0]
+    a = spec.nodes[cut].inputs[0]
+    row = list(range(cut))
+    made = {v for j in row for v in spec.nodes[j].outputs if v is not None}
+    if a is None or a not in made:
+        raise Unsupported("the prologue does not make the product's first operand")
+    for n in spec.nodes[cut:]:
+        if any(r in made and r != a for r in n.inputs if r is not None):
+            raise Unsupported("the product's epilogue reads a value of its prologue")
+    reads = list(dict.fromkeys(r for j in row for r in spec.nodes[j].inputs if r is not None and r not in made))
+    values = dict(spec.values)
+    values[a] = TensorSpec(values[a].shape, values[a].dtype, tuple(row_major(values[a].shape)))
+    part = GroupSpec("row_reduction", [spec.nodes[j] for j in row], values, reads, [a], spec.constants)
+    return [], part, list(range(cut, len(spec.nodes)))
 
 
 # -- merged sibling products (dsp::MergedMatMul): one product over their joined weights ------

@@ -235,9 +235,11 @@ class NvrtcGroup(GroupStep):
                 spec, subs = self._product_layout(spec, local)
                 kernel = codegen.generate(spec)
         except codegen.Unsupported as exc:
+            if spec.template == "product" and any(n.op in codegen.PROLOGUE_NORMS for n in spec.nodes):
+                return self._parts(spec, inputs, local, asked, str(exc), codegen.prologue_parts, PROLOGUE_PARTS)
             if spec.template != "decode_attention" or "query rows" not in str(exc):
                 raise Unfusable(str(exc)) from exc
-            return self._attention_parts(spec, inputs, local, asked, str(exc))
+            return self._parts(spec, inputs, local, asked, str(exc), codegen.attention_parts, ATTENTION_PARTS)
         for v in kernel.args[: kernel.n_inputs]:
             if isinstance(local.get(v), np.ndarray | np.generic):
                 raise Unfusable(f"input {v} is a host array")
@@ -247,14 +249,24 @@ class NvrtcGroup(GroupStep):
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
         return Built(function, kernel, shapes, self._baked(kernel, inputs, asked), subs, kernel.vector_args)
 
-    def _attention_parts(
-        self, spec: codegen.GroupSpec, inputs: Sequence[Any], local: dict[int, Any], asked: set[int], why: str
+    def _parts(
+        self,
+        spec: codegen.GroupSpec,
+        inputs: Sequence[Any],
+        local: dict[int, Any],
+        asked: set[int],
+        why: str,
+        split: Callable[[codegen.GroupSpec], tuple[list[int], codegen.GroupSpec, list[int]]],
+        what: str,
     ) -> Built:
-        """A decode-attention group for a layout its kernel declines (prefill: many query rows): the
-        scores and the weighted sum on their reference steps (cuBLAS), the scale, mask, softmax and
-        casts between them as one generated row kernel (``codegen.attention_parts``)."""
+        """A group for a layout its kernel declines (a prompt's rows), as parts: one generated row
+        kernel (``split``'s middle spec) between the reference steps of the nodes before and after
+        it. A decode-attention group: the scores and the weighted sum on cuBLAS, the scale, mask,
+        softmax and casts between them the kernel (``codegen.attention_parts``); a product with
+        a norm prologue: the norm the kernel, the product and its epilogue after it
+        (``codegen.prologue_parts``)."""
         try:
-            head, part, tail = codegen.attention_parts(spec)
+            head, part, tail = split(spec)
             kernel = codegen.generate(part)
         except codegen.Unsupported as exc:
             raise Unfusable(f"{why}; as parts: {exc}") from exc
@@ -263,7 +275,7 @@ class NvrtcGroup(GroupStep):
                 raise Unfusable(f"input {v} is a host array")
         function, hit = loaded(self.cp, kernel, part, self.cache)
         self.report.kernel, self.report.cached = kernel.name, hit
-        self.report.reason = f"{why}: the products on cuBLAS, the softmax between them as this kernel"
+        self.report.reason = f"{why}: {what}"
         shapes = {v: (part.values[v].shape, np.dtype(part.values[v].dtype)) for v in part.outputs}
         built = Built(function, kernel, shapes, self._baked(kernel, inputs, asked))
         built.head, built.tail = [self.steps[j] for j in head], [self.steps[j] for j in tail]
@@ -304,6 +316,10 @@ class NvrtcGroup(GroupStep):
                 )
         launch(cp, built.function, kernel.grid, kernel.threads, args)
         return tuple(outs[o] for o in self.out_flats)
+
+
+ATTENTION_PARTS = "the products on cuBLAS, the softmax between them as this kernel"
+PROLOGUE_PARTS = "the norm as this kernel, the product and its epilogue on their reference kernels after it"
 
 
 def _spec_of(x: Any) -> codegen.TensorSpec:

@@ -20,6 +20,7 @@ from dsp_core.plan.fusion import (
     ReferencePolicy,
     SlotPattern,
     feeds_only_norm_statistics,
+    norm_prologue,
 )
 from dsp_core.plan.kernelspec import ROW_VALUED_OPS
 from dsp_core.plan.merge import is_merged
@@ -82,6 +83,8 @@ class NvrtcPolicy(ReferencePolicy):
             if len(attention.products(group)) >= 2:
                 return "the decode-attention kernel stores only its weighted sum: what follows is a kernel of its own"
             return attention.weighted_sum_joins(plan, group, s, pattern, self.readers(plan), attention_declined)
+        if pattern.kind is PatternKind.MATMUL and group.template == "row_reduction":
+            return self._norm_prologue(plan, group, s, pattern)
         if pattern.kind is PatternKind.MATMUL and group.template in ("copy", "view"):
             why = self._scores(plan, s, pattern)
             if why is not None:
@@ -95,6 +98,37 @@ class NvrtcPolicy(ReferencePolicy):
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
             return None  # a transpose, slice, concat or gather of a pointwise group's values: index arithmetic
         return super().merge_ok(plan, group, s, pattern)
+
+    def _norm_prologue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """A norm as the prologue of the one product that reads it (``codegen._norm_prologue``): each
+        block of the product's kernel reduces the row itself and stages the normalised row in
+        shared memory, so the norm is no kernel of its own. One row (a decode step at batch 1):
+        every block's outputs then share it. Symbolic rows are decided per layout: a layout of
+        several rows runs the norm as its own row kernel, then the product (``prologue_parts``)."""
+        if not config.get("nvrtc_norm_prologue"):
+            return "DSP_NVRTC_NORM_PROLOGUE is off: a norm runs as its own kernel before the product"
+        why = product_declined(plan, s, pattern)
+        if why is not None:
+            return why
+        if is_merged(plan.slots[s]):
+            return "a merged product reads its joined weights through its own kernel: no norm prologue"
+        why = norm_prologue(plan, group, s, self.readers(plan))
+        if why is not None:
+            return why
+        for m in group.reductions:
+            if plan.slots[m].op not in codegen.PROLOGUE_NORMS:
+                return f"{plan.slots[m].op} is not a norm the product's prologue computes"
+        shape = pattern.shape
+        rows = _fixed_count(shape[:-1]) if shape is not None and len(shape) >= 2 else None
+        if rows is not None and rows != 1:  # symbolic rows: decided per layout (a prompt's runs as parts)
+            return f"the product has {rows} rows: the norm prologue takes one"
+        if group.reduction is not None and group.reduction.row is not None:
+            k = group.reduction.row[-1]
+            if not isinstance(k, int) or k > codegen.MAX_PROLOGUE_ROW:
+                return (
+                    f"a row of {k} elements (the prologue stages at most {codegen.MAX_PROLOGUE_ROW} in shared memory)"
+                )
+        return None
 
     def _product_epilogue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A product's epilogue: generated pointwise ops over its output's elements (bias, activation,
@@ -131,6 +165,8 @@ class NvrtcPolicy(ReferencePolicy):
             return "decode_attention" if pattern.kind is PatternKind.ROW_REDUCTION else "scores"
         if group.template == "decode_attention":
             return "decode_attention"
+        if pattern.kind is PatternKind.MATMUL and group.template == "row_reduction":
+            return "product"  # a product whose prologue is the norm (merge_ok checked)
         if pattern.kind is PatternKind.MATMUL and group.template in ("copy", "view"):
             return "scores"  # the scores product reading K through its index arithmetic (merge_ok checked)
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
