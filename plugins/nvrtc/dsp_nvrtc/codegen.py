@@ -1403,12 +1403,16 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     gen.line(f"constexpr int SLOTS = T / PL, DPL = ({d} + PL - 1) / PL, ROUNDS = ({length} + SLOTS - 1) / SLOTS;")
     gen.line(f"constexpr int R = ROUNDS < {ATTENTION_ROUNDS} ? ROUNDS : {ATTENTION_ROUNDS};  // rounds in flight")
     gen.line("const int plane = threadIdx.x % PL, slot = threadIdx.x / PL;")
+
+    def position(expr: str) -> None:  # position ``l`` of a round, and ``lc``, where it is read (in the buffer)
+        gen.line(f"const long long l = {expr};")
+        gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
+
     with gen.block(f"for (int l0 = 0; l0 < {length}; l0 += SLOTS * R)"):
         gen.line("float att_k[R][DPL];")
         gen.line("#pragma unroll")
         with gen.block("for (int r = 0; r < R; ++r)"):
-            gen.line("const long long l = l0 + r * SLOTS + slot;")
-            gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
+            position("l0 + r * SLOTS + slot")
             gen.line("#pragma unroll")
             with gen.block("for (int j = 0; j < DPL; ++j)"):
                 gen.line("const long long d = plane + j * PL;")
@@ -1417,8 +1421,7 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
                 gen.line(f"att_k[r][j] = d < {d} ? att_q[dc] * (float)({kx}) : 0.f;")
         gen.line("#pragma unroll")
         with gen.block("for (int r = 0; r < R; ++r)"):
-            gen.line("const long long l = l0 + r * SLOTS + slot;")
-            gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
+            position("l0 + r * SLOTS + slot")
             gen.line("float att_s = 0.f;")
             gen.line("#pragma unroll")
             gen.line("for (int j = 0; j < DPL; ++j) att_s += att_k[r][j];")
@@ -1457,8 +1460,7 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
             gen.line("float att_v[U];")
             gen.line("#pragma unroll")
             with gen.block("for (int u = 0; u < U; ++u)"):
-                gen.line("const long long l = l0 + u * NG + tg;")
-                gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
+                position("l0 + u * NG + tg")
                 gen.line(f"att_v[u] = (float)({gen.value(v, at(v, ('lc', 'dv')))});")
             gen.line("#pragma unroll")
             with gen.block("for (int u = 0; u < U; ++u)"):
