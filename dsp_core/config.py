@@ -218,6 +218,16 @@ OPTIONS: tuple[Option, ...] = (
         "softmax row kernel.",
     ),
     Option(
+        "runtime_kv_store",
+        "DSP_RUNTIME_KV_STORE",
+        "bool",
+        True,
+        "The whole-segment CPU backends (onnxruntime, openvino) take the decode plan's KV stores into their "
+        "segment (ScatterElements inside the runtime's model; the segment writes the rows into the KV buffer "
+        "after the call), so a decode step is one runtime call (docs/cpu-backends.md); off: each store ends a "
+        "segment and runs on the reference.",
+    ),
+    Option(
         "nvrtc_norm_prologue",
         "DSP_NVRTC_NORM_PROLOGUE",
         "bool",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from conftest import FIXTURES
@@ -84,19 +86,31 @@ def test_kv_scatter_on_the_host_writes_a_slice_where_the_rows_fit_and_keeps_the_
             kernel(Ctx, np.zeros((1, 2, 8, 4), np.float32), update, np.array([8 - n + 1]))
 
 
-def test_an_island_reads_the_kv_buffer_itself_never_a_bridged_copy() -> None:
-    """KVScatter runs eagerly (ONNX Runtime does not take it) between ONNX Runtime islands: the
-    island after it reads the caller's buffer at its address; no bridge copies it each step."""
-    pytest.importorskip("onnxruntime")
+def _eight_steps_on_onnxruntime() -> tuple[Any, np.ndarray]:
+    """scatter_graph on ONNX Runtime for 8 steps, each writing row ``step`` of one caller's buffer
+    (the same array, at the same address, every step) and reading the buffer back through ``y``;
+    frozen and replaying without a recapture by the end."""
     model = dsp.compile(scatter_graph(), mode="onnxruntime")
     buf = np.zeros((1, 2, 8, 4), np.float32)
+    address = buf.ctypes.data
     pos = np.zeros(1, np.int64)
     for step in range(8):
         pos[0] = step
         out = model.run({"buf": buf, "new": np.full((1, 2, 1, 4), step + 1, np.float32), "pos": pos})
         np.testing.assert_array_equal(out["y"], buf * 2)
+    assert model.dsp.phase is PlanPhase.REPLAYING and model.dsp.runtime.counters()["recaptures"] == 0
+    assert buf.ctypes.data == address
+    return model, buf
+
+
+def test_an_island_reads_the_kv_buffer_itself_never_a_bridged_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With DSP_RUNTIME_KV_STORE off, KVScatter runs eagerly (ONNX Runtime does not take it) between
+    ONNX Runtime islands: the island after it reads the caller's buffer at its address; no bridge
+    copies it each step."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setenv("DSP_RUNTIME_KV_STORE", "0")
+    model, buf = _eight_steps_on_onnxruntime()
     runtime = model.dsp.runtime
-    assert model.dsp.phase is PlanPhase.REPLAYING and runtime.counters()["recaptures"] == 0
     kinds = {u.kind.name for u in runtime.units}
     assert kinds == {"EAGER", "ISLAND"}, kinds  # the eager scatter, then the island that reads it
     assert runtime.aliases and not set(runtime.bridges) & runtime.aliases
@@ -163,3 +177,14 @@ def test_rewrite_declines_with_the_culprit() -> None:
     plain = dsp.compile(FIXTURES / "cnn.onnx").graph
     with pytest.raises(KVTransformError, match="no past_key_values"):
         find_kv_growth(plain)
+
+
+def test_onnx_runtime_takes_the_kv_store_and_writes_the_callers_buffer_after_its_call() -> None:
+    """By default the store is inside the runtime's model (ScatterElements of the buffer it reads):
+    one island, the reader of the store sees the new rows in the same step, and the segment writes
+    them into the caller's buffer, in place, after the call."""
+    pytest.importorskip("onnxruntime")
+    model, buf = _eight_steps_on_onnxruntime()
+    runtime = model.dsp.runtime
+    assert [u.kind.name for u in runtime.units] == ["ISLAND"] and runtime.units[0].backend.name == "onnxruntime"
+    np.testing.assert_array_equal(buf[0, 0, :, 0], np.arange(1, 9))

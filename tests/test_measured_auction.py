@@ -173,3 +173,27 @@ def test_a_winner_other_than_the_chains_choice_is_handed_over_without_a_second_c
     np.testing.assert_allclose(out["y"], dsp.compile(mlp_graph, mode="slot_by_slot").run({"x": x})["y"], rtol=1e-5)
     runtime = model.last_live.runtime  # type: ignore[union-attr]
     assert {u.backend.name for u in runtime.units} == {other}
+
+
+def test_a_segment_no_runtime_can_build_goes_to_the_reference(
+    cpu_runtimes: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both runtimes fail to build the model (as OpenVINO's frontend failed on a Split it misread):
+    the trial has no time, the chain's backend fails when the trial's step runs it, and the freeze
+    gives the unit to the reference instead of raising out of the auction."""
+    from dsp_onnxruntime.segment import OnnxRuntimeSegment
+    from dsp_openvino.segment import OpenVinoSegment
+
+    def broken(self: object, model: bytes, key: object) -> None:
+        raise RuntimeError("the runtime's frontend refused the model (test)")
+
+    monkeypatch.setattr(OnnxRuntimeSegment, "_build", broken)
+    monkeypatch.setattr(OpenVinoSegment, "_build", broken)
+    model = dsp.compile(mlp_graph)
+    model.dsp.freeze()  # the first run freezes (as a decode plan does): the trial runs before any eager run
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+    out = _freeze(model, x)
+    reference = dsp.compile(mlp_graph, mode="slot_by_slot").run({"x": x})
+    np.testing.assert_allclose(out["y"], reference["y"], rtol=1e-6, atol=1e-6)
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    assert {u.backend.name for u in runtime.units} == {"slot_by_slot"}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,3 +254,71 @@ def test_segment_model_constants_read_back_as_written(dtype: str) -> None:
         want = arrays[tensor.name]
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+# -- a decode step as one runtime call: the KV stores inside the segment ---------------------
+def _decode_run(name: str, mode: str) -> tuple[list[int], Any, list[np.ndarray]]:
+    """16 greedy tokens of fixture ``name`` under ``mode``: the tokens, the decode plan's partition,
+    and the KV buffers as they are after the last step."""
+    from dsp_core.llm import GenerationPipeline
+
+    pipe = GenerationPipeline(str(FIXTURES / f"{name}.onnx"), mode=mode)
+    tokens = pipe.generate(np.array([[5, 7, 11, 13]], np.int64), 16).token_list()
+    state = pipe._resident[1]  # the batch-1 decode arrays the session wrote
+    return tokens, pipe.decode_model.partition(), [np.array(b) for b in state.buffers.values()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", DECODERS)
+def test_a_decode_step_is_one_runtime_call_with_its_kv_stores_inside(
+    name: str, backend: str, cpu_runtimes: None
+) -> None:
+    """Named, each runtime takes the whole decode step, its KV stores included (written as
+    ScatterElements of the buffer the runtime reads; the segment writes the rows into the buffer
+    after the call): one segment, the reference's tokens and the reference's KV buffers."""
+    want, _, want_kv = _decode_run(name, "slot_by_slot")
+    got, part, got_kv = _decode_run(name, backend)
+    assert got == want
+    assert [s.backend for s in part.segments] == [backend], [(s.backend, len(s.slots)) for s in part.segments]
+    assert len(got_kv) == len(want_kv) > 0
+    for g, w in zip(got_kv, want_kv):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_with_runtime_kv_stores_off_each_store_runs_on_the_reference(
+    cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSP_RUNTIME_KV_STORE", "0")
+    want, _, _ = _decode_run("gpt2_eager", "slot_by_slot")
+    got, part, _ = _decode_run("gpt2_eager", "onnxruntime")
+    assert got == want
+    backends = [s.backend for s in part.segments]
+    assert backends.count("onnxruntime") == 3 and "slot_by_slot" in backends, backends  # 2 layers: 2 stores each
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merged_products_are_written_in_the_models_opset(backend: str, cpu_runtimes: None) -> None:
+    """A merged product (the core's sibling rewrite, domain dsp) inside an opset-18 segment model:
+    its parts are Slices with inputs (opset 10 on). The Split written for the dsp domain's opset 1
+    (a ``split`` attribute) was invalid there: ONNX Runtime refused the model and OpenVINO read
+    Llama's uneven Q/K/V as three even parts. Named, each runtime now gives the reference's step."""
+    from dsp_core.backends.whole import segment_io
+    from dsp_core.plan.merge import is_merged
+    from dsp_core.plan.subgraph import segment_model
+
+    feeds = _fixture_feeds("llama_eager", 1)
+    ref = dsp.compile(FIXTURES / "llama_eager.onnx", mode="slot_by_slot")
+    want = ref.run(feeds)
+    plan = ref.plan()
+    assert plan is not None
+    slots = tuple(s for s in range(len(plan.slots)) if is_merged(plan.slots[s]))
+    assert slots
+    io, embedded = segment_io(plan, slots)
+    proto = segment_model(plan, slots, io, {f: ("float32", None) for f in io.inputs}, {})
+    assert max(o.version for o in proto.opset_import if o.domain == "") >= 13
+    ops = [n.op_type for n in proto.graph.node]
+    assert "Split" not in ops and ops.count("Slice") == sum(len(plan.slots[s].outputs) for s in slots), ops
+    assert all(len(n.input) == 4 for n in proto.graph.node if n.op_type == "Slice")
+    got = dsp.compile(FIXTURES / "llama_eager.onnx", mode=backend).run(feeds)
+    for name, w in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(w), rtol=1e-4, atol=1e-4)

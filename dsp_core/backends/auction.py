@@ -532,7 +532,18 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
             if trial.winner != part.segments[k].backend:
                 _hand_over(executor, k, next(b for b in contested[k] if b.name == trial.winner), kept)
                 compiled = executor.segments[k]
-        compiled.run(values)  # the values the next segment's trial reads
+        try:
+            compiled.run(values)  # the values the next segment's trial reads
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001  (the step after the trial meets it and gives the unit to the reference)
+            log.info(
+                "DSP auction: segment %d failed on %s (%s): the segments after it keep the chain's backends",
+                k,
+                compiled.backend.name,
+                describe(exc),
+            )
+            return
 
 
 def _time_segment(

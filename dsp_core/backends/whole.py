@@ -18,6 +18,14 @@ it, and
 
 A subclass writes ``_build`` (compile the model bytes), ``_infer`` (one eager call) and
 ``_bind`` (a zero-argument callable that runs on bound buffers).
+
+A decode plan's KV stores (``dsp::KVScatter``, which write a KV buffer in place) run inside
+the segment as what they mean (``plan/subgraph.py``: the updated buffer as a new tensor the
+later slots read), so a decode step is one runtime call, not one per layer between the
+stores; the runtime never writes an input. The segment returns each store's rows and
+position, and after the call writes the rows into the buffer itself (``store_rows``) and
+gives the store's output the buffer, as the reference does (``DSP_RUNTIME_KV_STORE=0``: the
+stores end segments and run on the reference, as before).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from dsp_core.backends.base import (
 )
 from dsp_core.cache.disk import default_cache_dir
 from dsp_core.ir import dtypes
+from dsp_core.ops.llm import is_kv_store, store_rows
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.merge import is_merged
@@ -83,6 +92,11 @@ class WholeSegment(CompiledSegment):
         self._subgraph = subgraph
         sealed = frozenset(sealed_slots(plan))
         self.io, self.embedded = segment_io(plan, segment.slots, sealed)
+        # KV stores: (buffer, rows, position, axis, output) flat indexes; the runtime returns each
+        # one's rows (and its position, where the segment computes it), the segment writes them
+        self.stores = kv_stores(plan, segment.slots)
+        if self.stores:
+            self.io = _store_io(self.io, self.stores, self.embedded)
         # Every other slot of the plan is sealed (computed once at freeze): once frozen, a
         # step runs this segment's model and nothing else (a runtime may keep its threads hot).
         mine = set(segment.slots)
@@ -130,6 +144,12 @@ class WholeSegment(CompiledSegment):
         outs = self._infer(compiled, [c_order(values[i]) for i in self._inputs])
         for flat, out in zip(self._outputs, outs):
             values[flat] = out
+        self._store(values)
+
+    def _store(self, values: list[Any]) -> None:
+        """The KV stores' writes, after the runtime's call: their rows into their buffers, in place."""
+        for buffer, rows, position, axis, out in self.stores:
+            values[out] = store_rows(values[buffer], np.asarray(values[rows]), np.asarray(values[position]), axis)
 
     def _warm(self, values: list[Any]) -> None:
         self.run(values)
@@ -165,11 +185,14 @@ class WholeSegment(CompiledSegment):
         self._bound()  # type: ignore[misc]
         for o, b in zip(self._outputs, self._buffers):
             values[o] = b
+        if self.stores:
+            self._store(values)
         return ReplayStatus.OK
 
     def _replay_call(self, values: list[Any]) -> Callable[[], Any] | None:
-        # The runtime call itself, when ``values`` holds the bound inputs and this segment's buffers.
-        if self._bound is None:
+        # The runtime call itself, when ``values`` holds the bound inputs and this segment's buffers
+        # (and the segment writes no KV store after it).
+        if self._bound is None or self.stores:
             return None
         if any(values[i] is not a for i, a in zip(self._inputs, self._bound_inputs)):
             return None
@@ -199,6 +222,42 @@ class WholeSegment(CompiledSegment):
         return sum(b.nbytes for b in self._buffers)
 
 
+def kv_stores(plan: Plan, slots: tuple[int, ...]) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The KV stores among ``slots``: (buffer, rows, position, axis, output) as flat indexes."""
+    found = []
+    for s in slots:
+        slot = plan.slots[s]
+        if not is_kv_store(slot):
+            continue
+        buffer, rows, position = slot.inputs[:3]
+        out = slot.outputs[0]
+        assert buffer is not None and rows is not None and position is not None and out is not None
+        axis = int(slot.attrs.get("axis", -2))
+        found.append((plan.flat(buffer), plan.flat(rows), plan.flat(position), axis, plan.flat(out)))
+    return tuple(found)
+
+
+def _store_io(
+    io: SubgraphIO, stores: tuple[tuple[int, int, int, int, int], ...], embedded: tuple[int, ...]
+) -> SubgraphIO:
+    """The segment model's I/O with KV stores: a store's output is the buffer (the segment gives it,
+    not the runtime); its rows, and its position where the segment computes it, are outputs."""
+    from dsp_core.plan.subgraph import SubgraphIO
+
+    made = {out for *_, out in stores}
+    outputs = [o for o in io.outputs if o not in made]
+    for _, rows, position, _, _ in stores:
+        for flat in (rows, position):
+            if flat not in outputs and flat not in io.inputs and flat not in embedded:
+                outputs.append(flat)
+    return SubgraphIO(io.inputs, tuple(outputs))
+
+
+def runtime_kv_store() -> bool:
+    """DSP_RUNTIME_KV_STORE: whole-segment backends take the decode plan's KV stores (on by default)."""
+    return bool(config.get("runtime_kv_store"))
+
+
 # -- what every whole-segment backend declines, and where its runtime caches -----------
 # Slots with these traits end a segment or cannot be replayed from bound buffers (their
 # output size is known only after they run, they run subgraphs, draw random numbers, or
@@ -224,7 +283,11 @@ def written_view(slot: SlotView) -> SlotView:
 
 
 def common_decline(backend: Backend, slot: SlotView, domains: frozenset[str] = frozenset({""})) -> Decline | None:
-    """The declines every whole-segment backend shares: traits and op domains."""
+    """The declines every whole-segment backend shares: traits and op domains. A KV store is taken
+    (written as ScatterElements, the buffer written by the segment after the call) unless
+    DSP_RUNTIME_KV_STORE is off; the backend checks that its runtime has ScatterElements."""
+    if is_kv_store(slot) and runtime_kv_store():
+        return None
     if slot.traits & NOT_WHOLE:
         return Decline(
             DeclineReason.DYNAMIC_SHAPE if slot.traits & Trait.DYNAMIC_OUTPUT_SIZE else DeclineReason.CONTROL_FLOW,

@@ -38,13 +38,27 @@ def kv_scatter(ctx: KernelContext, buffer: Array, update: Array, position: Array
     n = update.shape[ax]
     if isinstance(buffer, np.ndarray) and isinstance(position, np.ndarray) and position.size:
         # On the host nothing is captured: the rows as a slice (a view), where they fit; the
-        # fancy index below for the rest (it wraps a negative start and raises past the end).
-        p = int(position.reshape(-1)[0])
-        if 0 <= p <= buffer.shape[ax] - n:
-            buffer[(slice(None),) * ax + (slice(p, p + n),)] = update
-            return buffer
+        # fancy index for the rest (it wraps a negative start and raises past the end).
+        return store_rows(buffer, update, position, axis)
     index = xp.reshape(position, (-1,))[:1].astype(xp.int64) + xp.arange(n, dtype=xp.int64)
     buffer[(slice(None),) * ax + (index,)] = update
+    return buffer
+
+
+def is_kv_store(slot: Any) -> bool:
+    """True for a slot of ``dsp::KVScatter`` (a plan slot or a backend's view of one)."""
+    return (slot.domain, slot.op) == ("dsp", "KVScatter")
+
+
+def store_rows(buffer: np.ndarray, update: np.ndarray, position: np.ndarray, axis: int = -2) -> np.ndarray:
+    """``kv_scatter``'s write on host arrays: ``update`` into ``buffer`` in place, from ``position[0]``."""
+    ax = axis % buffer.ndim
+    n = update.shape[ax]
+    p = int(np.asarray(position).reshape(-1)[0])
+    if 0 <= p <= buffer.shape[ax] - n:
+        buffer[(slice(None),) * ax + (slice(p, p + n),)] = update
+    else:  # a negative start wraps, and past the end raises, as the fancy index does
+        buffer[(slice(None),) * ax + (p + np.arange(n, dtype=np.int64),)] = update
     return buffer
 
 

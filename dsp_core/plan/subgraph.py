@@ -9,7 +9,14 @@ input and output names map straight back onto the executor's flat value list.
 
 A ``dsp::MergedMatMul`` slot (dsp_core/plan/merge.py) is written in ONNX as what it
 means: its weights (and biases) joined by Concat, which the runtime folds once, one
-MatMul or Gemm, and a Split on the last axis into the slot's outputs.
+MatMul or Gemm, and a Slice of the last axis for each of the slot's outputs.
+
+A ``dsp::KVScatter`` slot (the decode plan's KV store) is written as the buffer it makes:
+ScatterElements of the step's rows into the buffer read as an input, at ``position +
+arange(n)`` along its axis (a negative start counts from the end, as the reference's fancy
+index wraps it). The runtime computes a new tensor, read by the slots after it in the
+segment; the write into the buffer itself is the caller's, after the runtime's call
+(``dsp_core.backends.whole.WholeSegment``), so the runtime never writes an input.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from onnx import helper, numpy_helper
 
 from dsp_core.ir import dtypes
 from dsp_core.ir.typecheck import attribute_types
+from dsp_core.ops.llm import is_kv_store
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan
 
@@ -52,16 +60,23 @@ def segment_model(
     constants: Mapping[int, np.ndarray],
 ) -> onnx.ModelProto:
     """The ONNX model of ``slots``: inputs ``io.inputs`` typed by ``feeds`` (flat -> (dtype, shape))."""
-    nodes = [node for s in slots for node in _nodes(plan, s)]
-    graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
-    graph_outputs = [_value_info(name_of(f), *_out_info(plan, f)) for f in io.outputs]
-    graph = helper.make_graph(nodes, f"dsp_segment_{len(slots)}", graph_inputs, graph_outputs)
     opsets: dict[str, int] = {}
     for s in slots:
         slot = plan.slots[s]
+        if is_kv_store(slot):
+            continue  # written as ONNX ops of any opset from 11 (below)
         domain = "" if is_merged(slot) else slot.domain  # written as ONNX ops
         opsets[domain] = max(opsets.get(domain, 1), slot.opset)
     opsets.setdefault("", max(opsets.values(), default=17))
+    if any(is_kv_store(plan.slots[s]) for s in slots) and opsets[""] < KV_STORE_OPSET:
+        raise ValueError(
+            f"a KV store in a segment of ONNX opset {opsets['']}: it is written with ScatterElements and Range, "
+            f"which need opset {KV_STORE_OPSET}"
+        )
+    nodes = [node for s in slots for node in _nodes(plan, s, opsets[""])]
+    graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
+    graph_outputs = [_value_info(name_of(f), *_out_info(plan, f)) for f in io.outputs]
+    graph = helper.make_graph(nodes, f"dsp_segment_{len(slots)}", graph_inputs, graph_outputs)
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()], producer_name="dsp"
     )
@@ -91,13 +106,61 @@ def _add_initializer(graph: onnx.GraphProto, name: str, array: np.ndarray) -> No
     tensor.raw_data = array.tobytes()
 
 
-def _nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
-    """The ONNX nodes of slot ``s``: one, except for a merged product."""
-    return _merged_nodes(plan, s) if is_merged(plan.slots[s]) else [_node(plan, s)]
+KV_STORE_OPSET = 11  # ScatterElements with negative indices, Range
 
 
-def _merged_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
-    """``dsp::MergedMatMul`` as ONNX: Concat of the weights (and biases), one product, Split on the last axis."""
+def _nodes(plan: Plan, s: int, opset: int) -> list[onnx.NodeProto]:
+    """The ONNX nodes of slot ``s`` in a model of ONNX opset ``opset``: one, except for a merged
+    product and a KV store."""
+    if is_merged(plan.slots[s]):
+        return _merged_nodes(plan, s, opset)
+    if is_kv_store(plan.slots[s]):
+        return _kv_store_nodes(plan, s)
+    return [_node(plan, s)]
+
+
+def _kv_store_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
+    """``dsp::KVScatter(buffer, rows, position)`` as the buffer it makes: ScatterElements of ``rows``
+    at ``position[0] + arange(n)`` along the axis, as a new tensor (see the module docstring)."""
+    slot = plan.slots[s]
+    buffer, rows, position = (name_of(plan.flat(r)) if r is not None else "" for r in slot.inputs[:3])
+    out = slot.outputs[0]
+    assert out is not None and buffer and rows and position, "a KV store reads its buffer, rows and position"
+    shape = plan.ref_info(slot.inputs[0])[1]
+    assert shape is not None, "a KV buffer of known rank"
+    rank = len(shape)
+    axis = int(slot.attrs.get("axis", -2)) % rank
+    t = f"s{s}_kv_"
+
+    def const(name: str, value: Any) -> onnx.NodeProto:
+        tensor = numpy_helper.from_array(np.asarray(value, np.int64), t + name)
+        return helper.make_node("Constant", [], [t + name], name=t + name, value=tensor)
+
+    view = [1] * rank
+    view[axis] = -1
+    return [
+        const("axis", axis),
+        const("zero", 0),
+        const("one", 1),
+        const("flat", [-1]),
+        const("view", view),
+        helper.make_node("Shape", [rows], [t + "shape"], name=t + "shape"),
+        helper.make_node("Gather", [t + "shape", t + "axis"], [t + "n"], name=t + "n", axis=0),
+        helper.make_node("Cast", [position], [t + "p64"], name=t + "p64", to=onnx.TensorProto.INT64),
+        helper.make_node("Reshape", [t + "p64", t + "flat"], [t + "pflat"], name=t + "pflat"),
+        helper.make_node("Gather", [t + "pflat", t + "zero"], [t + "start"], name=t + "start", axis=0),
+        helper.make_node("Range", [t + "zero", t + "n", t + "one"], [t + "steps"], name=t + "steps"),
+        helper.make_node("Add", [t + "steps", t + "start"], [t + "at"], name=t + "at"),
+        helper.make_node("Reshape", [t + "at", t + "view"], [t + "atv"], name=t + "atv"),
+        helper.make_node("Expand", [t + "atv", t + "shape"], [t + "index"], name=t + "index"),
+        helper.make_node(
+            "ScatterElements", [buffer, t + "index", rows], [name_of(plan.flat(out))], name=f"s{s}", axis=axis
+        ),
+    ]
+
+
+def _merged_nodes(plan: Plan, s: int, opset: int) -> list[onnx.NodeProto]:
+    """``dsp::MergedMatMul`` as ONNX: Concat of the weights (and biases), one product, a Slice per part."""
     slot = plan.slots[s]
     k = len(slot.outputs)
     names = [name_of(plan.flat(r)) for r in slot.inputs]
@@ -116,13 +179,28 @@ def _merged_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
         nodes.append(gemm)
     else:
         nodes.append(helper.make_node("MatMul", product_inputs, [tmp + "y"], name=tmp + "y"))
-    sizes = [_part_n(plan, r, trans_b) for r in slot.inputs[1 : 1 + k]]
-    if slot.opset >= 13:  # the sizes are an input from opset 13 on
-        sizes_tensor = numpy_helper.from_array(np.asarray(sizes, np.int64), tmp + "sizes")
-        nodes.append(helper.make_node("Constant", [], [tmp + "sizes"], name=tmp + "sizes", value=sizes_tensor))
-        nodes.append(helper.make_node("Split", [tmp + "y", tmp + "sizes"], outs, name=f"s{s}", axis=-1))
-    else:
-        nodes.append(helper.make_node("Split", [tmp + "y"], outs, name=f"s{s}", axis=-1, split=sizes))
+    # Each part a Slice of the last axis, in the form of the model's opset (not the merged slot's
+    # own, which is the dsp domain's: a Split written by that one took opset 1's ``split``
+    # attribute into an opset-18 model, which ONNX Runtime refuses and OpenVINO read as even parts)
+    start = 0
+    for j, n in enumerate(_part_n(plan, r, trans_b) for r in slot.inputs[1 : 1 + k]):
+        name = f"s{s}" if j == 0 else f"s{s}_{j}"
+        if opset >= 10:  # starts, ends and axes are inputs from opset 10 on
+            bounds = []
+            for what, value in (("starts", start), ("ends", start + n), ("axes", -1)):
+                tensor = numpy_helper.from_array(np.asarray([value], np.int64), f"{tmp}{what}{j}")
+                nodes.append(
+                    helper.make_node("Constant", [], [f"{tmp}{what}{j}"], name=f"{tmp}{what}{j}", value=tensor)
+                )
+                bounds.append(f"{tmp}{what}{j}")
+            nodes.append(helper.make_node("Slice", [tmp + "y", *bounds], [outs[j]], name=name))
+        else:
+            nodes.append(
+                helper.make_node(
+                    "Slice", [tmp + "y"], [outs[j]], name=name, starts=[start], ends=[start + n], axes=[-1]
+                )
+            )
+        start += n
     return nodes
 
 
@@ -182,4 +260,4 @@ def serialized(model: onnx.ModelProto) -> bytes:
     return model.SerializeToString()
 
 
-__all__ = ["SubgraphIO", "c_order", "name_of", "segment_model", "serialized"]
+__all__ = ["SubgraphIO", "c_order", "is_kv_store", "name_of", "segment_model", "serialized"]
