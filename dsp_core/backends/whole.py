@@ -50,7 +50,7 @@ from dsp_core.backends.base import (
 )
 from dsp_core.cache.disk import default_cache_dir
 from dsp_core.ir import dtypes
-from dsp_core.ops.llm import is_kv_store, store_rows
+from dsp_core.ops.llm import KV_STORE_OPSET, is_kv_store, store_rows
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.merge import is_merged
@@ -267,12 +267,18 @@ NOT_WHOLE = Trait.DYNAMIC_OUTPUT_SIZE | Trait.CONTROL_FLOW | Trait.RANDOM | Trai
 
 
 def written_view(slot: SlotView) -> SlotView:
-    """``slot`` as the segment model writes it: a merged product is its MatMul or Gemm (plan/subgraph.py).
+    """``slot`` as the segment model writes it (plan/subgraph.py): a merged product is its MatMul or
+    Gemm, a KV store its ScatterElements (unless DSP_RUNTIME_KV_STORE is off).
 
-    A whole-segment backend asks its op table about this view, not the slot: the
-    runtime reads the product (Concat of constant weights, one product, Split), never
-    ``dsp::MergedMatMul`` itself.
+    A whole-segment backend asks its op table about this view, not the slot: the runtime
+    reads the product (Concat of constant weights, one product, a Slice per part), never
+    ``dsp::MergedMatMul`` itself; and a ScatterElements into a new tensor, never an in-place
+    write (the segment writes the buffer after the call), so the view has no MUTATES_INPUT.
     """
+    if is_kv_store(slot) and runtime_kv_store():
+        return replace(
+            slot, op="ScatterElements", domain="", opset=KV_STORE_OPSET, traits=slot.traits & ~Trait.MUTATES_INPUT
+        )
     if not is_merged(slot):
         return slot
     k = len(slot.output_dtypes)
@@ -283,11 +289,7 @@ def written_view(slot: SlotView) -> SlotView:
 
 
 def common_decline(backend: Backend, slot: SlotView, domains: frozenset[str] = frozenset({""})) -> Decline | None:
-    """The declines every whole-segment backend shares: traits and op domains. A KV store is taken
-    (written as ScatterElements, the buffer written by the segment after the call) unless
-    DSP_RUNTIME_KV_STORE is off; the backend checks that its runtime has ScatterElements."""
-    if is_kv_store(slot) and runtime_kv_store():
-        return None
+    """The declines every whole-segment backend shares: traits and op domains (of ``written_view``)."""
     if slot.traits & NOT_WHOLE:
         return Decline(
             DeclineReason.DYNAMIC_SHAPE if slot.traits & Trait.DYNAMIC_OUTPUT_SIZE else DeclineReason.CONTROL_FLOW,

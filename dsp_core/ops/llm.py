@@ -45,6 +45,9 @@ def kv_scatter(ctx: KernelContext, buffer: Array, update: Array, position: Array
     return buffer
 
 
+KV_STORE_OPSET = 11  # ONNX opset of what a KV store is written as (ScatterElements with negative indices, Range)
+
+
 def is_kv_store(slot: Any) -> bool:
     """True for a slot of ``dsp::KVScatter`` (a plan slot or a backend's view of one)."""
     return (slot.domain, slot.op) == ("dsp", "KVScatter")

@@ -31,7 +31,7 @@ from onnx import helper, numpy_helper
 
 from dsp_core.ir import dtypes
 from dsp_core.ir.typecheck import attribute_types
-from dsp_core.ops.llm import is_kv_store
+from dsp_core.ops.llm import KV_STORE_OPSET, is_kv_store
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan
 
@@ -104,9 +104,6 @@ def _add_initializer(graph: onnx.GraphProto, name: str, array: np.ndarray) -> No
     tensor.data_type = dtypes.to_onnx(array.dtype.name)
     tensor.dims.extend(array.shape)
     tensor.raw_data = array.tobytes()
-
-
-KV_STORE_OPSET = 11  # ScatterElements with negative indices, Range
 
 
 def _nodes(plan: Plan, s: int, opset: int) -> list[onnx.NodeProto]:

@@ -27,7 +27,6 @@ from dsp_core.backends.base import (
 )
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.backends.whole import common_decline, written_view
-from dsp_core.ops.llm import is_kv_store
 from dsp_core.plan.plan import Plan, Segment
 
 log = logging.getLogger(__name__)
@@ -156,16 +155,10 @@ class OnnxRuntimeBackend(Backend):
         return Availability.yes()
 
     def _supports(self, slot: SlotView) -> Decline | None:
-        slot = written_view(slot)  # a merged product is written as its MatMul/Gemm
+        slot = written_view(slot)  # a merged product as its MatMul/Gemm, a KV store as ScatterElements
         common = common_decline(self, slot, DOMAINS)
         if common is not None:
             return common
-        if is_kv_store(slot):  # written as ScatterElements (dsp_core.plan.subgraph)
-            if not kernel_table().get(("ScatterElements", "")):
-                return Decline(
-                    DeclineReason.UNSUPPORTED_OP, "ONNX Runtime's CPU provider has no ScatterElements kernel"
-                )
-            return None
         return _kernel_decline(slot, slot.opset)
 
     def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:

@@ -29,7 +29,6 @@ from dsp_core.backends.base import (
 )
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.backends.whole import common_decline, written_view
-from dsp_core.ops.llm import is_kv_store
 from dsp_core.plan.plan import Plan, Segment
 from dsp_openvino.ops import CONVERTS
 
@@ -107,16 +106,10 @@ class OpenVinoBackend(Backend):
         return Availability.yes()
 
     def _supports(self, slot: SlotView) -> Decline | None:
-        slot = written_view(slot)  # a merged product is written as its MatMul/Gemm
+        slot = written_view(slot)  # a merged product as its MatMul/Gemm, a KV store as ScatterElements
         common = common_decline(self, slot)
         if common is not None:
             return common
-        if is_kv_store(slot):  # written as ScatterElements (dsp_core.plan.subgraph)
-            if "ScatterElements" not in CONVERTS:
-                return Decline(
-                    DeclineReason.UNSUPPORTED_OP, "OpenVINO's ONNX frontend does not convert ScatterElements"
-                )
-            return None
         if slot.op not in CONVERTS:
             detail = f"OpenVINO's ONNX frontend has no conversion rule for {slot.op}"
             return Decline(DeclineReason.UNSUPPORTED_OP, detail)
