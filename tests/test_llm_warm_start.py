@@ -72,6 +72,8 @@ out.update(
     prefill_shape=list(pipe.prefill_model.run(feeds)["logits"].shape),
     decode=pipe.decode_model.stats.as_dict(),
     block_counters=pipe.block_model(batch, block).dsp.runtime.counters(),
+    # what a warm start should never need: torch (Triton's driver imports it), Triton's compiler
+    imported=sorted(m for m in ("torch", "triton.compiler.compiler") if m in sys.modules),
 )
 print(json.dumps(out))
 """

@@ -46,7 +46,8 @@ def _kernel_files(cache: Path) -> dict[str, tuple[int, int]]:
 def test_a_second_process_compiles_and_tunes_no_kernel_in_triton(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    """Every kernel binary and tuning choice of the cold process is reused as it is: the warm one writes none."""
+    """Every kernel binary and tuning choice of the cold process is reused as it is: the warm one writes none,
+    and loads the cubins itself (no torch, no Triton compiler)."""
     try:
         import dsp_triton  # noqa: F401
         import triton  # noqa: F401
@@ -57,9 +58,14 @@ def test_a_second_process_compiles_and_tunes_no_kernel_in_triton(
     cold = run_child(tmp_path, name, mode="triton")
     kernels = _kernel_files(tmp_path)
     assert any(k.startswith("triton/bin/") for k in kernels), sorted(kernels)[:20]
+    assert any(k.startswith("triton/cubin/") for k in kernels), sorted(kernels)[:20]
+    assert "torch" in cold["imported"] and "triton.compiler.compiler" in cold["imported"]
     warm = run_child(tmp_path, name, mode="triton")
     want = [int(t) for t in np.load(FIXTURES / f"{name}.golden.npz")["greedy_tokens"]]
     assert cold["greedy"] == warm["greedy"] == [want]
     assert warm["calls"] == {} and warm["warm"]["hits"] == 5
+    # every kernel came from DSP's cubin cache, loaded and launched without Triton's JIT: its
+    # NVIDIA driver (which imports torch) and its compiler were never imported
+    assert warm["imported"] == [], warm["imported"]
     after = _kernel_files(tmp_path)
     assert after == kernels, f"written by the warm process: {sorted(set(after.items()) - set(kernels.items()))[:20]}"

@@ -37,7 +37,7 @@ from dsp_cuda_graphs.greedy import PickLayout
 from dsp_core import config as dsp_config
 from dsp_core.backends.base import CaptureFailed
 from dsp_core.plan.kernelspec import reference_specs
-from dsp_triton import codegen
+from dsp_triton import binaries, codegen
 from dsp_triton.cache import TuneCache, cache_root, scoped, source_key, write_checked
 
 log = logging.getLogger("dsp.triton")
@@ -50,9 +50,9 @@ TUNE_RUNS = 5
 TUNE_LAUNCHES = 20  # launches per timed graph
 MIN_TRANSPOSED_WEIGHT = 1 << 16  # weights of at least this many elements get a [N, K] copy for one-row products
 MAX_KEYED_ELEMENTS = 4096  # host inputs up to this size are keyed by value
-# Loaded kernels by (source, warps), alive as long as the process: a captured graph holds
+# Loaded kernels by (source, warps, alignment, device), alive as long as the process: a captured graph holds
 # their functions, and a module freed while a graph can still launch it breaks the graph.
-_BINARIES: dict[tuple[str, int], Any] = {}
+_BINARIES: dict[tuple[Any, ...], Any] = {}
 
 
 @dataclass
@@ -95,7 +95,7 @@ class _Compiled:
     """A loaded kernel and its launch geometry."""
 
     def __init__(self, binary: Any, kernel: codegen.Kernel, shapes: dict[int, tuple[tuple[int, ...], Any]]) -> None:
-        self.binary = binary  # triton CompiledKernel, handles initialised (module loaded)
+        self.binary = binary  # binaries.Loaded (or TritonLaunched): the module loaded, never inside a capture
         self.kernel = kernel
         self.shapes = shapes  # output value -> (shape, dtype)
         # input flat -> (the array seen at compile time, its value): inputs whose values the
@@ -125,7 +125,7 @@ class _Compiled:
         }
 
     def launch(self, ptrs: Sequence[int], stream: int) -> None:
-        self.binary[self.kernel.grid](*ptrs, stream=stream)
+        self.binary.launch(self.kernel.grid, ptrs, stream)
 
 
 class FusedGroup:
@@ -559,14 +559,42 @@ class FusedGroup:
         pdl = dependent_launch(cp)
         if pdl:
             kernel = codegen.with_dependent_launch(kernel)
-        memo = _BINARIES.get((kernel.source, kernel.num_warps))
+        # Triton specialises a pointer on its 16-byte alignment; outputs are fresh allocations
+        aligned = tuple(int(x.data.ptr) % 16 == 0 for x in inputs) + (True,) * (len(kernel.args) - len(inputs))
+        dev = cp.cuda.Device()
+        memo_key = (kernel.source, kernel.num_warps, aligned, dev.id)
+        memo = _BINARIES.get(memo_key)
         if memo is not None:
             return _Compiled(memo, kernel, shapes)
+        key = binaries.entry_key(kernel.source, kernel.num_warps, pdl, aligned, str(dev.compute_capability))
+        store = binaries.CubinCache()
+        cubin = store.get(key)
+        loaded: binaries.Loaded | binaries.TritonLaunched
+        if cubin is not None:  # a warm start: no Triton, no torch
+            loaded = binaries.Loaded(cp, cubin)
+        else:
+            compiled = FusedGroup._triton_compile(kernel, inputs, cp, shapes, pdl)
+            cubin = binaries.from_compiled(compiled)
+            if cubin is None:
+                loaded = binaries.TritonLaunched(compiled)
+            else:
+                loaded = binaries.Loaded(cp, cubin)
+                store.put(key, cubin)
+        _BINARIES[memo_key] = loaded  # kept for the process: graphs launch it
+        return _Compiled(loaded, kernel, shapes)
+
+    @staticmethod
+    def _triton_compile(
+        kernel: codegen.Kernel,
+        inputs: Sequence[Any],
+        cp: Any,
+        shapes: dict[int, tuple[tuple[int, ...], Any]],
+        pdl: bool,
+    ) -> Any:
+        """Triton's ``CompiledKernel`` of ``kernel`` for these inputs (Triton's own cache under DSP's)."""
         import importlib.util
 
-        import triton
-
-        path = cache_root() / "src" / f"{source_key(kernel.source, '', triton.__version__)}.py"
+        path = cache_root() / "src" / f"{source_key(kernel.source, '', binaries.triton_version())}.py"
         try:
             if not path.exists() or path.read_text() != kernel.source:
                 write_checked(path, kernel.source.encode())
@@ -585,10 +613,7 @@ class FusedGroup:
         args += [_Arg(x) for x in scratch]
         with scoped():
             options = {"launch_pdl": True} if pdl else {}
-            binary = fn.warmup(*args, grid=kernel.grid, num_warps=kernel.num_warps, **options)
-        binary._init_handles()  # load the module now, never inside a capture
-        _BINARIES[(kernel.source, kernel.num_warps)] = binary  # kept for the process: graphs launch it
-        return _Compiled(binary, kernel, shapes)
+            return fn.warmup(*args, grid=kernel.grid, num_warps=kernel.num_warps, **options)
 
     def _tune(
         self,
@@ -600,8 +625,6 @@ class FusedGroup:
         """A small config set, timed; the winner cached by source and device (row kernels: none)."""
         if spec.template in ("row_reduction", "decode_attention_combine"):
             return first
-        import triton
-
         if spec.template == "product":
             configs = codegen.product_configs(codegen.product_shape(spec), preload=bool(spec.params.get("fixed_b")))
         elif spec.template == "decode_attention":
@@ -625,7 +648,7 @@ class FusedGroup:
             return config["block"] == first.kernel.block
 
         device = _device_name(self.cp)
-        key = source_key(first.kernel.source, device, triton.__version__)
+        key = source_key(first.kernel.source, device, binaries.triton_version())
         tunes = TuneCache()
         chosen = tunes.get(key)
         if chosen is not None and isinstance(chosen.get("config"), dict) and chosen["config"] in configs:
@@ -820,12 +843,7 @@ def dependent_launch(cp: Any) -> bool:
     if got is None:
         got = False
         if dsp_config.get("triton_pdl") and int(dev.compute_capability) >= 90:
-            try:
-                from triton.language.extra import cuda as tl_cuda
-
-                got = hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
-            except ImportError:
-                got = False
+            got = binaries.has_dependent_launch()
         _DEPENDENT_LAUNCH[dev.id] = got
     return got
 
