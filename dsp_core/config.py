@@ -228,6 +228,15 @@ OPTIONS: tuple[Option, ...] = (
         "segment and runs on the reference.",
     ),
     Option(
+        "nvrtc_kv_fusion",
+        "DSP_NVRTC_KV_FUSION",
+        "bool",
+        True,
+        "dsp-nvrtc writes a decode step's KV rows from the kernel that computes them (a pointwise or copy "
+        "group: GPT-2's split of the QKV product, Llama's rotary of K), so a KV store is no kernel of its "
+        "own (docs/nvrtc.md); off: each store its own kernel.",
+    ),
+    Option(
         "nvrtc_norm_prologue",
         "DSP_NVRTC_NORM_PROLOGUE",
         "bool",

@@ -936,22 +936,101 @@ def test_the_kv_store_declines_what_it_cannot_write() -> None:
         codegen.kv_store(node, spec((1, 8, 4), (1, 1, 5)))
 
 
-def test_a_decode_plans_kv_stores_are_groups_nvrtc_generates() -> None:
-    """The policy makes each dsp::KVScatter a store group of its own, which dsp-nvrtc generates
-    (NvrtcKVStore): one kernel where the reference launches four."""
+def test_a_decode_plans_kv_stores_join_the_kernel_that_makes_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-2's decode plan: both stores of a layer join the copy group that splits the QKV product
+    and lays out K and V (one kernel a layer where there were two store kernels); Llama's K store
+    joins its rotary. DSP_NVRTC_KV_FUSION=0: each dsp::KVScatter is a store group of its own, which
+    dsp-nvrtc generates too (NvrtcKVStore: one kernel where the reference launches four)."""
     from dsp_nvrtc.segment import unfused_reason
 
-    from dsp_core.llm import GenerationPipeline
-    from dsp_core.plan.fusion import propose_groups
+    def stores(name: str) -> tuple[Any, list[Any]]:
+        plan = _decode_plan(name, "pipeline")
+        assert plan is not None
+        groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy()).groups
+        return plan, [g for g in groups if any(plan.slots[s].op == "KVScatter" for s in g.slots)]
 
-    pipe = GenerationPipeline(str(FIXTURES / "gpt2_eager.onnx"), mode="slot_by_slot")
-    pipe.generate(np.array([[1, 2, 3]], np.int64), max_new_tokens=3)
-    plan = pipe.decode_model.plan()
-    assert plan is not None
-    groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy()).groups
-    stores = [g for g in groups if any(plan.slots[s].op == "KVScatter" for s in g.slots)]
-    assert stores and all(g.template == "store" and len(g.slots) == 1 for g in stores)
-    assert all(unfused_reason(plan, g) is None for g in stores)
+    plan, found = stores("gpt2_eager")
+    assert len(found) == 2 and all(g.template == "copy" and g.kernels == 1 for g in found)  # 2 layers
+    assert all(sum(plan.slots[s].op == "KVScatter" for s in g.slots) == 2 for g in found)
+    assert all(unfused_reason(plan, g) is None for g in found)
+    plan, found = stores("llama_eager")
+    rotary = [g for g in found if any(plan.slots[s].op == "Neg" for s in g.slots)]
+    assert len(found) == 4 and len(rotary) == 2, [[plan.slots[s].op for s in g.slots] for g in found]
+    monkeypatch.setenv("DSP_NVRTC_KV_FUSION", "0")
+    plan, found = stores("gpt2_eager")
+    assert len(found) == 4 and all(g.template == "store" and len(g.slots) == 1 for g in found)
+    assert all(unfused_reason(plan, g) is None for g in found)
+
+
+def _decode_step(name: str, length: int = 16) -> tuple[dsp.CompiledModel, dict[str, np.ndarray]]:
+    """The fixture's decode step over fixed KV buffers of ``length`` (``fixed_kv_buffers``), on the
+    reference, with the golden step 1's past in the buffers and its token at position 7."""
+    from dsp_core.llm.kv import fixed_kv_buffers
+
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    fixed = fixed_kv_buffers(dsp.compile(FIXTURES / f"{name}.onnx").graph, batch=1, max_length=length)
+    decode = dsp.compile(fixed.graph, mode="slot_by_slot")
+    feeds: dict[str, np.ndarray] = {}
+    for n, shape in fixed.buffer_shapes.items():
+        past = golden[f"step1.{n}"]
+        feeds[n] = np.zeros(shape, past.dtype)
+        feeds[n][:, :, : past.shape[2]] = past
+    mask = np.zeros((1, length), np.int64)
+    mask[:, :8] = 1
+    feeds.update(
+        input_ids=golden["step1.input_ids"],
+        attention_mask=mask,
+        position_ids=golden["step1.position_ids"],
+        kv_position=np.array([7]),
+    )
+    return decode, {k: v for k, v in feeds.items() if k in decode.input_names}
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("name", ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"])
+def test_kernels_with_kv_stores_write_the_rows_the_reference_writes_on_the_host(name: str) -> None:
+    """Each generated kernel of a decode step, run on the host; a kernel with KV stores starts from the
+    buffers as the reference left them with its new rows poisoned (NaN), so a row it does not write,
+    or writes elsewhere, fails the comparison."""
+    decode, feeds = _decode_step(name)
+    results = hostcheck.check_model(decode, feeds, nvrtc=NVRTC_MISSING is None)
+    assert not [r for r in results if r.status in ("mismatch", "error")], results
+    with_stores = [r for r in results if "KVScatter" in r.ops and r.template != "store"]  # a store alone: kv_store
+    assert len(with_stores) >= 2 and all(r.status == "ok" for r in with_stores), with_stores
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+def test_the_host_check_sees_a_kv_row_written_to_the_wrong_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = codegen._kv_store
+
+    def one_row_off(gen: Any, k: int, node: Any, idx: Any) -> None:
+        real(gen, k, node, idx)
+        gen.scope.lines[-1] = gen.scope.lines[-1].replace("] = ", " + 64] = ")
+
+    monkeypatch.setattr(codegen, "_kv_store", one_row_off)
+    decode, feeds = _decode_step("gpt2_eager")
+    results = hostcheck.check_model(decode, feeds, nvrtc=False)
+    bad = [r for r in results if "KVScatter" in r.ops]
+    assert bad and all(r.status == "mismatch" for r in bad), bad
+
+
+def test_a_kv_store_kernel_writes_through_the_buffers_pointer_at_the_device_position() -> None:
+    """The copy kernel of GPT-2's split: its outputs are q, then the two buffers (their pointers: the
+    stores' outputs are the buffers, in place); the position is an input, read after the wait."""
+    decode, feeds = _decode_step("gpt2_eager")
+    groups = hostcheck.group_specs(decode, feeds)
+    specs = [spec for _, _, spec, _ in groups if "KVScatter" in [n.op for n in spec.nodes]]
+    assert specs
+    kernel = codegen.generate(specs[0])
+    stores = [n for n in specs[0].nodes if n.op == "KVScatter"]
+    assert kernel.kv_stores == tuple((n.outputs[0], n.inputs[0]) for n in stores)
+    outs = kernel.args[kernel.n_inputs :]
+    assert [v for v, _ in kernel.kv_stores] == list(outs[-2:])
+    assert all(n.inputs[0] not in kernel.args[: kernel.n_inputs] for n in stores)  # a buffer is never loaded
+    assert stores[0].inputs[2] in kernel.args[: kernel.n_inputs]
+    body = kernel.source
+    assert body.index("DSP_WAIT();") < body.index("(long long)in")
+    assert kernel.source.count(f"< {specs[0].values[stores[0].inputs[0]].shape[2]}) out") == 2
 
 
 # -- the greedy pick (dsp::Sample at temperature 0, ArgMax over the last axis) ---------------

@@ -261,6 +261,9 @@ class Kernel:
     threads: int  # threads per block
     template: str
     vector_args: tuple[int, ...] = ()  # inputs read 16 bytes a load (their addresses: multiples of 16)
+    # KV stores the kernel makes (``dsp::KVScatter`` as a store of a row it computes): (output, buffer);
+    # the output is the buffer, written in place: its parameter is the buffer's pointer
+    kv_stores: tuple[tuple[int, int], ...] = ()
 
     def device_source(self) -> str:
         """The whole translation unit NVRTC compiles."""
@@ -1136,7 +1139,12 @@ def generate(spec: GroupSpec) -> Kernel:
 
     Identical groups (the same layer's norm in every layer) share one kernel and one compile.
     """
+    kv_nodes = kv_store_nodes(spec)
+    if kv_nodes and spec.template not in ("pointwise", "copy"):
+        raise Unsupported(f"a KV store in a {spec.template} kernel")
     for node in spec.nodes:
+        if node in kv_nodes:
+            continue
         if node.domain not in ("", "ai.onnx") or node.op not in SUPPORTED_OPS:
             raise Unsupported(f"no template for {node.domain + '::' if node.domain else ''}{node.op}")
     if not spec.outputs:
@@ -1177,7 +1185,10 @@ def generate(spec: GroupSpec) -> Kernel:
     name = f"dsp_{prefix}_{tag}"
     source = source.replace(" KERNEL(", f" {name}(", 1)
     args = (*gen.args, *(v for v, _ in stores))
-    return Kernel(source, name, tuple(args), len(gen.args), grid, threads, spec.template, tuple(gen.vector_args))
+    kv = tuple((int(n.outputs[0]), int(n.inputs[0])) for n in kv_nodes)  # type: ignore[arg-type]
+    return Kernel(
+        source, name, tuple(args), len(gen.args), grid, threads, spec.template, tuple(gen.vector_args), kv
+    )
 
 
 def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
@@ -1188,7 +1199,43 @@ def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
     gen.line(f"out{k}[{off}] = {_to_storage(name, spec.dtype)};")
 
 
+def _kv_store(gen: _Gen, k: int, node: NodeSpec, idx: Idx) -> None:
+    """``node``'s update (computed at ``idx``, the update's index) written into its buffer in place,
+    through ``out{k}`` (the buffer's pointer), at the device-held position plus the index along the
+    axis: a start that is negative counts from the end, a row past the buffer is not written (as
+    ``kv_store`` does)."""
+    buffer, update, position = (node.inputs + (None, None, None))[:3]
+    if buffer is None or update is None or position is None or node.outputs[0] is None:
+        raise Unsupported("a KVScatter without its buffer, rows and position")
+    b, u, p = (gen.spec.values[v] for v in (buffer, update, position))
+    if b.dtype != u.dtype:
+        raise Unsupported(f"rows of {u.dtype} written into a {b.dtype} buffer (the reference casts)")
+    if p.dtype not in ("int64", "int32"):
+        raise Unsupported(f"a position of {p.dtype}")
+    if position not in gen.inputs or buffer not in gen.inputs or b.strides is None:
+        raise Unsupported("a KV store whose buffer or position the group computes")
+    rank = len(b.shape)
+    ax = int(node.attrs.get("axis", -2)) % rank
+    if len(u.shape) != rank or any(u.shape[j] != b.shape[j] for j in range(rank) if j != ax):
+        raise Unsupported(f"rows of {list(u.shape)} for a buffer of {list(b.shape)} along axis {ax}")
+    name = gen.value(update, idx)
+    if position not in gen.args:
+        gen.args.append(position)
+    gen.wait()
+    start = gen.let(f"(long long)in{gen.args.index(position)}[0]", prefix="kp")
+    at = start if idx.dims[ax] == "0" else f"({idx.dims[ax]} + {start})"
+    row = gen.let(f"({at} < 0 ? {at} + {b.shape[ax]} : {at})", prefix="kr")
+    dims = tuple(row if j == ax else d for j, d in enumerate(idx.dims))
+    strides = [int(st) for st in b.strides]
+    terms = [d if strides[j] == 1 else f"{d} * {strides[j]}LL" for j, d in enumerate(dims) if d != "0"]
+    off = gen.let(" + ".join(terms), prefix="f") if terms else "0"
+    gen.line(f"if ({row} >= 0 && {row} < {b.shape[ax]}) out{k}[{off}] = {_to_storage(name, b.dtype)};")
+
+
 def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
+    kv_nodes = kv_store_nodes(spec)
+    if kv_nodes:
+        return _store_template(gen, spec, kv_nodes)
     space = max(spec.outputs, key=lambda v: spec.values[v].numel)
     numel = max(1, spec.values[space].numel)
     staged = _norm_prologue(gen, spec)
@@ -1230,6 +1277,36 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         return stores, (numel * lanes + THREADS - 1) // THREADS
     for k, (v, idx) in enumerate(stores):
         _store(gen, k, v, idx)
+    return stores, (numel + THREADS - 1) // THREADS
+
+
+def _store_template(gen: _Gen, spec: GroupSpec, kv_nodes: list[NodeSpec]) -> tuple[list[tuple[int, Idx]], int]:
+    """A pointwise or copy group whose KV stores write rows it computes: one thread per element of the
+    largest of its outputs and rows (the buffers themselves are not iterated), each output and row
+    stored at its own index, the rows into their buffers in place."""
+    buffers = {int(n.outputs[0]): n for n in kv_nodes}  # type: ignore[arg-type]
+    plain = [v for v in spec.outputs if v not in buffers]
+    rows = [int(n.inputs[1]) for n in kv_nodes]  # type: ignore[arg-type]
+    space = max([*plain, *rows], key=lambda v: spec.values[v].numel)
+    numel = max(1, spec.values[space].numel)
+    gen.line("const long long lin = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
+    gen.line(f"if (lin >= {numel}) return;")
+
+    def at(shape: Sequence[int]) -> Idx:
+        # A smaller output is stored by the first threads, and again (the same values) by the
+        # threads past its size: every index stays in bounds, no store disagrees.
+        size = max(1, math.prod(shape))
+        return gen.unflatten("lin" if size == numel else gen.let(f"lin % {size}", prefix="i"), shape)
+
+    stores: list[tuple[int, Idx]] = []
+    for v in plain:
+        idx = at(spec.values[v].shape)
+        _store(gen, len(stores), v, idx)
+        stores.append((v, idx))
+    for buffer_out, node in buffers.items():
+        idx = at(spec.values[int(node.inputs[1])].shape)  # type: ignore[arg-type]
+        _kv_store(gen, len(stores), node, idx)
+        stores.append((buffer_out, idx))
     return stores, (numel + THREADS - 1) // THREADS
 
 
@@ -1662,6 +1739,11 @@ def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
 
 
 # -- the KV store (dsp::KVScatter): the step's rows written into the KV buffer in place --------
+def kv_store_nodes(spec: GroupSpec) -> list[NodeSpec]:
+    """The group's ``dsp::KVScatter`` nodes: each an in-place store of a row the kernel computes."""
+    return [n for n in spec.nodes if (n.domain, n.op) == ("dsp", "KVScatter")]
+
+
 def kv_store(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
     """``dsp::KVScatter(buffer, update, position)`` as one kernel: one thread per element of the
     update, written into the buffer at ``position[0]`` plus its index along ``axis``.

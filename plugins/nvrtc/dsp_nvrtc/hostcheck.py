@@ -176,6 +176,8 @@ def check_model(
             for v, x in arrays.items():  # a value the group stores between its parts: row-major
                 if v not in spec.inputs or spec.values[v].strides == tuple(codegen.row_major(x.shape)):
                     arrays[v] = np.ascontiguousarray(x)
+            for out, _ in kernel.kv_stores:  # the buffer as the reference left it, its new rows poisoned
+                arrays[out] = _poisoned_rows(spec, out, values)
             got = run_on_host(kernel, spec, arrays)
         except Exception as exc:  # noqa: BLE001
             results.append(GroupCheck(seg.index, g.index, g.template, ops, "error", f"{exc}", kernel.name))
@@ -184,6 +186,21 @@ def check_model(
         status = "ok" if bad is None else "mismatch"
         results.append(GroupCheck(seg.index, g.index, g.template, ops, status, bad or "", kernel.name))
     return results
+
+
+def _poisoned_rows(spec: codegen.GroupSpec, out: int, values: list[Any]) -> np.ndarray:
+    """A copy of the buffer a KV store of the group wrote (``out``, as the reference left it) whose rows
+    that store wrote are NaN (or an integer's largest value): the kernel must write them again."""
+    node = next(n for n in spec.nodes if n.op == "KVScatter" and n.outputs[0] == out)
+    buffer = np.array(values[out])  # a C-ordered copy, as the buffer's strides in the spec say
+    update, position = (np.asarray(values[int(v)]) for v in node.inputs[1:3])  # type: ignore[arg-type]
+    ax = int(node.attrs.get("axis", -2)) % buffer.ndim
+    start = int(position.reshape(-1)[0])
+    start += buffer.shape[ax] if start < 0 else 0
+    rows = (slice(None),) * ax + (slice(start, start + update.shape[ax]),)
+    bad = np.nan if np.issubdtype(buffer.dtype, np.floating) else np.iinfo(buffer.dtype).max
+    buffer[rows] = bad
+    return buffer
 
 
 def _kernel(spec: codegen.GroupSpec) -> tuple[codegen.Kernel, codegen.GroupSpec]:

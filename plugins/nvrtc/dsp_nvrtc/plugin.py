@@ -73,6 +73,8 @@ class NvrtcPolicy(ReferencePolicy):
         return template
 
     def merge_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        if pattern.kind is PatternKind.STORE:
+            return self._store_ok(plan, group, s)
         if group.template == "product":
             return self._product_epilogue(plan, group, s, pattern)
         if group.template == "scores":
@@ -98,6 +100,19 @@ class NvrtcPolicy(ReferencePolicy):
         if pattern.kind is PatternKind.INJECTIVE and group.template in ("pointwise", "copy", "view"):
             return None  # a transpose, slice, concat or gather of a pointwise group's values: index arithmetic
         return super().merge_ok(plan, group, s, pattern)
+
+    @staticmethod
+    def _store_ok(plan: Plan, group: GroupView, s: int) -> str | None:
+        """A KV store as the last store of the pointwise or copy kernel that computes its row (the core
+        checked that the group makes it): GPT-2's split of the QKV product, Llama's rotary of K. The
+        kernel writes the row into the buffer at the device-held position (``codegen._kv_store``)."""
+        if not config.get("nvrtc_kv_fusion"):
+            return "DSP_NVRTC_KV_FUSION is off: a KV store runs as its own kernel"
+        if (plan.slots[s].domain, plan.slots[s].op) != ("dsp", "KVScatter"):
+            return f"{plan.slots[s].op} has no CUDA C store"
+        if group.template not in ("pointwise", "copy", "view"):
+            return f"a {group.template} group takes no KV store (its kernel stores only its own outputs)"
+        return None
 
     def _norm_prologue(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A norm as the prologue of the one product that reads it (``codegen._norm_prologue``): each
@@ -159,6 +174,8 @@ class NvrtcPolicy(ReferencePolicy):
         return None
 
     def joined(self, group: GroupView, s: int, pattern: SlotPattern) -> str:
+        if pattern.kind is PatternKind.STORE:
+            return "copy" if group.template == "view" else group.template  # a view's rows, written: a kernel
         if group.template == "product":
             return "product"
         if group.template == "scores":
