@@ -1,7 +1,9 @@
 """GPT-2-style greedy decode on the CPU: an ONNX Runtime loop against GenerationPipeline with the
-KV stores inside the runtimes' segments (DSP_RUNTIME_KV_STORE=1) and on the reference (=0).
+KV stores inside the runtimes' segments (DSP_RUNTIME_KV_STORE=1), there written in place by
+ONNX Runtime's replays (DSP_RUNTIME_KV_IN_PLACE=1) or as rows after each call (=0), and on the
+reference (DSP_RUNTIME_KV_STORE=0).
 
-The three run in turns, in one process, ``--rounds`` times (the machine's noise is shared out
+The four run in turns, in one process, ``--rounds`` times (the machine's noise is shared out
 between them); lateSteady tokens/s of each run, medians and the ratios to the loop. AUTO has
 the native runtimes let in (this script sets DSP_AUTO_EXCLUDE=none). Threads come from the
 environment, as in the CPU race:
@@ -40,14 +42,19 @@ def main(argv: list[str] | None = None) -> int:
 
     path = Path(args.model)
     prompt = np.random.default_rng(0).integers(0, 50000, cpu_race.DECODE_PROMPT).astype(np.int64)
-    runs: dict[str, list[float]] = {"ort_loop": [], "kv_store_inside": [], "kv_store_on_reference": []}
+    variants = {  # GenerationPipeline's settings per row
+        "kv_store_in_place": {"DSP_RUNTIME_KV_STORE": "1", "DSP_RUNTIME_KV_IN_PLACE": "1"},
+        "kv_store_rows_after": {"DSP_RUNTIME_KV_STORE": "1", "DSP_RUNTIME_KV_IN_PLACE": "0"},
+        "kv_store_on_reference": {"DSP_RUNTIME_KV_STORE": "0", "DSP_RUNTIME_KV_IN_PLACE": "1"},
+    }
+    runs: dict[str, list[float]] = {"ort_loop": [], **{k: [] for k in variants}}
     backends: dict[str, list[str]] = {}
     agree: list[bool] = []
     for _ in range(args.rounds):
         rate, want = cpu_race._ort_decode_tokens_per_s(path, prompt, args.threads, args.tokens)
         runs["ort_loop"].append(rate)
-        for key, flag in (("kv_store_inside", "1"), ("kv_store_on_reference", "0")):
-            os.environ["DSP_RUNTIME_KV_STORE"] = flag
+        for key, env in variants.items():
+            os.environ.update(env)
             pipe = GenerationPipeline(path, max_length=cpu_race.DECODE_PROMPT + args.tokens + 8)
             pipe.generate(prompt, 24)  # warm-up: plans, freeze, trials
             pipe.reset_position()

@@ -228,6 +228,15 @@ OPTIONS: tuple[Option, ...] = (
         "segment and runs on the reference.",
     ),
     Option(
+        "runtime_kv_in_place",
+        "DSP_RUNTIME_KV_IN_PLACE",
+        "bool",
+        True,
+        "ONNX Runtime's replays bind each KV store's updated buffer onto the KV buffer itself, so its "
+        "ScatterElements writes only the new rows instead of copying the whole buffer every step "
+        "(docs/cpu-backends.md); off: the buffer is copied inside the call and the rows written after it.",
+    ),
+    Option(
         "nvrtc_kv_fusion",
         "DSP_NVRTC_KV_FUSION",
         "bool",

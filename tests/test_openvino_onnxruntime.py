@@ -285,6 +285,28 @@ def test_a_decode_step_is_one_runtime_call_with_its_kv_stores_inside(
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_onnxruntime_replays_write_the_kv_rows_in_place(backend: str, cpu_runtimes: None) -> None:
+    """ONNX Runtime's replays bind each store's updated buffer onto the buffer itself (its
+    ScatterElements then writes only the new rows); OpenVINO's keep writing the rows after the
+    call. Both replay most steps and end with the reference's buffers (the test above)."""
+    from dsp_core.backends.whole import WholeSegment
+    from dsp_core.llm import GenerationPipeline
+
+    pipe = GenerationPipeline(str(FIXTURES / "gpt2_eager.onnx"), mode=backend)
+    pipe.generate(np.array([[5, 7, 11, 13]], np.int64), 16)
+    runtime = pipe.decode_model.last_live.runtime  # type: ignore[union-attr]
+    (segment,) = [u.compiled for u in runtime.units if isinstance(u.compiled, WholeSegment)]
+    assert len(segment.stores) == 4  # 2 layers, K and V
+    if backend == "onnxruntime":
+        assert sorted(segment.in_place) == sorted(out for *_, out in segment.stores)
+        buffers = {id(b) for b in pipe._resident[1].buffers.values()}
+        assert {id(b) for b in segment._bound_outputs} >= buffers  # bound onto the session's own buffers
+    else:
+        assert segment.in_place == {}
+    assert runtime.counters()["replays"] >= 10, runtime.counters()
+
+
 def test_with_runtime_kv_stores_off_each_store_runs_on_the_reference(
     cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,10 +22,17 @@ A subclass writes ``_build`` (compile the model bytes), ``_infer`` (one eager ca
 A decode plan's KV stores (``dsp::KVScatter``, which write a KV buffer in place) run inside
 the segment as what they mean (``plan/subgraph.py``: the updated buffer as a new tensor the
 later slots read), so a decode step is one runtime call, not one per layer between the
-stores; the runtime never writes an input. The segment returns each store's rows and
-position, and after the call writes the rows into the buffer itself (``store_rows``) and
-gives the store's output the buffer, as the reference does (``DSP_RUNTIME_KV_STORE=0``: the
-stores end segments and run on the reference, as before).
+stores. The segment returns each store's rows and position, and after the call writes the
+rows into the buffer itself (``store_rows``) and gives the store's output the buffer, as the
+reference does (``DSP_RUNTIME_KV_STORE=0``: the stores end segments and run on the
+reference, as before).
+
+A runtime whose scatter writes in place when its output is its input's memory
+(``in_place_stores``: ONNX Runtime's ScatterElements skips its copy then) replays with each
+store's updated buffer bound as an output onto the buffer itself, where the store's buffer
+is read by nothing else in the segment: the call writes only the new rows, where it copied
+the whole buffer into a new tensor every step (GPT-2 124M: 24 buffers, 11.8 MB a token at
+160 positions), and nothing is written after it. Eager calls keep the rows' path.
 """
 
 from __future__ import annotations
@@ -84,6 +91,10 @@ def segment_io(
 class WholeSegment(CompiledSegment):
     """A segment compiled into one model of another runtime; see the module docstring."""
 
+    # True where ``_bind`` may bind an output onto an input's memory and the runtime's scatter
+    # then writes in place (the KV stores' updated buffers onto the buffers)
+    in_place_stores = False
+
     def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
         from dsp_core.plan import subgraph
 
@@ -95,8 +106,12 @@ class WholeSegment(CompiledSegment):
         # KV stores: (buffer, rows, position, axis, output) flat indexes; the runtime returns each
         # one's rows (and its position, where the segment computes it), the segment writes them
         self.stores = kv_stores(plan, segment.slots)
+        # output flat -> its buffer's: the stores a replay binds in place (output onto buffer)
+        self.in_place: dict[int, int] = {}
         if self.stores:
-            self.io = _store_io(self.io, self.stores, self.embedded)
+            if self.in_place_stores and config.get("runtime_kv_in_place"):
+                self.in_place = _in_place_stores(plan, segment.slots, self.stores, self.io)
+            self.io = _store_io(self.io, self.stores, self.embedded, tuple(self.in_place))
         # Every other slot of the plan is sealed (computed once at freeze): once frozen, a
         # step runs this segment's model and nothing else (a runtime may keep its threads hot).
         mine = set(segment.slots)
@@ -105,6 +120,7 @@ class WholeSegment(CompiledSegment):
         self._buffers: list[np.ndarray] = []
         self._bound: Callable[[], Any] | None = None
         self._bound_inputs: tuple[Any, ...] = ()
+        self._bound_outputs: tuple[Any, ...] = ()
         self._warm_outputs: list[Any] | None = None
         self._inputs = self.io.inputs
         self._outputs = self.io.outputs
@@ -143,18 +159,21 @@ class WholeSegment(CompiledSegment):
         c_order = self._subgraph.c_order
         outs = self._infer(compiled, [c_order(values[i]) for i in self._inputs])
         for flat, out in zip(self._outputs, outs):
-            values[flat] = out
+            if flat not in self.in_place:  # an updated buffer: the real one gets the rows below
+                values[flat] = out
         self._store(values)
 
-    def _store(self, values: list[Any]) -> None:
-        """The KV stores' writes, after the runtime's call: their rows into their buffers, in place."""
+    def _store(self, values: list[Any], skip: dict[int, int] | None = None) -> None:
+        """The KV stores' writes, after the runtime's call: their rows into their buffers, in place
+        (those in ``skip`` the bound call wrote itself)."""
         for buffer, rows, position, axis, out in self.stores:
-            values[out] = store_rows(values[buffer], np.asarray(values[rows]), np.asarray(values[position]), axis)
+            if skip is None or out not in skip:
+                values[out] = store_rows(values[buffer], np.asarray(values[rows]), np.asarray(values[position]), axis)
 
     def _warm(self, values: list[Any]) -> None:
         self.run(values)
         # The outputs' final shapes and dtypes: prepare (on the next step) allocates them.
-        self._warm_outputs = [values[o] for o in self._outputs]
+        self._warm_outputs = [values[o] for o in self._outputs if o not in self.in_place]
 
     def _prepare(self, values: list[Any]) -> None:
         current = self._warm_outputs
@@ -174,8 +193,11 @@ class WholeSegment(CompiledSegment):
                     f"{self.backend.name}: input v{flat} of segment {self.segment.index} is not a C-contiguous "
                     "array, so it cannot be bound in place"
                 )
-        self._bound = self._bind(self.compiled_for(values), inputs, self._buffers)
+        own = iter(self._buffers)
+        outputs = [values[self.in_place[o]] if o in self.in_place else next(own) for o in self._outputs]
+        self._bound = self._bind(self.compiled_for(values), inputs, outputs)
         self._bound_inputs = tuple(inputs)
+        self._bound_outputs = tuple(outputs)
 
     def _replay(self, values: list[Any]) -> ReplayStatus:
         # Hot path: one identity test per input, one runtime call, one store per output.
@@ -183,20 +205,20 @@ class WholeSegment(CompiledSegment):
             if values[i] is not a:
                 return ReplayStatus.STALE_BUFFER
         self._bound()  # type: ignore[misc]
-        for o, b in zip(self._outputs, self._buffers):
+        for o, b in zip(self._outputs, self._bound_outputs):
             values[o] = b
-        if self.stores:
-            self._store(values)
+        if len(self.in_place) < len(self.stores):
+            self._store(values, skip=self.in_place)
         return ReplayStatus.OK
 
     def _replay_call(self, values: list[Any]) -> Callable[[], Any] | None:
         # The runtime call itself, when ``values`` holds the bound inputs and this segment's buffers
-        # (and the segment writes no KV store after it).
-        if self._bound is None or self.stores:
+        # (and the segment writes no KV store after it: every store, if any, is bound in place).
+        if self._bound is None or len(self.in_place) < len(self.stores):
             return None
         if any(values[i] is not a for i, a in zip(self._inputs, self._bound_inputs)):
             return None
-        if any(values[o] is not b for o, b in zip(self._outputs, self._buffers)):
+        if any(values[o] is not b for o, b in zip(self._outputs, self._bound_outputs)):
             return None
         return self._bound
 
@@ -215,6 +237,7 @@ class WholeSegment(CompiledSegment):
         self._buffers = []
         self._bound = None
         self._bound_inputs = ()
+        self._bound_outputs = ()
 
     @property
     def nbytes(self) -> int:
@@ -237,15 +260,39 @@ def kv_stores(plan: Plan, slots: tuple[int, ...]) -> tuple[tuple[int, int, int, 
     return tuple(found)
 
 
+def _in_place_stores(
+    plan: Plan, slots: tuple[int, ...], stores: tuple[tuple[int, int, int, int, int], ...], io: SubgraphIO
+) -> dict[int, int]:
+    """The stores a replay may bind in place (output flat -> buffer flat): a buffer the segment is
+    fed, that only its store reads in the segment, written by one store only."""
+    readers: dict[int, int] = {}
+    for s in slots:
+        for r in plan.slots[s].inputs:
+            if r is not None:
+                f = plan.flat(r)
+                readers[f] = readers.get(f, 0) + 1
+    buffers = [buffer for buffer, *_ in stores]
+    return {
+        out: buffer
+        for buffer, _, _, _, out in stores
+        if buffer in io.inputs and readers.get(buffer) == 1 and buffers.count(buffer) == 1
+    }
+
+
 def _store_io(
-    io: SubgraphIO, stores: tuple[tuple[int, int, int, int, int], ...], embedded: tuple[int, ...]
+    io: SubgraphIO,
+    stores: tuple[tuple[int, int, int, int, int], ...],
+    embedded: tuple[int, ...],
+    in_place: tuple[int, ...] = (),
 ) -> SubgraphIO:
     """The segment model's I/O with KV stores: a store's output is the buffer (the segment gives it,
-    not the runtime); its rows, and its position where the segment computes it, are outputs."""
+    not the runtime), except where a replay binds it onto the buffer (``in_place``: an output); its
+    rows, and its position where the segment computes it, are outputs."""
     from dsp_core.plan.subgraph import SubgraphIO
 
-    made = {out for *_, out in stores}
+    made = {out for *_, out in stores} - set(in_place)
     outputs = [o for o in io.outputs if o not in made]
+    outputs += [o for o in in_place if o not in outputs]
     for _, rows, position, _, _ in stores:
         for flat in (rows, position):
             if flat not in outputs and flat not in io.inputs and flat not in embedded:

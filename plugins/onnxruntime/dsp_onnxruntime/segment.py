@@ -73,7 +73,13 @@ def cached_session(model: bytes, alone: bool = False) -> ort.InferenceSession:
 
 
 class OnnxRuntimeSegment(WholeSegment):
-    """``WholeSegment`` on ONNX Runtime: ``run`` is ``session.run``, a replay ``run_with_iobinding``."""
+    """``WholeSegment`` on ONNX Runtime: ``run`` is ``session.run``, a replay ``run_with_iobinding``.
+
+    Its ScatterElements skips the copy of its input when the output is the input's memory, so a
+    replay binds each KV store's updated buffer onto the buffer (``in_place_stores``).
+    """
+
+    in_place_stores = True
 
     def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
         super().__init__(backend, plan, segment)
