@@ -26,8 +26,12 @@ computed when a segment is compiled (``Backend.compile``) and carried on the Seg
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
+import os
+import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -894,11 +898,37 @@ def _opaque_why(plan: Plan, s: int) -> str:
     return "no pattern a template takes"
 
 
+# The last groupings made, by (plan, policy, slots, the DSP_* settings a policy may read): the
+# core groups a segment when a backend compiles it and the backend's segment asks again for each
+# group's template, and a plan is never changed once made (a rewrite makes a new one). Plan and
+# policy are held weakly (an id reused by a new object is a miss); a few plans at a time.
+_MemoKey = tuple[int, int, tuple[int, ...], tuple[tuple[str, str], ...]]
+_MEMO: collections.OrderedDict[_MemoKey, tuple[Any, Any, FusionResult]] = collections.OrderedDict()
+_MEMO_SIZE = 32
+_memo_lock = threading.Lock()
+
+
 def propose_groups(plan: Plan, slots: Sequence[int], policy: FusionPolicy | None = None) -> FusionResult:
-    """Fusion groups of ``slots`` (one segment's live slots) under ``policy`` (None: no fusion)."""
-    grouper = _Grouper(plan, slots, policy or NO_FUSION)
+    """Fusion groups of ``slots`` (one segment's live slots) under ``policy`` (None: no fusion).
+
+    Computed once per plan, policy object and slots (``_MEMO``): the result is not to be changed.
+    """
+    chosen = policy or NO_FUSION
+    settings = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("DSP_")))
+    key = (id(plan), id(chosen), tuple(slots), settings)
+    with _memo_lock:
+        hit = _MEMO.get(key)
+        if hit is not None and hit[0]() is plan and hit[1]() is chosen:
+            _MEMO.move_to_end(key)
+            return hit[2]
+    grouper = _Grouper(plan, slots, chosen)
     grouper.run()
-    return grouper.result()
+    result = grouper.result()
+    with _memo_lock:
+        _MEMO[key] = (weakref.ref(plan), weakref.ref(chosen), result)
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return result
 
 
 def release_order(plan: Plan, order: Sequence[int]) -> dict[int, tuple[int, ...]]:
