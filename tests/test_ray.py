@@ -1,13 +1,18 @@
 """Pipeline stages and replicas on a local Ray instance with CPU actors (dsp-core[ray]).
 
 The stages are the placement's devices; each actor compiles its stage's model with the CPU
-reference, so outputs are bit-equal to one process. Skipped, with the reason, where Ray is
+reference, so outputs are bit-equal to one process running the reference with the actors'
+BLAS threads (one: an actor of one CPU). Skipped, with the reason, where Ray is
 not installed (``pip install 'dsp-core[ray]'``; the test extra installs it).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,11 +58,26 @@ def test_pipeline_stages_on_actors_equal_one_process(stages: int) -> None:
         pipe.shutdown()
 
 
+def _one_thread_reference(path: str, feeds: dict[str, np.ndarray], tmp: Path) -> dict[str, np.ndarray]:
+    """The reference's outputs in a process whose BLAS runs one thread, as a Ray actor of one CPU
+    does (Ray sets OMP_NUM_THREADS to the actor's CPUs): OpenBLAS's sums are grouped by its thread
+    count, so a convolution's last bits differ between one thread and two."""
+    np.savez(tmp / "feeds.npz", **feeds)
+    code = (
+        "import sys, numpy as np, dsp_core as dsp; f = dict(np.load(sys.argv[2])); "
+        "np.savez(sys.argv[3], **dsp.compile(sys.argv[1], mode='slot_by_slot').run(f))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    args = [sys.executable, "-c", code, path, str(tmp / "feeds.npz"), str(tmp / "want.npz")]
+    subprocess.run(args, env=env, check=True, timeout=300)
+    return dict(np.load(tmp / "want.npz"))
+
+
 @pytest.mark.parametrize("name", ["cnn", "gpt2_eager", "llama_eager"])
-def test_fixtures_through_three_stages(name: str) -> None:
+def test_fixtures_through_three_stages(name: str, tmp_path: Path) -> None:
     path = str(FIXTURES / f"{name}.onnx")
     feeds = fixture_feeds(name)
-    want = dsp.compile(path, mode="slot_by_slot").run(feeds)
+    want = _one_thread_reference(path, feeds, tmp_path)
     pipe = RayPipeline(path, stages=3)
     try:
         got = pipe.run(feeds)
