@@ -307,6 +307,28 @@ def test_onnxruntime_replays_write_the_kv_rows_in_place(backend: str, cpu_runtim
     assert runtime.counters()["replays"] >= 10, runtime.counters()
 
 
+def test_a_kv_buffer_is_bound_in_place_only_where_nothing_else_sees_its_old_rows() -> None:
+    """``_in_place_stores`` on GPT-2's decode plan: every store's buffer is fed and read only by its
+    store, so all four bind in place; a buffer that is also an output of the segment does not."""
+    from dsp_core.backends.whole import _in_place_stores, kv_stores, segment_io
+    from dsp_core.llm import GenerationPipeline
+    from dsp_core.plan.subgraph import SubgraphIO
+
+    pipe = GenerationPipeline(str(FIXTURES / "gpt2_eager.onnx"), mode="slot_by_slot")
+    pipe.generate(np.array([[5, 7, 11]], np.int64), 2)
+    plan = pipe.decode_model.plan()
+    assert plan is not None
+    slots = tuple(range(len(plan.slots)))
+    io, _ = segment_io(plan, slots)
+    stores = kv_stores(plan, slots)
+    assert len(stores) == 4
+    assert _in_place_stores(plan, slots, stores, io) == {out: buffer for buffer, *_, out in stores}
+    first_buffer = stores[0][0]
+    shown = SubgraphIO(io.inputs, (*io.outputs, first_buffer))
+    assert stores[0][4] not in _in_place_stores(plan, slots, stores, shown)
+    assert len(_in_place_stores(plan, slots, stores, shown)) == 3
+
+
 def test_with_runtime_kv_stores_off_each_store_runs_on_the_reference(
     cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -264,7 +264,8 @@ def _in_place_stores(
     plan: Plan, slots: tuple[int, ...], stores: tuple[tuple[int, int, int, int, int], ...], io: SubgraphIO
 ) -> dict[int, int]:
     """The stores a replay may bind in place (output flat -> buffer flat): a buffer the segment is
-    fed, that only its store reads in the segment, written by one store only."""
+    fed, that only its store reads in the segment and that is no output of it (the old contents
+    would be read after the write), written by one store only."""
     readers: dict[int, int] = {}
     for s in slots:
         for r in plan.slots[s].inputs:
@@ -275,7 +276,7 @@ def _in_place_stores(
     return {
         out: buffer
         for buffer, _, _, _, out in stores
-        if buffer in io.inputs and readers.get(buffer) == 1 and buffers.count(buffer) == 1
+        if buffer in io.inputs and buffer not in io.outputs and readers.get(buffer) == 1 and buffers.count(buffer) == 1
     }
 
 
