@@ -5,6 +5,7 @@ island split against its profile, the cuBLAS arguments for row-major products) a
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -211,3 +212,42 @@ def test_every_host_read_input_names_an_input_its_op_takes() -> None:
         assert entry is not None, op
         most = entry.inputs[1]
         assert positions and all(0 <= p and (most < 0 or p < most) for p in positions), (op, positions, entry.inputs)
+
+
+def _store_step(shift: int = 0) -> Any:
+    """A GroupStep over numpy (CuPy's stand-in) whose 'kernel' writes rows into a KV buffer in place,
+    ``shift`` positions past where the reference writes them."""
+    from types import SimpleNamespace
+
+    from dsp_cuda_graphs.fusion import GroupReport, GroupStep
+
+    from dsp_core.ops.llm import store_rows
+
+    def reference(buffer: np.ndarray, rows: np.ndarray, position: np.ndarray) -> np.ndarray:
+        return store_rows(buffer, rows, position, axis=1)
+
+    class Store(GroupStep):
+        def launch(self, built: Any, inputs: Any) -> tuple[Any, ...]:
+            buffer, rows, position = inputs
+            return (store_rows(buffer, rows, position + shift, axis=1),)
+
+    cp = SimpleNamespace(zeros_like=np.zeros_like, asnumpy=np.asarray)
+    steps = [(reference, (0, 1, 2), 3, ())]
+    return Store(GroupReport(0, "store", (0,)), steps, (0, 1, 2), (3,), cp, lambda: False, 0.0)
+
+
+@pytest.mark.parametrize("shift, ok", [(0, True), (1, False)])
+def test_an_in_place_step_is_checked_on_zeroed_copies_of_what_it_writes(shift: int, ok: bool) -> None:
+    """GroupStep.check_in_place: the reference and the kernel each write a zeroed copy of the buffer
+    (the real one already holds the reference's rows, so comparing it would prove nothing); a kernel
+    writing elsewhere disagrees, and only a kernel that agrees writes the real buffer."""
+    step = _store_step(shift)
+    buffer = np.full((1, 6, 2), 7.0, np.float32)
+    rows, position = np.arange(4, dtype=np.float32).reshape(1, 2, 2), np.array([2])
+    step.reference([buffer, rows, position])  # what the segment's first run does before the check
+    before = buffer.copy()
+    bad = step.check_in_place(None, [buffer, rows, position], [0])
+    assert (bad is None) is ok, bad
+    np.testing.assert_array_equal(buffer, before)  # the rows the reference wrote, written again or untouched
+    if not ok:
+        assert buffer[0, 4:].tolist() == [[7.0, 7.0], [7.0, 7.0]]  # the wrong rows never reached the real buffer

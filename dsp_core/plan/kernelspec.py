@@ -218,6 +218,11 @@ def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(w for w in weights if w is not None), tuple(c for c in biases if c is not None)
 
 
+def kv_store_nodes(spec: GroupSpec) -> list[NodeSpec]:
+    """The group's ``dsp::KVScatter`` nodes: each the in-place store of a row the kernel computes."""
+    return [n for n in spec.nodes if (n.domain, n.op) == ("dsp", "KVScatter")]
+
+
 # -- decode attention groups (both generators' T4) ----------------------------------------------
 def attention_nodes(spec: GroupSpec) -> tuple[NodeSpec, NodeSpec, NodeSpec]:
     """The scores product, the Softmax and the weighted-sum product of an attention group."""

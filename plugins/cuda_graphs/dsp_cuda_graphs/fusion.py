@@ -258,6 +258,21 @@ class GroupStep:
         differ, or None. A step that writes its input in place compares on copies of its own."""
         return mismatch(self.launch(built, inputs), want, self.tolerance, self.cp.asnumpy)
 
+    def check_in_place(self, built: Any, inputs: Sequence[Any], written: Sequence[int]) -> str | None:
+        """``check`` for a step that writes ``inputs[k]`` in place, for each ``k`` of ``written`` (KV
+        buffers): on zeroed copies of them, one written by the reference steps and one by ``built``
+        (the reference already wrote the real ones, which the kernel would only write again); then
+        ``built`` writes the real ones."""
+        cp = self.cp
+        mine, theirs = list(inputs), list(inputs)
+        for k in written:
+            mine[k], theirs[k] = cp.zeros_like(inputs[k]), cp.zeros_like(inputs[k])
+        expected, _ = self.reference(theirs)
+        bad = mismatch(self.launch(built, mine), expected, self.tolerance, cp.asnumpy)
+        if bad is None:
+            self.launch(built, inputs)
+        return bad
+
 
 def unfused_reason(plan: Plan, group: Group, templates: frozenset[str], views: frozenset[str]) -> str | None:
     """Why ``group`` runs its reference kernels rather than a generated one (None: it is generated).

@@ -59,6 +59,7 @@ from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
 from dsp_core.plan.kernelspec import attention_nodes as attention_nodes
+from dsp_core.plan.kernelspec import kv_store_nodes as kv_store_nodes
 from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
 # numpy dtype -> (C storage type, C compute type)
@@ -1186,9 +1187,7 @@ def generate(spec: GroupSpec) -> Kernel:
     source = source.replace(" KERNEL(", f" {name}(", 1)
     args = (*gen.args, *(v for v, _ in stores))
     kv = tuple((int(n.outputs[0]), int(n.inputs[0])) for n in kv_nodes)  # type: ignore[arg-type]
-    return Kernel(
-        source, name, tuple(args), len(gen.args), grid, threads, spec.template, tuple(gen.vector_args), kv
-    )
+    return Kernel(source, name, tuple(args), len(gen.args), grid, threads, spec.template, tuple(gen.vector_args), kv)
 
 
 def _store(gen: _Gen, k: int, v: int, idx: Idx) -> None:
@@ -1204,20 +1203,10 @@ def _kv_store(gen: _Gen, k: int, node: NodeSpec, idx: Idx) -> None:
     through ``out{k}`` (the buffer's pointer), at the device-held position plus the index along the
     axis: a start that is negative counts from the end, a row past the buffer is not written (as
     ``kv_store`` does)."""
-    buffer, update, position = (node.inputs + (None, None, None))[:3]
-    if buffer is None or update is None or position is None or node.outputs[0] is None:
-        raise Unsupported("a KVScatter without its buffer, rows and position")
-    b, u, p = (gen.spec.values[v] for v in (buffer, update, position))
-    if b.dtype != u.dtype:
-        raise Unsupported(f"rows of {u.dtype} written into a {b.dtype} buffer (the reference casts)")
-    if p.dtype not in ("int64", "int32"):
-        raise Unsupported(f"a position of {p.dtype}")
-    if position not in gen.inputs or buffer not in gen.inputs or b.strides is None:
+    buffer, update, position, ax = _kv_operands(node, gen.spec.values)
+    b = gen.spec.values[buffer]
+    if position not in gen.inputs or buffer not in gen.inputs or b.strides is None or node.outputs[0] is None:
         raise Unsupported("a KV store whose buffer or position the group computes")
-    rank = len(b.shape)
-    ax = int(node.attrs.get("axis", -2)) % rank
-    if len(u.shape) != rank or any(u.shape[j] != b.shape[j] for j in range(rank) if j != ax):
-        raise Unsupported(f"rows of {list(u.shape)} for a buffer of {list(b.shape)} along axis {ax}")
     name = gen.value(update, idx)
     if position not in gen.args:
         gen.args.append(position)
@@ -1739,9 +1728,25 @@ def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
 
 
 # -- the KV store (dsp::KVScatter): the step's rows written into the KV buffer in place --------
-def kv_store_nodes(spec: GroupSpec) -> list[NodeSpec]:
-    """The group's ``dsp::KVScatter`` nodes: each an in-place store of a row the kernel computes."""
-    return [n for n in spec.nodes if (n.domain, n.op) == ("dsp", "KVScatter")]
+def _kv_operands(node: NodeSpec, values: dict[int, TensorSpec]) -> tuple[int, int, int, int]:
+    """(buffer, rows, position, axis) of a ``dsp::KVScatter`` a kernel can write, or Unsupported:
+    rows of the buffer's dtype and rank, the same dims but along the axis (no more rows than the
+    buffer holds), an integer position."""
+    buffer, update, position = (node.inputs + (None, None, None))[:3]
+    if buffer is None or update is None or position is None:
+        raise Unsupported("a KVScatter without its buffer, rows and position")
+    b, u, p = values[buffer], values[update], values[position]
+    if b.dtype != u.dtype:
+        raise Unsupported(f"rows of {u.dtype} written into a {b.dtype} buffer (the reference casts)")
+    if p.dtype not in ("int64", "int32"):
+        raise Unsupported(f"a position of {p.dtype}")
+    rank = len(b.shape)
+    ax = int(node.attrs.get("axis", -2)) % rank
+    if len(u.shape) != rank or any(u.shape[k] != b.shape[k] for k in range(rank) if k != ax):
+        raise Unsupported(f"rows of {list(u.shape)} for a buffer of {list(b.shape)} along axis {ax}")
+    if u.shape[ax] > b.shape[ax]:
+        raise Unsupported(f"rows of {list(u.shape)} for a buffer of {list(b.shape)} along axis {ax}")
+    return buffer, update, position, ax
 
 
 def kv_store(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
@@ -1753,20 +1758,10 @@ def kv_store(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
     the end (as the reference's fancy index wraps it); an element that would land outside
     the buffer is not written. Template ``store``.
     """
-    buffer, update, position = (node.inputs + (None, None, None))[:3]
-    if buffer is None or update is None or position is None:
-        raise Unsupported("a KVScatter without its buffer, rows and position")
+    buffer, update, position, ax = _kv_operands(node, values)
     b, u, p = values[buffer], values[update], values[position]
-    if b.dtype != u.dtype:
-        raise Unsupported(f"rows of {u.dtype} written into a {b.dtype} buffer (the reference casts)")
-    if p.dtype not in ("int64", "int32"):
-        raise Unsupported(f"a position of {p.dtype}")
-    if len(b.shape) != len(u.shape) or b.strides is None or u.strides is None:
-        raise Unsupported("rows of another rank than the buffer, or unknown strides")
-    rank = len(b.shape)
-    ax = int(node.attrs.get("axis", -2)) % rank
-    if any(u.shape[k] != b.shape[k] for k in range(rank) if k != ax) or u.shape[ax] > b.shape[ax]:
-        raise Unsupported(f"rows of {list(u.shape)} for a buffer of {list(b.shape)} along axis {ax}")
+    if b.strides is None or u.strides is None:
+        raise Unsupported("rows or a buffer of unknown strides")
     numel = u.numel
     if numel == 0:
         raise Unsupported("no rows to write")

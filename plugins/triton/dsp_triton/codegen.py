@@ -52,6 +52,7 @@ from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
 from dsp_core.plan.kernelspec import attention_nodes as attention_nodes
+from dsp_core.plan.kernelspec import kv_store_nodes as kv_store_nodes
 from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
 # numpy dtype name -> Triton dtype
@@ -1675,11 +1676,6 @@ def with_dependent_launch(kernel: Kernel) -> Kernel:
             raise Unsupported(f"no definition of {kernel.name} in its source")
         lines[at + 1 : at + 1] = DEPENDENT_LAUNCH_LINES
     return dataclasses.replace(kernel, source="\n".join(lines))
-
-
-def kv_store_nodes(spec: GroupSpec) -> list[NodeSpec]:
-    """The group's ``dsp::KVScatter`` nodes: each the in-place store of a row the kernel computes."""
-    return [n for n in spec.nodes if n.op == "KVScatter" and n.domain == "dsp"]
 
 
 def kv_store(buffer: TensorSpec, update: TensorSpec, position: TensorSpec, axis: int, block: int = 1024) -> Kernel:
