@@ -110,6 +110,12 @@ def step_kernels(events: list[dict[str, Any]], counted: Any = lambda name: True)
     }
 
 
+def lengths() -> tuple[int, ...]:
+    """The KV positions measured: --lengths (passed to the workers as ATTENTION_GPU_LENGTHS), or LENGTHS."""
+    given = os.environ.get("ATTENTION_GPU_LENGTHS", "")
+    return tuple(int(x) for x in given.split(",") if x.strip()) or LENGTHS
+
+
 def dsp_rows(mode: str) -> list[dict[str, Any]]:
     """This process's rows: every shape and length in TRITON mode under ``mode``'s switches."""
     import attention_graphs as ag
@@ -118,7 +124,7 @@ def dsp_rows(mode: str) -> list[dict[str, Any]]:
 
     rows = []
     for model_name, (heads, kv, dim) in SHAPES.items():
-        for length in LENGTHS:
+        for length in lengths():
             feeds = ag.feeds(heads, kv, length, length, dim, "float16")
             dev = {k: cp.asarray(v) for k, v in feeds.items()}
             model = ag.model(heads, kv, length, dim, "triton", "float16", strict=True, outputs_on_device=True)
@@ -140,7 +146,7 @@ def torch_rows() -> list[dict[str, Any]]:
 
     rows = []
     for model_name, (heads, kv, dim) in SHAPES.items():
-        for length in LENGTHS:
+        for length in lengths():
             q = torch.randn(1, heads, 1, dim, device="cuda", dtype=torch.float16)
             k = torch.randn(1, kv, length, dim, device="cuda", dtype=torch.float16)
             v = torch.randn_like(k)
@@ -163,8 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(HERE / "results" / "attention_gpu.json"))
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument(
+        "--kv-splits",
+        default="",
+        help="comma list of split counts N: adds a row fused_splitN per count (DSP_TRITON_KV_SPLITS=N)",
+    )
+    p.add_argument("--lengths", default="", help=f"comma list of KV positions (default {LENGTHS})")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.lengths:
+        os.environ["ATTENTION_GPU_LENGTHS"] = args.lengths
+    for n in (int(x) for x in args.kv_splits.split(",") if x.strip()):
+        MODES[f"fused_split{n}"] = {"DSP_TRITON_ATTENTION": "1", "DSP_TRITON_KV_SPLITS": str(n)}
+        args.modes += f",fused_split{n}"
     if args.worker:
         print(MARK + json.dumps(dsp_rows(args.worker)))
         return 0

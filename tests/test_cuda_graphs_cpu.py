@@ -251,3 +251,18 @@ def test_an_in_place_step_is_checked_on_zeroed_copies_of_what_it_writes(shift: i
     np.testing.assert_array_equal(buffer, before)  # the rows the reference wrote, written again or untouched
     if not ok:
         assert buffer[0, 4:].tolist() == [[7.0, 7.0], [7.0, 7.0]]  # the wrong rows never reached the real buffer
+
+
+def test_a_kernels_bfloat16_outputs_are_compared_within_the_tolerance() -> None:
+    """ml_dtypes' bfloat16 is a numpy dtype of kind "V": still a float, compared within the tolerance
+    (not element for element, as integers and booleans are)."""
+    from dsp_cuda_graphs.fusion import mismatch
+
+    want = np.linspace(-3, 3, 50).astype("bfloat16")
+    near = (want.astype(np.float32) * (1 + 2**-8)).astype("bfloat16")  # one bf16 step off: 2**-7 of 2..4
+    assert mismatch([near], [want], 1e-2, np.asarray) is None
+    far = (want.astype(np.float32) + 0.5).astype("bfloat16")
+    assert "max abs error" in str(mismatch([far], [want], 5e-3, np.asarray))
+    nan = want.copy()
+    nan[3] = np.nan
+    assert "NaNs" in str(mismatch([nan], [want], 5e-3, np.asarray))

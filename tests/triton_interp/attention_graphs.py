@@ -61,7 +61,7 @@ def build(heads: int, kv_heads: int, length: int, dim: int, dtype: str = "float3
     scores = g.MatMul(q, kt)
     scaled = g.Mul(scores, g.constant(np.array(1.0 / np.sqrt(dim), dtype=dtype)))
     probs = g.Softmax(g.Add(scaled, mask), axis=-1)
-    out = g.MatMul(g.Cast(probs, to=1 if dtype == "float32" else 10), repeat(v))
+    out = g.MatMul(g.Cast(probs, to={"float32": 1, "float16": 10, "bfloat16": 16}[dtype]), repeat(v))
     g.output(
         g.Reshape(g.Transpose(out, perm=[0, 2, 1, 3]), g.constant(np.array([1, 1, heads * dim], dtype=np.int64))), "y"
     )

@@ -77,7 +77,7 @@ def mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, to_host:
         x, y = np.asarray(to_host(a)), np.asarray(to_host(b))
         if x.shape != y.shape:
             return f"output {k} has shape {x.shape}, the reference {y.shape}"
-        if x.dtype.kind not in "fc":
+        if x.dtype.kind not in "fc" and x.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 is of kind "V"
             if not np.array_equal(x, y):
                 return f"output {k}: {int(np.sum(x != y))} of {x.size} elements differ"
             continue

@@ -1429,12 +1429,31 @@ def _attention(
 ATT_M, ATT_L, ATT_ACC = -2001, -2002, -2003  # a split attention's partial max, sum and weighted sum
 
 
-def kv_split_count(batch_heads: int, length: int, sms: int, min_positions: int = 64) -> int:
-    """KV splits for decode attention: enough programs to fill the SMs (FlashAttention-2 splits when
-    batch x heads < 0.8 SMs), at least ``min_positions`` positions each; a power of two."""
-    if batch_heads <= 0 or batch_heads >= 0.8 * sms:
+# Measured on the H200 (benchmarks/attention_gpu.py, benchmarks/results/gpu_2026-12-02f): a program's
+# loop over its KV positions is latency-bound (each BLOCK_L step waits for its K and V loads), so
+# the time follows the positions per program, not the SMs filled: Llama-1B's shape (32 heads) at
+# 4,096 positions took 45.3 us in 4 splits (the old rule: fill the SMs once), 22.2 in 16, 12.6 in
+# 32; at 1,024, 17.1 in 4 and 6.5 in 16. At 128 positions one program per head (2.9 us) beats any
+# split, whose combine kernel costs about 2 us.
+KV_SPLIT_POSITIONS = 64  # positions per program to aim for
+KV_SPLIT_FROM = 256  # no split at or below this many positions
+KV_SPLIT_MAX = 64  # splits per head at most (the combine kernel reads them in one tile)
+KV_SPLIT_WAVES = 16  # programs at most, in multiples of the SMs
+
+
+def kv_split_count(
+    batch_heads: int,
+    length: int,
+    sms: int,
+    positions: int = KV_SPLIT_POSITIONS,
+    split_from: int = KV_SPLIT_FROM,
+) -> int:
+    """KV splits for decode attention, a power of two: none for ``split_from`` positions or fewer, else
+    about ``positions`` positions per program, at most KV_SPLIT_MAX per head and KV_SPLIT_WAVES x SMs
+    programs in all (a large batch fills the GPU with heads alone)."""
+    if batch_heads <= 0 or length <= split_from:
         return 1
-    want = min(-(-sms // batch_heads), max(1, length // min_positions))
+    want = min(KV_SPLIT_MAX, length // positions, max(1, KV_SPLIT_WAVES * max(1, sms) // batch_heads))
     return 1 << max(0, want.bit_length() - 1)
 
 
