@@ -174,10 +174,10 @@ OPTIONS: tuple[Option, ...] = (
         "triton_attention",
         "DSP_TRITON_ATTENTION",
         "bool",
-        False,
+        True,
         "dsp-triton runs decode attention (scores with scale and mask, softmax, the weighted sum) as one "
-        "kernel with an online softmax (one program per head: slower than the three kernels it replaces "
-        "until it splits the KV positions); off: the scores product, the softmax and the weighted sum.",
+        "kernel with an online softmax, split over the KV positions past 256 (then combined); off: the "
+        "scores product, the softmax and the weighted sum as three kernels.",
     ),
     Option(
         "triton_decode_fusion",
@@ -194,8 +194,8 @@ OPTIONS: tuple[Option, ...] = (
         "DSP_TRITON_KV_SPLITS",
         "int",
         0,
-        "Ranges of KV positions dsp-triton's decode attention splits into (then combines); 0: enough "
-        "programs to fill the GPU (splits of at least 64 positions), 1: no split.",
+        "Ranges of KV positions dsp-triton's decode attention splits into (then combines); 0: about 64 "
+        "positions a program past 256 positions (at most 64 ranges), 1: no split.",
         minimum=0,
     ),
     Option(
