@@ -6,8 +6,8 @@ For the Llama-3.2-1B shape (32 query heads, 8 KV heads, head dim 64) and GPT-2 1
 additive mask, Softmax, the weighted sum) runs in TRITON mode three ways, each in a process of
 its own (the switches are read once per process):
 
-- ``fused_split``: the one-kernel template, KV positions split to fill the GPU, then combined
-  (DSP_TRITON_ATTENTION=1, DSP_TRITON_KV_SPLITS=0);
+- ``fused_split``: the one-kernel template as AUTO runs it: past 256 KV positions split into
+  programs of about 64 positions, then combined (DSP_TRITON_ATTENTION=1, DSP_TRITON_KV_SPLITS=0);
 - ``fused_one``: the one-kernel template, one program per head (DSP_TRITON_KV_SPLITS=1);
 - ``three_kernels``: the scores product, the softmax, the weighted sum (DSP_TRITON_ATTENTION=0).
 
@@ -20,6 +20,7 @@ buffers are reported apart (``staging_us``), since in a decode step the caches a
 there. The floor is the K and V bytes over the copy bandwidth.
 
     python3 benchmarks/attention_gpu.py --out benchmarks/results/attention_gpu.json
+    python3 benchmarks/attention_gpu.py --lengths 128,256,512,1024,4096 --kv-splits 16,32   # more rows
 """
 
 from __future__ import annotations
