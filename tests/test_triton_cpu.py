@@ -618,6 +618,23 @@ def test_a_split_attention_is_partials_then_one_combine() -> None:
     assert second.args[-1] == 8
 
 
+@pytest.mark.parametrize(("length", "forced", "kernels"), [(96, "0", 1), (256, "0", 1), (300, "0", 2), (300, "1", 1)])
+def test_dsp_plan_fuse_counts_a_split_attention_as_two_kernels(
+    length: int, forced: str, kernels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past 256 KV positions decode attention is partials and their combine (DSP_TRITON_KV_SPLITS=1: one)."""
+    sys.path.insert(0, str(Path(__file__).parent / "triton_interp"))
+    import attention_graphs as ag
+
+    monkeypatch.setenv("DSP_TRITON_KV_SPLITS", forced)
+    model = ag.model(6, 2, length, 16, "slot_by_slot")
+    model.run(ag.feeds(6, 2, length, length - 1, 16))
+    plan, part = model.plan(), model.partition()
+    assert plan is not None and part is not None
+    groups = [g for seg in part.segments for g in propose_groups(plan, seg.slots, TritonPolicy()).groups]
+    assert [g.kernels for g in groups if g.template == "decode_attention"] == [kernels]
+
+
 # -- fewer kernels per decode layer: the norm as the product's prologue, the KV store as an epilogue,
 # -- rotary as one kernel ----------------------------------------------------------------------
 def _interpreted(body: str, *args: str) -> list[dict]:
