@@ -609,6 +609,8 @@ def test_a_split_attention_is_partials_then_one_combine() -> None:
     assert codegen.kv_split_count(4096, 4096, 132) == 1  # the heads alone fill the GPU many times over
     assert codegen.kv_split_count(12, 256, 132) == 1  # one program per head up to 256 positions
     assert codegen.kv_split_count(12, 60, 132) == 1
+    assert codegen.kv_split_count(4096, 4096, None) == 64  # no device known: no cap from its SMs
+    assert codegen.kv_split_count(12, 4096, 132, forced=3) == 3 and codegen.kv_split_count(12, 2, 132, forced=8) == 2
     spec = _spec("decode_attention", *_attention_group(relu=True), [1, 2, 6], [8])
     partial, combine = codegen.attention_split_specs(spec, 4)
     first, second = codegen.generate(partial), codegen.generate(combine)

@@ -207,8 +207,8 @@ def _torch_view(torch: Any, x: np.ndarray, device: str = "cpu") -> Any:
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
     item = x.itemsize
-    same = owner.dtype == x.dtype or owner.dtype.itemsize == item
-    flat = torch.from_numpy(owner.reshape(-1).view(x.dtype) if same else owner.reshape(-1)).to(device)
+    same_size = owner.dtype.itemsize == item  # x's own dtype, or bf16 seen as its 16 bits
+    flat = torch.from_numpy(owner.reshape(-1).view(x.dtype) if same_size else owner.reshape(-1)).to(device)
     offset = (x.__array_interface__["data"][0] - owner.__array_interface__["data"][0]) // item
     return torch.as_strided(flat, x.shape, tuple(s // item for s in x.strides), offset)
 

@@ -1444,16 +1444,21 @@ KV_SPLIT_WAVES = 16  # programs at most, in multiples of the SMs
 def kv_split_count(
     batch_heads: int,
     length: int,
-    sms: int,
+    sms: int | None,
     positions: int = KV_SPLIT_POSITIONS,
     split_from: int = KV_SPLIT_FROM,
+    forced: int = 0,
 ) -> int:
     """KV splits for decode attention, a power of two: none for ``split_from`` positions or fewer, else
     about ``positions`` positions per program, at most KV_SPLIT_MAX per head and KV_SPLIT_WAVES x SMs
-    programs in all (a large batch fills the GPU with heads alone)."""
+    programs in all (a large batch fills the GPU with heads alone; ``sms`` None: the device is not
+    known, no such cap). ``forced`` (DSP_TRITON_KV_SPLITS) overrides, up to one position a split."""
+    if forced:
+        return max(1, min(forced, length))
     if batch_heads <= 0 or length <= split_from:
         return 1
-    want = min(KV_SPLIT_MAX, length // positions, max(1, KV_SPLIT_WAVES * max(1, sms) // batch_heads))
+    waves = KV_SPLIT_MAX if sms is None else max(1, KV_SPLIT_WAVES * max(1, sms) // batch_heads)
+    want = min(KV_SPLIT_MAX, length // positions, waves)
     return 1 << max(0, want.bit_length() - 1)
 
 
