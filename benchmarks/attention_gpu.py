@@ -9,7 +9,9 @@ its own (the switches are read once per process):
 - ``fused_split``: the one-kernel template as AUTO runs it: past 256 KV positions split into
   programs of about 64 positions, then combined (DSP_TRITON_ATTENTION=1, DSP_TRITON_KV_SPLITS=0);
 - ``fused_one``: the one-kernel template, one program per head (DSP_TRITON_KV_SPLITS=1);
-- ``three_kernels``: the scores product, the softmax, the weighted sum (DSP_TRITON_ATTENTION=0).
+- ``three_kernels``: the scores product, the softmax, the weighted sum (DSP_TRITON_ATTENTION=0);
+- ``nvrtc_split``, ``nvrtc_one``, ``nvrtc_three``: the same in NVRTC_JIT mode (dsp-nvrtc's CUDA C
+  kernels; DSP_NVRTC_ATTENTION, DSP_NVRTC_KV_SPLITS).
 
 torch's row is ``scaled_dot_product_attention`` (``enable_gqa``, no mask: its fastest path).
 Each row is the kernels of one replayed step as torch.profiler's CUDA activity sees them (per
@@ -50,6 +52,10 @@ MODES = {
     "fused_split": {"DSP_TRITON_ATTENTION": "1", "DSP_TRITON_KV_SPLITS": "0"},
     "fused_one": {"DSP_TRITON_ATTENTION": "1", "DSP_TRITON_KV_SPLITS": "1"},
     "three_kernels": {"DSP_TRITON_ATTENTION": "0"},
+    # the same three ways in NVRTC_JIT mode (dsp-nvrtc's CUDA C kernels)
+    "nvrtc_split": {"DSP_NVRTC_ATTENTION": "1", "DSP_NVRTC_KV_SPLITS": "0"},
+    "nvrtc_one": {"DSP_NVRTC_ATTENTION": "1", "DSP_NVRTC_KV_SPLITS": "1"},
+    "nvrtc_three": {"DSP_NVRTC_ATTENTION": "0"},
 }
 MARK = "ATTENTION_GPU_JSON "
 
@@ -118,7 +124,8 @@ def lengths() -> tuple[int, ...]:
 
 
 def dsp_rows(mode: str) -> list[dict[str, Any]]:
-    """This process's rows: every shape and length in TRITON mode under ``mode``'s switches."""
+    """This process's rows: every shape and length in TRITON mode (NVRTC_JIT for the ``nvrtc_*`` modes)
+    under ``mode``'s switches."""
     import attention_graphs as ag
     import cupy as cp
     import torch
@@ -128,7 +135,8 @@ def dsp_rows(mode: str) -> list[dict[str, Any]]:
         for length in lengths():
             feeds = ag.feeds(heads, kv, length, length, dim, "float16")
             dev = {k: cp.asarray(v) for k, v in feeds.items()}
-            model = ag.model(heads, kv, length, dim, "triton", "float16", strict=True, outputs_on_device=True)
+            backend = "nvrtc_jit" if mode.startswith("nvrtc") else "triton"
+            model = ag.model(heads, kv, length, dim, backend, "float16", strict=True, outputs_on_device=True)
             want = ag.model(heads, kv, length, dim, "slot_by_slot", "float16").run(feeds)["y"]
             for _ in range(6):  # eager (compile, tune, check), freeze, capture, replays
                 got = model.run(dev)["y"]

@@ -218,6 +218,16 @@ OPTIONS: tuple[Option, ...] = (
         "softmax row kernel.",
     ),
     Option(
+        "nvrtc_kv_splits",
+        "DSP_NVRTC_KV_SPLITS",
+        "int",
+        0,
+        "Ranges of KV positions dsp-nvrtc's decode attention splits into (one block each, then a combine "
+        "kernel); 0: the rule dsp-triton's kernel follows (about 64 positions a block past 256 positions, "
+        "at most 64 ranges), 1: one block a head.",
+        minimum=0,
+    ),
+    Option(
         "runtime_kv_store",
         "DSP_RUNTIME_KV_STORE",
         "bool",

@@ -1325,6 +1325,54 @@ def test_decode_attention_in_every_half_dtype_matches_numpy_on_the_host(dtype: s
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
 
 
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("length, splits, valid", [(300, 4, 300), (300, 4, 1), (300, 7, 299), (300, 5, 130), (5, 4, 5)])
+def test_a_split_decode_attention_is_partials_then_one_combine_and_matches_numpy_on_the_host(
+    dtype: str, length: int, splits: int, valid: int
+) -> None:
+    """One block per (head, range of KV positions) stores the range's max, sum and unnormalised weighted
+    sum; one combine block per head rescales and merges them. Ranges of unequal lengths (7 of 300), a
+    range wholly masked (valid 1), and a last range past the buffer's end (5 positions in 4 ranges of 2)."""
+    spec = _attention_spec(dtype, length=length)
+    partial, combine = codegen.attention_split_specs(spec, splits)
+    kernel, last = codegen.generate(partial), codegen.attention_combine(combine)
+    assert kernel.grid == 4 * splits and last.grid == 4 and last.template == "decode_attention_combine"
+    assert kernel.args[kernel.n_inputs :] == (codegen.ATT_M, codegen.ATT_L, codegen.ATT_ACC)
+    assert last.args == (codegen.ATT_M, codegen.ATT_L, codegen.ATT_ACC, 12)
+    for k in (kernel, last):
+        compiler.compile_source(k.device_source(), k.name, compiler.Target("sm_90"))
+    x = _attention_inputs(spec, valid)
+    parts = hostcheck.run_on_host(kernel, partial, {v: x[v] for v in kernel.args[: kernel.n_inputs]})
+    got = hostcheck.run_on_host(last, combine, parts)[12]
+    want = _attention_want(spec, x)
+    tol = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-5}[dtype]
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+def test_decode_attention_splits_by_the_shared_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dsp plan fuse counts a decode attention past 256 KV positions as two kernels (partials, combine),
+    by the rule the kernels follow; DSP_NVRTC_KV_SPLITS forces a count."""
+    from dsp_cuda_graphs import attention
+
+    monkeypatch.setenv("DSP_NVRTC_ATTENTION", "1")
+    model, _ = _attention_model((4, 4, 300, 300, 16))
+    plan = model.plan()
+    assert plan is not None
+    policy = NvrtcPolicy()
+    (g,) = [g for g in propose_groups(plan, range(len(plan.slots)), policy).groups if g.template == "decode_attention"]
+    assert policy.kernels(plan, g.template, g.slots) == 2  # 300 positions: 4 ranges of 75
+    assert attention.kv_split_count(4, 300, None) == 4
+    monkeypatch.setenv("DSP_NVRTC_KV_SPLITS", "1")
+    assert policy.kernels(plan, g.template, g.slots) == 1
+    small, _ = _attention_model((4, 4, 128, 128, 16))
+    plan = small.plan()
+    assert plan is not None
+    monkeypatch.delenv("DSP_NVRTC_KV_SPLITS")
+    (g,) = [g for g in propose_groups(plan, range(len(plan.slots)), policy).groups if g.template == "decode_attention"]
+    assert policy.kernels(plan, g.template, g.slots) == 1  # up to 256 positions: one block a head
+
+
 @pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
 def test_a_prompts_attention_is_cublas_products_around_one_softmax_kernel() -> None:
     """Query rows the one-block kernel declines (a prompt): the products on their reference steps,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dsp_cpu_ref.plugin import SlotBySlotBackend
+from dsp_cuda_graphs import attention
 from dsp_triton import codegen
 from dsp_triton.cache import TuneCache, read_checked, source_key, write_checked
 from dsp_triton.plugin import TritonPolicy
@@ -601,16 +602,17 @@ def test_decode_attention_matches_the_reference_under_the_interpreter(splits: st
 
 
 def test_a_split_attention_is_partials_then_one_combine() -> None:
-    assert codegen.kv_split_count(12, 288, 132) == 4  # GPT-2 124M at batch 1: 12 heads, about 64 positions each
-    assert codegen.kv_split_count(32, 1024, 132) == 16
-    assert codegen.kv_split_count(32, 4096, 132) == 64  # at most 64 a head
-    assert codegen.kv_split_count(12, 4096, 132) == 64
-    assert codegen.kv_split_count(256, 4096, 132) == 8  # batch 8 x 32 heads: 16 x 132 programs at most
-    assert codegen.kv_split_count(4096, 4096, 132) == 1  # the heads alone fill the GPU many times over
-    assert codegen.kv_split_count(12, 256, 132) == 1  # one program per head up to 256 positions
-    assert codegen.kv_split_count(12, 60, 132) == 1
-    assert codegen.kv_split_count(4096, 4096, None) == 64  # no device known: no cap from its SMs
-    assert codegen.kv_split_count(12, 4096, 132, forced=3) == 3 and codegen.kv_split_count(12, 2, 132, forced=8) == 2
+    assert attention.kv_split_count(12, 288, 132) == 4  # GPT-2 124M at batch 1: 12 heads, about 64 positions each
+    assert attention.kv_split_count(32, 1024, 132) == 16
+    assert attention.kv_split_count(32, 4096, 132) == 64  # at most 64 a head
+    assert attention.kv_split_count(12, 4096, 132) == 64
+    assert attention.kv_split_count(256, 4096, 132) == 8  # batch 8 x 32 heads: 16 x 132 programs at most
+    assert attention.kv_split_count(4096, 4096, 132) == 1  # the heads alone fill the GPU many times over
+    assert attention.kv_split_count(12, 256, 132) == 1  # one program per head up to 256 positions
+    assert attention.kv_split_count(12, 60, 132) == 1
+    assert attention.kv_split_count(4096, 4096, None) == 64  # no device known: no cap from its SMs
+    assert attention.kv_split_count(12, 4096, 132, forced=3) == 3
+    assert attention.kv_split_count(12, 2, 132, forced=8) == 2
     spec = _spec("decode_attention", *_attention_group(relu=True), [1, 2, 6], [8])
     partial, combine = codegen.attention_split_specs(spec, 4)
     first, second = codegen.generate(partial), codegen.generate(combine)

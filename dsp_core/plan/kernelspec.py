@@ -276,3 +276,42 @@ def value_side(nodes: Sequence[NodeSpec], weighted_sum: NodeSpec) -> set[int]:
             side.add(j)
             stack.extend(nodes[j].inputs)
     return side
+
+
+ATT_M, ATT_L, ATT_ACC = -2001, -2002, -2003  # a split attention's partial max, sum and weighted sum
+
+
+def attention_split_specs(spec: GroupSpec, n_split: int) -> list[GroupSpec]:
+    """A decode attention split over ``n_split`` ranges of KV positions: partials, then their combine."""
+    p1, _, p2 = attention_nodes(spec)
+    out = p2.outputs[0]
+    assert out is not None
+    batch = tuple(spec.values[out].shape[:-2])
+    bh, d2 = max(1, math.prod(batch)), spec.values[out].shape[-1]
+    values = dict(spec.values)
+    values[ATT_M] = TensorSpec((bh, n_split), "float32", (n_split, 1))
+    values[ATT_L] = TensorSpec((bh, n_split), "float32", (n_split, 1))
+    values[ATT_ACC] = TensorSpec((bh, n_split, d2), "float32", (n_split * d2, d2, 1))
+    partial = GroupSpec(
+        "decode_attention",
+        spec.nodes,
+        values,
+        list(spec.inputs),
+        [ATT_M, ATT_L, ATT_ACC],
+        spec.constants,
+        params={"kv_splits": n_split},
+    )
+    i_p2 = spec.nodes.index(p2)
+    epilogue = spec.nodes[i_p2 + 1 :]
+    made = {v for n in spec.nodes[: i_p2 + 1] for v in n.outputs if v is not None}
+    reads = [r for n in epilogue for r in n.inputs if r is not None and r in spec.inputs and r not in made]
+    combine = GroupSpec(
+        "decode_attention_combine",
+        epilogue,
+        values,
+        [ATT_M, ATT_L, ATT_ACC, *dict.fromkeys(reads)],
+        list(spec.outputs),
+        spec.constants,
+        params={"kv_splits": n_split, "out": out},
+    )
+    return [partial, combine]

@@ -324,15 +324,23 @@ def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() 
 
 @pytest.mark.usefixtures("nvrtc_attention")
 # -- decode attention (T4) ---------------------------------------------------------------------
+@pytest.mark.parametrize("splits", ["0", "1", "4", "16"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str) -> None:
+def test_decode_attention_is_one_kernel_matching_the_reference(
+    dtype: str, splits: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """GQA ratios 1, 3, 4, valid lengths 1, 255, 257, L-1, L (the rest masked): one block per head
-    reading K and V through the group's index arithmetic; captured, replaying."""
+    reading K and V through the group's index arithmetic, or (past 256 positions by the shared rule,
+    or as DSP_NVRTC_KV_SPLITS forces) one block per head and range of positions, then a combine
+    kernel; captured, replaying."""
     import sys
+
+    from dsp_cuda_graphs import attention
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triton_interp"))
     import attention_graphs as ag
 
+    monkeypatch.setenv("DSP_NVRTC_KV_SPLITS", splits)
     tol = _tolerance("nvrtc_jit")
     for heads, kv, length, valid, dim in ag.CASES:
         feeds = ag.feeds(heads, kv, length, valid, dim, dtype)
@@ -343,7 +351,11 @@ def test_decode_attention_is_one_kernel_matching_the_reference(dtype: str) -> No
         assert model.dsp.phase is PlanPhase.REPLAYING
         groups = [r for r in _reports(model) if r["template"] == "decode_attention"]
         assert len(groups) == 1 and groups[0]["status"] == "fused", groups
-        assert groups[0]["kernel"].startswith("dsp_attn_"), groups
+        split = attention.kv_split_count(heads, length, 132, forced=int(splits)) > 1
+        kernels = groups[0]["kernel"].split("+")
+        assert kernels[0].startswith("dsp_attn_") and len(kernels) == (2 if split else 1), (splits, length, groups)
+        if split:
+            assert kernels[1].startswith("dsp_attc_")
 
 
 @pytest.mark.usefixtures("nvrtc_attention")

@@ -14,15 +14,80 @@ no CUDA, no Triton.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from dsp_core.plan.fusion import GroupView, PatternKind, SlotPattern
+from dsp_core.plan.kernelspec import GroupSpec, attention_nodes
 from dsp_core.plan.plan import Plan
 
 Readers = dict[int, list[int]]  # value id -> the slots that read it (ReferencePolicy.readers)
 # Why a backend's product template declines product slot ``s`` (None: it takes it).
 Declined = Callable[[Plan, int, SlotPattern], "str | None"]
 CASTS = ("Cast", "Identity")  # the ops an online softmax takes between the probabilities and the weighted sum
+
+# The split rule both backends' decode-attention kernels follow. Measured on the H200 with dsp-triton's
+# kernel (benchmarks/attention_gpu.py, benchmarks/results/gpu_2026-12-02f): a program's
+# loop over its KV positions is latency-bound (each BLOCK_L step waits for its K and V loads), so
+# the time follows the positions per program, not the SMs filled: Llama-1B's shape (32 heads) at
+# 4,096 positions took 45.3 us in 4 splits (the old rule: fill the SMs once), 22.2 in 16, 12.6 in
+# 32; at 1,024, 17.1 in 4 and 6.5 in 16. At 128 positions one program per head (2.9 us) beats any
+# split, whose combine kernel costs about 2 us.
+KV_SPLIT_POSITIONS = 64  # positions per program to aim for
+KV_SPLIT_FROM = 256  # no split at or below this many positions
+KV_SPLIT_MAX = 64  # splits per head at most (the combine kernel reads them in one tile)
+KV_SPLIT_WAVES = 16  # programs at most, in multiples of the SMs
+
+
+def kv_split_count(
+    batch_heads: int,
+    length: int,
+    sms: int | None,
+    positions: int = KV_SPLIT_POSITIONS,
+    split_from: int = KV_SPLIT_FROM,
+    forced: int = 0,
+) -> int:
+    """KV splits for decode attention, a power of two: none for ``split_from`` positions or fewer, else
+    about ``positions`` positions per program, at most KV_SPLIT_MAX per head and KV_SPLIT_WAVES x SMs
+    programs in all (a large batch fills the GPU with heads alone; ``sms`` None: the device is not
+    known, no such cap). ``forced`` (DSP_TRITON_KV_SPLITS, DSP_NVRTC_KV_SPLITS) overrides, up to one
+    position a split."""
+    if forced:
+        return max(1, min(forced, length))
+    if batch_heads <= 0 or length <= split_from:
+        return 1
+    waves = KV_SPLIT_MAX if sms is None else max(1, KV_SPLIT_WAVES * max(1, sms) // batch_heads)
+    want = min(KV_SPLIT_MAX, length // positions, waves)
+    return 1 << max(0, want.bit_length() - 1)
+
+
+def plan_kernels(plan: Plan, slots: Sequence[int], forced: int = 0) -> int:
+    """Kernels of a decode-attention group: 2 (partials, then their combine) where its KV positions split,
+    else 1, by the rule the kernels use (``kv_split_count``); the device's SM count, which only caps the
+    splits of a batch x heads beyond 16 x SMs, is left out (the report runs without a GPU)."""
+    softmax = next((s for s in slots if plan.slots[s].op == "Softmax"), None)
+    out = plan.slots[softmax].outputs[0] if softmax is not None else None
+    shape = plan.ref_info(out)[1] if out is not None else None
+    sizes = [d for d in shape or () if isinstance(d, int)]
+    if not shape or len(sizes) != len(shape) or (len(sizes) >= 2 and sizes[-2] != 1):
+        return 1  # unknown sizes, or a prefill's rows (three kernels, the layout decides)
+    heads = max(1, math.prod(sizes[:-2]))
+    return 2 if kv_split_count(heads, sizes[-1], None, forced=forced) > 1 else 1
+
+
+def spec_splits(spec: GroupSpec, cp: object, forced: int = 0) -> int:
+    """KV splits of a decode-attention group's layout on the current device: ``forced``, or
+    ``kv_split_count``'s rule with the device's SM count (``cp``: CuPy)."""
+    p1, _, p2 = attention_nodes(spec)
+    scores, out = p1.outputs[0], p2.outputs[0]
+    assert scores is not None and out is not None
+    length = spec.values[scores].shape[-1]
+    heads = max(1, math.prod(spec.values[out].shape[:-2]))
+    try:
+        sms: int | None = int(cp.cuda.Device().attributes["MultiProcessorCount"])  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        sms = 1
+    return kv_split_count(heads, length, sms, forced=forced)
 
 
 def only_for(plan: Plan, readers: Readers, slots: Sequence[int], members: set[int], what: str = "group") -> str | None:

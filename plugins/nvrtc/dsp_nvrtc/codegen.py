@@ -42,6 +42,9 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core.plan.kernelspec import ATT_ACC as ATT_ACC
+from dsp_core.plan.kernelspec import ATT_L as ATT_L
+from dsp_core.plan.kernelspec import ATT_M as ATT_M
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
     INDEX_OPS,
     ORDERED_KEY_BITS,
@@ -59,6 +62,7 @@ from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
 from dsp_core.plan.kernelspec import attention_nodes as attention_nodes
+from dsp_core.plan.kernelspec import attention_split_specs as attention_split_specs
 from dsp_core.plan.kernelspec import kv_store_nodes as kv_store_nodes
 from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
@@ -1428,8 +1432,6 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     for x in (q, k, v, scores, x_in, probs, a, out):
         if spec.values[x].dtype not in ATTENTION_DTYPES:
             raise Unsupported(f"attention over {spec.values[x].dtype} (the template takes fp16, bf16, fp32)")
-    if not 1 <= length <= MAX_ATTENTION_POSITIONS:
-        raise Unsupported(f"{length} KV positions (the template holds 1 to {MAX_ATTENTION_POSITIONS} in shared memory)")
     if not (1 <= d <= MAX_ATTENTION_DIM and 1 <= d2 <= MAX_ATTENTION_DIM):
         raise Unsupported(f"head dims {d} and {d2} (the template takes up to {MAX_ATTENTION_DIM})")
     at_value: int | None = a
@@ -1438,14 +1440,32 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         if found is None or found[0].op not in ("Cast", "CastLike", "Identity"):
             raise Unsupported("ops other than casts between the softmax and the weighted sum")
         at_value = found[0].inputs[0]
-    if list(spec.outputs) != [out]:
+    if list(spec.outputs) != [out] and int(spec.params.get("kv_splits", 1)) == 1:
         raise Unsupported("an attention group that stores other than its weighted sum")
+    n_split = int(spec.params.get("kv_splits", 1))
+    split = n_split > 1
+    chunk = -(-length // n_split)  # positions a block takes: all of them, or one range of a split
+    if not 1 <= chunk <= MAX_ATTENTION_POSITIONS:
+        raise Unsupported(
+            f"{chunk} KV positions a block (the template holds 1 to {MAX_ATTENTION_POSITIONS} in shared memory)"
+        )
+    if split and list(spec.outputs) != [ATT_M, ATT_L, ATT_ACC]:
+        raise Unsupported("a split attention's partial kernel stores its partial max, sum and weighted sum")
     vw = min(ATTENTION_THREADS, _pow2(d2))  # threads over V's head dim; the other groups split the positions
     gen.line("__shared__ float dsp_red[32];")
     gen.line(f"__shared__ float att_q[{d}];")
-    gen.line(f"__shared__ float att_x[{length}];  // the scores, then the probabilities")
+    gen.line(f"__shared__ float att_x[{chunk}];  // the scores, then the probabilities")
     gen.line(f"__shared__ float att_part[{ATTENTION_THREADS // vw * d2}];")
-    bidx = gen.unflatten("(long long)blockIdx.x", batch) if batch else Idx(())
+    if split:  # block (head, range): the range's positions [lo, lo + n_here) of the buffer's
+        gen.line(f"const long long bh = (long long)blockIdx.x / {n_split}, sk = (long long)blockIdx.x % {n_split};")
+        gen.line(f"const long long lo = sk * {chunk};")
+        gen.line(f"const long long n_here = {length} - lo < {chunk} ? {length} - lo : {chunk};")
+        head_flat = "bh"
+    else:
+        gen.line("const long long lo = 0;")
+        gen.line(f"const long long n_here = {length};")
+        head_flat = "(long long)blockIdx.x"
+    bidx = gen.unflatten(head_flat, batch) if batch else Idx(())
 
     def at(x: int, pair: tuple[str, str]) -> Idx:
         shape = spec.values[x].shape
@@ -1466,15 +1486,17 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     # issues a chunk's loads together: a loop that tests its bound between loads waits out one
     # memory latency per load.
     gen.line(f"constexpr int T = DSP_BLOCK({ATTENTION_THREADS}), PL = DSP_LANES({ATTENTION_LANES});")
-    gen.line(f"constexpr int SLOTS = T / PL, DPL = ({d} + PL - 1) / PL, ROUNDS = ({length} + SLOTS - 1) / SLOTS;")
+    gen.line(f"constexpr int SLOTS = T / PL, DPL = ({d} + PL - 1) / PL, ROUNDS = ({chunk} + SLOTS - 1) / SLOTS;")
     gen.line(f"constexpr int R = ROUNDS < {ATTENTION_ROUNDS} ? ROUNDS : {ATTENTION_ROUNDS};  // rounds in flight")
     gen.line("const int plane = threadIdx.x % PL, slot = threadIdx.x / PL;")
 
-    def position(expr: str) -> None:  # position ``l`` of a round, and ``lc``, where it is read (in the buffer)
+    def position(expr: str) -> None:
+        """Position ``l`` of the block's range (its index into ``att_x``), and ``lc``, the buffer's
+        position it reads (``lo + l``, clamped into the buffer)."""
         gen.line(f"const long long l = {expr};")
-        gen.line(f"const long long lc = l < {length} ? l : {length - 1};")
+        gen.line(f"const long long lc = lo + l < {length} ? lo + l : {length - 1};")
 
-    with gen.block(f"for (int l0 = 0; l0 < {length}; l0 += SLOTS * R)"):
+    with gen.block(f"for (int l0 = 0; l0 < {chunk}; l0 += SLOTS * R)"):
         gen.line("float att_k[R][DPL];")
         gen.line("#pragma unroll")
         with gen.block("for (int r = 0; r < R; ++r)"):
@@ -1496,33 +1518,36 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
             gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
             xs = gen.value(x_in, at(x_in, ("0", "lc")))
             del gen.pinned[scores]
-            gen.line(f"if (l < {length} && plane == 0) att_x[l] = (float)({xs});")
+            gen.line(f"if (l < n_here && plane == 0) att_x[l] = (float)({xs});")
     gen.line("__syncthreads();")
-    # phase 2: the softmax over the block's positions, then the casts before the weighted sum
+    # phase 2: the softmax over the block's positions (of its range: unnormalised, against the
+    # range's own max, which the combine kernel rescales), then the casts before the weighted sum
     gen.line("float mx = -DSP_INF;")
-    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+    with gen.block("for (long long l = threadIdx.x; l < n_here; l += blockDim.x)"):
         gen.line("mx = fmaxf(mx, att_x[l]);")
     gen.line("mx = dsp_block_reduce(mx, dsp_red, 1);")
     gen.line("const float mu = mx == -DSP_INF ? 0.f : mx;  // a row of -inf: exp(-inf) = 0, then 0 / 0")
     gen.line("float se = 0.f;")
-    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+    with gen.block("for (long long l = threadIdx.x; l < n_here; l += blockDim.x)"):
         gen.line("se += expf(att_x[l] - mu);")
     gen.line("se = dsp_block_reduce(se, dsp_red, 0);")
-    with gen.block(f"for (long long l = threadIdx.x; l < {length}; l += blockDim.x)"):
+    with gen.block("for (long long l = threadIdx.x; l < n_here; l += blockDim.x)"):
         pv = spec.values[probs]
-        at_p = at(probs, ("0", "l"))
-        gen.pinned[probs] = (_kept(pv.shape, at_p), gen.let(_round("expf(att_x[l] - mu) / se", pv.dtype), "float", "p"))
-        xa = gen.value(a, at(a, ("0", "l")))
+        at_p = at(probs, ("0", "lc"))
+        gen.line("const long long lc = lo + l;")
+        p_expr = "expf(att_x[l] - mu)" if split else _round("expf(att_x[l] - mu) / se", pv.dtype)
+        gen.pinned[probs] = (_kept(pv.shape, at_p), gen.let(p_expr, "float", "p"))
+        xa = gen.value(a, at(a, ("0", "lc")))
         gen.line(f"att_x[l] = (float)({xa});  // this thread's own positions: no other thread reads them yet")
         del gen.pinned[probs]
     gen.line("__syncthreads();")
     # phase 3: the weighted sum, threads over V's head dim, groups of them over the positions
-    gen.line(f"constexpr int VW = T < {vw} ? T : {vw}, NG = T / VW, PER = ({length} + NG - 1) / NG;")
+    gen.line(f"constexpr int VW = T < {vw} ? T : {vw}, NG = T / VW, PER = ({chunk} + NG - 1) / NG;")
     gen.line(f"constexpr int U = PER < {ATTENTION_UNROLL} ? PER : {ATTENTION_UNROLL};  // V's loads in flight")
     gen.line("const int tv = threadIdx.x % VW, tg = threadIdx.x / VW;")
     with gen.block(f"for (long long dv = tv; dv < {d2}; dv += VW)"):
         gen.line("float att_o = 0.f;")
-        with gen.block(f"for (int l0 = 0; l0 < {length}; l0 += NG * U)"):
+        with gen.block(f"for (int l0 = 0; l0 < {chunk}; l0 += NG * U)"):
             gen.line("float att_v[U];")
             gen.line("#pragma unroll")
             with gen.block("for (int u = 0; u < U; ++u)"):
@@ -1531,9 +1556,20 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
             gen.line("#pragma unroll")
             with gen.block("for (int u = 0; u < U; ++u)"):
                 gen.line("const long long l = l0 + u * NG + tg;")
-                gen.line(f"if (l < {length}) att_o += att_x[l] * att_v[u];")
+                gen.line("if (l < n_here) att_o += att_x[l] * att_v[u];")
         gen.line(f"att_part[tg * {d2} + dv] = att_o;")
     gen.line("__syncthreads();")
+    if split:  # the range's max, sum and unnormalised weighted sum: attention_combine merges them
+        bh = max(1, math.prod(batch))
+        with gen.block(f"for (long long dv = threadIdx.x; dv < {d2}; dv += blockDim.x)"):
+            gen.line("float att_o = 0.f;")
+            gen.line(f"for (int g = 0; g < NG; ++g) att_o += att_part[g * {d2} + dv];")
+            gen.line(f"out2[(bh * {n_split} + sk) * {d2} + dv] = att_o;")
+        with gen.block("if (threadIdx.x == 0)"):
+            gen.line(f"out0[bh * {n_split} + sk] = mx;")
+            gen.line(f"out1[bh * {n_split} + sk] = se;")
+        part = Idx(("bh", "sk"))
+        return [(ATT_M, part), (ATT_L, part), (ATT_ACC, Idx(("bh", "sk", "dv")))], bh * n_split
     out_idx = at(out, ("0", "dv"))
     with gen.block(f"for (long long dv = threadIdx.x; dv < {d2}; dv += blockDim.x)"):
         gen.line("float att_o = 0.f;")
@@ -1542,6 +1578,59 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         gen.wait()
         gen.line(f"out0[{off}] = {_to_storage('att_o', ov.dtype)};")
     return [(out, out_idx)], max(1, math.prod(batch))
+
+
+def attention_combine(spec: GroupSpec) -> Kernel:
+    """The combine kernel of a split decode attention (``attention_split_specs``' second spec): one
+    block per (batch, head) rescales each range's sum and weighted sum by exp(its max - the head's
+    max), sums them and stores the weighted sum divided by the sum, rounded to the output's dtype.
+
+    Arguments: (ATT_M, ATT_L, ATT_ACC, the output). Template ``decode_attention_combine``.
+    """
+    n_split, out = int(spec.params["kv_splits"]), int(spec.params["out"])
+    if spec.nodes:
+        raise Unsupported("a split attention with ops after its weighted sum (the combine stores only it)")
+    ov = spec.values[out]
+    _c(ov.dtype)
+    bh, d2 = max(1, math.prod(ov.shape[:-2])), int(ov.shape[-1])
+    threads = min(THREADS, max(WARP, _pow2(d2)))
+    storage = C_TYPES[ov.dtype][0]
+    lines = [
+        f'extern "C" __global__ void __launch_bounds__({threads}) KERNEL(const float* __restrict__ in0, '
+        f"const float* __restrict__ in1, const float* __restrict__ in2, {storage}* __restrict__ out0) {{",
+        "    const long long bh = blockIdx.x;",
+        "    DSP_WAIT();",
+        "    float top = -DSP_INF;",
+        f"    for (int s = 0; s < {n_split}; ++s) top = fmaxf(top, in0[bh * {n_split} + s]);",
+        "    const float mu = top == -DSP_INF ? 0.f : top;",
+        "    float sum = 0.f;",
+        f"    for (int s = 0; s < {n_split}; ++s) {{",
+        f"        const float m = in0[bh * {n_split} + s];",
+        f"        sum += m == -DSP_INF ? 0.f : expf(m - mu) * in1[bh * {n_split} + s];",
+        "    }",
+        f"    for (long long dv = threadIdx.x; dv < {d2}; dv += blockDim.x) {{",
+        "        float o = 0.f;",
+        f"        for (int s = 0; s < {n_split}; ++s) {{",
+        f"            const float m = in0[bh * {n_split} + s];",
+        f"            o += m == -DSP_INF ? 0.f : expf(m - mu) * in2[(bh * {n_split} + s) * {d2} + dv];",
+        "        }",
+        "        const float att_o = o / sum;",
+        f"        out0[bh * {d2} + dv] = {_to_storage('att_o', ov.dtype)};",
+        "    }",
+        "}",
+        "",
+    ]
+    source = "\n".join(lines)
+    name = "dsp_attc_" + hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
+    return Kernel(
+        source.replace(" KERNEL(", f" {name}(", 1),
+        name,
+        (ATT_M, ATT_L, ATT_ACC, out),
+        3,
+        bh,
+        threads,
+        "decode_attention_combine",
+    )
 
 
 def _pow2(n: int) -> int:

@@ -36,7 +36,8 @@ def host_compiler() -> str | None:
 
 
 def _build(kernel: codegen.Kernel, ctypes_of: list[str]) -> ctypes.CDLL:
-    block_reductions = ("row_reduction", "argmax", "decode_attention")  # one thread: its own value is the block's
+    # one thread a block: its own value is the block's
+    block_reductions = ("row_reduction", "argmax", "decode_attention", "decode_attention_combine")
     threads = 1 if kernel.template in block_reductions else kernel.threads
     casts = [f"({t}*)a[{k}]" for k, t in enumerate(ctypes_of)]
     driver = (

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from dsp_cuda_graphs import attention
 from dsp_cuda_graphs.derived import Derived, joined_bias, joined_nk, nk_copy
 from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable, run_step
 from dsp_cuda_graphs.greedy import PickLayout
 
+from dsp_core import config
 from dsp_core.backends.base import CaptureFailed
 from dsp_core.plan.kernelspec import reference_specs
 from dsp_nvrtc import codegen, compiler
@@ -57,6 +59,10 @@ class Built:
     # kernel (the scores product) and after it (the weighted sum); the kernel is the softmax's
     head: list[Step] = field(default_factory=list)
     tail: list[Step] = field(default_factory=list)
+    # a split decode attention: the combine kernel after this one (the partials' kernel), which reads
+    # the per-range maxima, sums and weighted sums this kernel stores (``codegen.attention_combine``)
+    combine: tuple[Any, codegen.Kernel] | None = None
+    scratch: dict[int, tuple[tuple[int, ...], np.dtype[Any]]] = field(default_factory=dict)
 
 
 def device_target(cp: Any) -> compiler.Target:
@@ -231,6 +237,8 @@ class NvrtcGroup(GroupStep):
                 spec = dataclasses.replace(
                     spec, values={**spec.values, **{f: _spec_of(d.array) for f, d in subs.items()}}
                 )
+            elif spec.template == "decode_attention" and self._kv_splits(spec) > 1:
+                return self._split_attention(spec, inputs, asked)
             else:
                 spec, subs = self._product_layout(spec, local)
                 kernel = codegen.generate(spec)
@@ -248,6 +256,54 @@ class NvrtcGroup(GroupStep):
         self.report.cached = hit
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
         return Built(function, kernel, shapes, self._baked(kernel, inputs, asked), subs, kernel.vector_args)
+
+    def _kv_splits(self, spec: codegen.GroupSpec) -> int:
+        """KV splits of a decode attention's layout: DSP_NVRTC_KV_SPLITS, or the shared rule
+        (``attention.kv_split_count``: none up to 256 positions, then about 64 a block)."""
+        try:
+            q = codegen.attention_values(spec)[3].q
+        except codegen.Unsupported:
+            return 1
+        if spec.values[q].shape[-2:-1] != (1,):
+            return 1  # a prompt's query rows: as parts
+        return attention.spec_splits(spec, self.cp, int(config.get("nvrtc_kv_splits")))
+
+    def _split_attention(self, spec: codegen.GroupSpec, inputs: Sequence[Any], asked: set[int]) -> Built:
+        """A decode attention over more KV positions than one block a head should walk: one block per
+        (head, range of positions) stores the range's max, sum and weighted sum, then one combine
+        kernel per head merges them (``codegen.attention_split_specs``, ``attention_combine``)."""
+        partial, combine = codegen.attention_split_specs(spec, self._kv_splits(spec))
+        kernel = codegen.generate(partial)
+        last = codegen.attention_combine(combine)
+        function, hit = loaded(self.cp, kernel, partial, self.cache)
+        function2, hit2 = loaded(self.cp, last, combine, self.cache)
+        self.report.kernel = f"{kernel.name}+{last.name}"
+        self.report.cached = hit and hit2
+        self.report.reason = f"{partial.params['kv_splits']} ranges of KV positions a head, then their combine"
+        shapes = {v: (partial.values[v].shape, np.dtype(partial.values[v].dtype)) for v in spec.outputs}
+        built = Built(function, kernel, shapes, self._baked(kernel, inputs, asked))
+        built.combine = (function2, last)
+        for v in partial.outputs:
+            built.scratch[v] = (partial.values[v].shape, np.dtype(partial.values[v].dtype))
+        return built
+
+    def _launch_split(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        cp, kernel = self.cp, built.kernel
+        assert built.combine is not None
+        function2, last = built.combine
+        by_flat = dict(zip(self.in_flats, inputs))
+        scratch = [cp.empty(*built.scratch[v]) for v in kernel.args[kernel.n_inputs :]]
+        launch(
+            cp,
+            built.function,
+            kernel.grid,
+            kernel.threads,
+            [by_flat[v] for v in kernel.args[: kernel.n_inputs]] + scratch,
+        )
+        (out,) = self.out_flats
+        result = cp.empty(built.shapes[out][0], dtype=built.shapes[out][1])
+        launch(cp, function2, last.grid, last.threads, [*scratch, result])
+        return (result,)
 
     def _parts(
         self,
@@ -297,6 +353,8 @@ class NvrtcGroup(GroupStep):
     def launch(self, built: Built, inputs: Sequence[Any]) -> tuple[Any, ...]:
         if built.head or built.tail:
             return self._launch_parts(built, inputs)
+        if built.combine is not None:
+            return self._launch_split(built, inputs)
         cp = self.cp
         kernel = built.kernel
         by_flat = dict(zip(self.in_flats, inputs))

@@ -225,6 +225,8 @@ class NvrtcPolicy(ReferencePolicy):
     def kernels(self, plan: Plan, template: str, slots: Sequence[int]) -> int:
         if template == "view" or all(plan.slots[s].op in codegen.VIEW_ON_CUPY for s in slots):
             return 0  # views on the reference kernels
+        if template == "decode_attention":  # partials and their combine where the KV positions split
+            return attention.plan_kernels(plan, slots, int(config.get("nvrtc_kv_splits")))
         return 1
 
     def unfused(self, plan: Plan, group: Group) -> str | None:

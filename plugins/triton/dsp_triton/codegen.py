@@ -35,6 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core.plan.kernelspec import ATT_ACC as ATT_ACC
+from dsp_core.plan.kernelspec import ATT_L as ATT_L
+from dsp_core.plan.kernelspec import ATT_M as ATT_M
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
     INDEX_OPS,
     ROW_VALUED_OPS,
@@ -52,6 +55,7 @@ from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
 from dsp_core.plan.kernelspec import Unsupported as Unsupported
 from dsp_core.plan.kernelspec import attention_nodes as attention_nodes
+from dsp_core.plan.kernelspec import attention_split_specs as attention_split_specs
 from dsp_core.plan.kernelspec import kv_store_nodes as kv_store_nodes
 from dsp_core.plan.kernelspec import merged_operands as merged_operands
 
@@ -1426,78 +1430,6 @@ def _attention(
     return stores, (max(1, math.prod(batch)), 1, 1), bl, warps
 
 
-ATT_M, ATT_L, ATT_ACC = -2001, -2002, -2003  # a split attention's partial max, sum and weighted sum
-
-
-# Measured on the H200 (benchmarks/attention_gpu.py, benchmarks/results/gpu_2026-12-02f): a program's
-# loop over its KV positions is latency-bound (each BLOCK_L step waits for its K and V loads), so
-# the time follows the positions per program, not the SMs filled: Llama-1B's shape (32 heads) at
-# 4,096 positions took 45.3 us in 4 splits (the old rule: fill the SMs once), 22.2 in 16, 12.6 in
-# 32; at 1,024, 17.1 in 4 and 6.5 in 16. At 128 positions one program per head (2.9 us) beats any
-# split, whose combine kernel costs about 2 us.
-KV_SPLIT_POSITIONS = 64  # positions per program to aim for
-KV_SPLIT_FROM = 256  # no split at or below this many positions
-KV_SPLIT_MAX = 64  # splits per head at most (the combine kernel reads them in one tile)
-KV_SPLIT_WAVES = 16  # programs at most, in multiples of the SMs
-
-
-def kv_split_count(
-    batch_heads: int,
-    length: int,
-    sms: int | None,
-    positions: int = KV_SPLIT_POSITIONS,
-    split_from: int = KV_SPLIT_FROM,
-    forced: int = 0,
-) -> int:
-    """KV splits for decode attention, a power of two: none for ``split_from`` positions or fewer, else
-    about ``positions`` positions per program, at most KV_SPLIT_MAX per head and KV_SPLIT_WAVES x SMs
-    programs in all (a large batch fills the GPU with heads alone; ``sms`` None: the device is not
-    known, no such cap). ``forced`` (DSP_TRITON_KV_SPLITS) overrides, up to one position a split."""
-    if forced:
-        return max(1, min(forced, length))
-    if batch_heads <= 0 or length <= split_from:
-        return 1
-    waves = KV_SPLIT_MAX if sms is None else max(1, KV_SPLIT_WAVES * max(1, sms) // batch_heads)
-    want = min(KV_SPLIT_MAX, length // positions, waves)
-    return 1 << max(0, want.bit_length() - 1)
-
-
-def attention_split_specs(spec: GroupSpec, n_split: int) -> list[GroupSpec]:
-    """A decode attention split over ``n_split`` ranges of KV positions: partials, then their combine."""
-    p1, _, p2 = attention_nodes(spec)
-    out = p2.outputs[0]
-    assert out is not None
-    batch = tuple(spec.values[out].shape[:-2])
-    bh, d2 = max(1, math.prod(batch)), spec.values[out].shape[-1]
-    values = dict(spec.values)
-    values[ATT_M] = TensorSpec((bh, n_split), "float32", (n_split, 1))
-    values[ATT_L] = TensorSpec((bh, n_split), "float32", (n_split, 1))
-    values[ATT_ACC] = TensorSpec((bh, n_split, d2), "float32", (n_split * d2, d2, 1))
-    partial = GroupSpec(
-        "decode_attention",
-        spec.nodes,
-        values,
-        list(spec.inputs),
-        [ATT_M, ATT_L, ATT_ACC],
-        spec.constants,
-        params={"kv_splits": n_split},
-    )
-    i_p2 = spec.nodes.index(p2)
-    epilogue = spec.nodes[i_p2 + 1 :]
-    made = {v for n in spec.nodes[: i_p2 + 1] for v in n.outputs if v is not None}
-    reads = [r for n in epilogue for r in n.inputs if r is not None and r in spec.inputs and r not in made]
-    combine = GroupSpec(
-        "decode_attention_combine",
-        epilogue,
-        values,
-        [ATT_M, ATT_L, ATT_ACC, *dict.fromkeys(reads)],
-        list(spec.outputs),
-        spec.constants,
-        params={"kv_splits": n_split, "out": out},
-    )
-    return [partial, combine]
-
-
 def _attention_combine(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
     """One program per (batch, head): the splits' partial results merged, then the epilogue."""
     n_split, out = int(spec.params["kv_splits"]), int(spec.params["out"])
@@ -1849,7 +1781,6 @@ __all__ = [
     "attention_nodes",
     "attention_parts",
     "attention_split_specs",
-    "kv_split_count",
     "data_inputs",
     "with_dependent_launch",
     "generate",

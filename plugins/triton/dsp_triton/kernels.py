@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from dsp_cuda_graphs import attention
 from dsp_cuda_graphs.derived import Derived, joined_bias, joined_nk, nk_copy
 from dsp_cuda_graphs.fusion import constants_match, mismatch, run_reference, run_step
 from dsp_cuda_graphs.greedy import PickLayout
@@ -449,17 +450,8 @@ class FusedGroup:
         return rows > codegen.MAX_PRODUCT_ROWS
 
     def _kv_splits(self, spec: codegen.GroupSpec) -> int:
-        """KV splits of a decode attention: DSP_TRITON_KV_SPLITS, or codegen.kv_split_count's rule."""
-        p1, _, p2 = codegen.attention_nodes(spec)
-        scores, out = p1.outputs[0], p2.outputs[0]
-        assert scores is not None and out is not None
-        length = spec.values[scores].shape[-1]
-        heads = max(1, math.prod(spec.values[out].shape[:-2]))
-        try:
-            sms = int(self.cp.cuda.Device().attributes["MultiProcessorCount"])
-        except Exception:  # noqa: BLE001
-            sms = 1
-        return codegen.kv_split_count(heads, length, sms, forced=int(dsp_config.get("triton_kv_splits")))
+        """KV splits of a decode attention: DSP_TRITON_KV_SPLITS, or the shared rule (``attention.kv_split_count``)."""
+        return attention.spec_splits(spec, self.cp, int(dsp_config.get("triton_kv_splits")))
 
     def _product_spec(
         self, spec: codegen.GroupSpec, local: dict[int, Any], steps: list[Step]

@@ -277,18 +277,8 @@ class TritonPolicy(ReferencePolicy):
 
 
 def attention_kernels(plan: Plan, slots: Sequence[int]) -> int:
-    """Kernels of a decode-attention group: 2 (partials, then their combine) where its KV positions split,
-    else 1, by the rule the kernels use (``codegen.kv_split_count``); the device's SM count, which only
-    caps the splits of a batch x heads beyond 8 x SMs, is left out (the report runs without a GPU)."""
-    softmax = next((s for s in slots if plan.slots[s].op == "Softmax"), None)
-    out = plan.slots[softmax].outputs[0] if softmax is not None else None
-    shape = plan.ref_info(out)[1] if out is not None else None
-    sizes = [d for d in shape or () if isinstance(d, int)]
-    if not shape or len(sizes) != len(shape) or (len(sizes) >= 2 and sizes[-2] != 1):
-        return 1  # unknown sizes, or a prefill's rows (three kernels, the layout decides)
-    heads = max(1, math.prod(sizes[:-2]))
-    splits = codegen.kv_split_count(heads, sizes[-1], None, forced=int(config.get("triton_kv_splits")))
-    return 2 if splits > 1 else 1
+    """Kernels of a decode-attention group (``attention.plan_kernels``, DSP_TRITON_KV_SPLITS forcing)."""
+    return attention.plan_kernels(plan, slots, int(config.get("triton_kv_splits")))
 
 
 def _paired(plan: Plan, s: int) -> str | None:
