@@ -27,6 +27,7 @@ import dsp_core as dsp
 from dsp_core.backends.base import Registry
 from dsp_core.backends.discovery import discover
 from dsp_core.plan.fusion import propose_groups
+from dsp_core.plan.kernelspec import ROW_VALUED_OPS
 from dsp_core.runtime.model import CompiledModel
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -119,7 +120,10 @@ def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: 
     result = propose_groups(plan, slots, NvrtcPolicy())
     if name != "cnn":
         assert result.kernels < len(slots) * 0.6, (result.kernels, len(slots))
-        assert any(g.template == "row_reduction" for g in result.groups)
+        # every norm is a row kernel, or the prologue of the product that alone reads it
+        reduced = {s for s in slots if plan.slots[s].op in ROW_VALUED_OPS}
+        norms = [g for g in result.groups if reduced & set(g.slots)]
+        assert norms and all(g.template in ("row_reduction", "product", "decode_attention") for g in norms)
         # the skinny products (T3) take their epilogue: the bias or the residual add
         assert any(g.template == "product" and len(g.slots) > 1 for g in result.groups), result.groups
 
@@ -160,7 +164,11 @@ def test_every_generated_kernel_compiles_and_matches_the_reference_on_the_host(n
     bad = [r for r in results if r.status not in ("ok", "unsupported")]
     assert not bad, bad[:3]
     ok = {r.template for r in results if r.status == "ok"}
-    assert "pointwise" in ok and (name == "cnn" or {"row_reduction", "copy"} <= ok), results
+    assert "pointwise" in ok and (name == "cnn" or {"product", "copy"} <= ok), results
+    if name.startswith("llama"):  # the norm before Q/K/V, and before gate/up with SiLU(gate) x up: one kernel each
+        merged = [r.ops for r in results if r.status == "ok" and "MergedMatMul" in r.ops]
+        assert len(merged) == 4 and all(ops[0] in ("Pow", "RMSNormalization") for ops in merged), merged
+        assert sum(ops[-3:] == ["Sigmoid", "Mul", "Mul"] for ops in merged) == 2, merged
 
 
 def _half_block() -> Any:
@@ -844,6 +852,7 @@ def test_merged_products_are_one_kernel_over_their_joined_weights(form: str, dty
 
 
 def test_merged_products_are_one_product_group_and_their_epilogues_run_apart() -> None:
+    """Three parts (Q/K/V): each part's epilogue is a kernel of its own."""
     from dsp_nvrtc.segment import unfused_reason
 
     rng = np.random.default_rng(0)
@@ -858,7 +867,69 @@ def test_merged_products_are_one_product_group_and_their_epilogues_run_apart() -
     result = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())
     merged = [gr for gr in result.groups if [plan.slots[s].op for s in gr.slots] == ["MergedMatMul"]]
     assert len(merged) == 1 and merged[0].template == "product" and unfused_reason(plan, merged[0]) is None
-    assert sum("merged products store their parts" in b.reason for b in result.boundaries) == 3
+    assert sum("an epilogue fuses only into two merged MatMuls" in b.reason for b in result.boundaries) == 3
+
+
+def _gated_mlp(rms_chain: bool, dtype: str = "float16", k: int = 64, n: int = 96) -> tuple[Any, dict[str, Any]]:
+    """RMSNorm (the exported chain, or the op) -> gate and up (merged by the core) -> SiLU(gate) x up."""
+    rng = np.random.default_rng(3)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", dtype, [1, 1, k])
+    w = g.constant((1 + 0.1 * rng.standard_normal(k)).astype(dtype))
+    if rms_chain:
+        x32 = g.Cast(x, to=1)
+        mean = g.ReduceMean(g.Pow(x32, g.constant(np.array(2.0, np.float32))), g.constant(np.array([-1])))
+        inv = g.Reciprocal(g.Sqrt(g.Add(mean, g.constant(np.array(1e-6, np.float32)))))
+        h = g.Mul(g.Cast(g.Mul(x32, inv), to=10 if dtype == "float16" else 1), w)
+    else:
+        h = g.RMSNormalization(x, w, axis=-1, epsilon=1e-6)
+    gate = h @ g.constant((rng.standard_normal((k, n)) / 8).astype(dtype))
+    up = h @ g.constant((rng.standard_normal((k, n)) / 8).astype(dtype))
+    g.output(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), "y")
+    feeds = {"x": rng.standard_normal((1, 1, k)).astype(dtype)}
+    return g.build(), feeds
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("rms_chain, dtype", [(True, "float16"), (True, "float32"), (False, "float16")])
+def test_a_norm_then_gate_and_up_then_silu_times_up_is_one_kernel_on_the_host(rms_chain: bool, dtype: str) -> None:
+    """The norm (the exported chain's mean, or RMSNormalization) as the merged product's prologue, each
+    warp computing column c of gate and of up, then SiLU(gate) x up on the pair: one group, one kernel,
+    the reference's result."""
+    graph, feeds = _gated_mlp(rms_chain, dtype)
+    model = dsp.compile(graph, mode="slot_by_slot")
+    model.run(feeds)
+    plan = model.plan()
+    assert plan is not None
+    groups = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy()).groups
+    assert len(groups) == 1 and groups[0].template == "product", [(gr.template, gr.slots) for gr in groups]
+    results = hostcheck.check_model(model, feeds)
+    assert [r.status for r in results] == ["ok"], results
+    ops = [op for op in results[0].ops if op != "Identity"]  # the output's name
+    assert ops[-4:] == ["MergedMatMul", "Sigmoid", "Mul", "Mul"], ops
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
+@pytest.mark.parametrize("k_len", [64, 2048])  # a warp per column; a block per column (long K, few outputs)
+def test_a_norm_then_qkv_parts_of_different_widths_is_one_kernel_storing_each_part(k_len: int) -> None:
+    """LayerNorm -> Q, K, V (widths 48, 16, 16) merged: the joined product's columns, each stored to its part."""
+    rng = np.random.default_rng(5)
+    g = dsp.GraphBuilder()
+    x = g.placeholder("x", "float16", [1, 1, k_len])
+    h = g.LayerNormalization(
+        x, g.constant(np.ones(k_len, np.float16)), g.constant(np.zeros(k_len, np.float16)), axis=-1
+    )
+    for i, n in enumerate((48, 16, 16)):
+        g.output(h @ g.constant((rng.standard_normal((k_len, n)) / 16).astype(np.float16)), f"y{i}")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    feeds = {"x": rng.standard_normal((1, 1, k_len)).astype(np.float16)}
+    model.run(feeds)
+    results = hostcheck.check_model(model, feeds)
+    assert [(r.status, r.ops) for r in results] == [("ok", ["LayerNormalization", "MergedMatMul"])], results
+    specs = hostcheck.group_specs(model, feeds)
+    kernel, spec, _ = hostcheck._kernel(specs[0][2], specs[0][3])
+    assert spec.params["lanes"] == codegen.lanes_for(k_len, 80, "float16")
+    assert kernel.source.count("out") >= 3 and "dsp_pro" in kernel.source
 
 
 # -- the KV store (dsp::KVScatter) as one kernel ------------------------------------------------

@@ -206,6 +206,8 @@ def reference_specs(
 
 # Value ids of merged sibling products' joined weights, biases and product (dsp::MergedMatMul).
 MERGED_B, MERGED_C, MERGED_Y = -1001, -1002, -1003
+# ops that only relabel or permute a value's elements (a merged product's way to its KV store)
+LAYOUT_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"})
 
 
 def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -315,3 +317,63 @@ def attention_split_specs(spec: GroupSpec, n_split: int) -> list[GroupSpec]:
         params={"kv_splits": n_split, "out": out},
     )
     return [partial, combine]
+
+
+def merged_spec(spec: GroupSpec, bias_shape: tuple[int, ...] | None) -> GroupSpec:
+    """Merged siblings as one product: the joined weights (``MERGED_B``, a [K, sum N] view of a
+    [sum N, K] buffer), the joined biases (``MERGED_C``), each part stored by its own lanes."""
+    j = merged_index(spec)
+    node = spec.nodes[j]
+    prologue = spec.nodes[:j]  # a norm feeding the product
+    weights, biases = merged_operands(node)
+    form = str(node.attrs.get("form", "MatMul"))
+    trans_b = bool(node.attrs.get("transB", 0)) and form == "Gemm"
+    shapes = [spec.values[w].shape for w in weights]
+    if any(len(sh) != 2 for sh in shapes):
+        raise Unsupported("merged products of other than matrices")
+    widths = [int(sh[0] if trans_b else sh[1]) for sh in shapes]
+    kdim = int(shapes[0][1] if trans_b else shapes[0][0])
+    values = dict(spec.values)
+    dtype = spec.values[weights[0]].dtype
+    values[MERGED_B] = TensorSpec((kdim, sum(widths)), dtype, (1, kdim))
+    first = spec.values[node.outputs[0]]  # type: ignore[index]
+    values[MERGED_Y] = TensorSpec((*first.shape[:-1], sum(widths)), first.dtype)
+    a = node.inputs[0]
+    assert a is not None
+    operands: tuple[int, ...] = (a, MERGED_B)
+    attrs: dict[str, Any] = {}
+    if form == "Gemm":
+        attrs = {"alpha": node.attrs.get("alpha", 1.0), "beta": node.attrs.get("beta", 1.0)}
+        if biases:
+            assert bias_shape is not None
+            values[MERGED_C] = TensorSpec(bias_shape, spec.values[biases[0]].dtype, tuple(row_major(bias_shape)))
+            operands = (a, MERGED_B, MERGED_C)
+    product = NodeSpec(form, operands, (MERGED_Y,), attrs, node.opset, "", node.name)
+    epilogue = spec.nodes[j + 1 :]
+    # A unless a norm prologue makes it, then what the prologue (the residual, the norm's
+    # scale) and the epilogue read, besides the parts' own weights and biases
+    inputs = [r for r in operands if r in spec.inputs or r < 0]
+    outside = [r for r in spec.inputs if r not in (*weights, *biases, a)]
+    to_stores = all(n.op in LAYOUT_OPS or n in kv_store_nodes(spec) for n in epilogue)
+    if epilogue and not to_stores:  # only two siblings of one width, each column of both in one program
+        if len(widths) != 2 or widths[0] != widths[1] or form != "MatMul":
+            raise Unsupported("an epilogue over merged products other than two MatMuls of one width")
+        y0, y1 = node.outputs
+        assert y0 is not None and y1 is not None
+        paired = {"paired": widths[0], "y0": y0, "y1": y1}
+        nodes = [*prologue, product, *epilogue]
+        ins = [*inputs, *outside]  # what the prologue and epilogue read
+        return GroupSpec("product", nodes, values, ins, list(spec.outputs), spec.constants, params=paired)
+    splits: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for y, width in zip(node.outputs, widths):
+        assert y is not None
+        splits[y] = (offset, width)
+        offset += width
+    nodes = [*prologue, product, *epilogue]  # an epilogue here: a part's way to its KV store
+    return GroupSpec("product", nodes, values, [*inputs, *outside], list(spec.outputs), spec.constants, splits)
+
+
+def merged_index(spec: GroupSpec) -> int:
+    """Where a group's ``dsp::MergedMatMul`` node is (after its prologue), or -1."""
+    return next((j for j, n in enumerate(spec.nodes) if n.op == "MergedMatMul" and n.domain == "dsp"), -1)

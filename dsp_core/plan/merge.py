@@ -261,6 +261,20 @@ def is_merged(slot: Any) -> bool:
     return bool(slot.op == MERGED_OP and slot.domain == MERGED_DOMAIN)
 
 
+def paired_reason(plan: Any, s: int) -> str | None:
+    """Why merged product slot ``s`` takes no epilogue (None: two MatMuls of one width, whose column c of
+    both parts one kernel program computes pairwise, then the epilogue on the pair: gate and up)."""
+    slot = plan.slots[s]
+    outs = [v for v in slot.outputs if v is not None]
+    if len(outs) != 2 or str(slot.attrs.get("form", "MatMul")) != "MatMul":
+        return "an epilogue fuses only into two merged MatMuls (gate and up), each column of both in one program"
+    weights = slot.inputs[1:3]  # [K, N_i]: a part's width is its weight's
+    widths = [(plan.ref_info(w)[1] or (None,))[-1] if w is not None else None for w in weights]
+    if widths[0] is None or widths[0] != widths[1]:
+        return "merged products of different widths take no epilogue"
+    return None
+
+
 def merges_of(plan: Any) -> list[Merge]:
     """The merged products of a compiled plan (read from its ``dsp::MergedMatMul`` slots)."""
     found: list[Merge] = []

@@ -57,6 +57,7 @@ from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: c
 )
 from dsp_core.plan.kernelspec import MERGED_B as MERGED_B
 from dsp_core.plan.kernelspec import MERGED_C as MERGED_C
+from dsp_core.plan.kernelspec import MERGED_Y as MERGED_Y
 from dsp_core.plan.kernelspec import GroupSpec as GroupSpec
 from dsp_core.plan.kernelspec import NodeSpec as NodeSpec
 from dsp_core.plan.kernelspec import TensorSpec as TensorSpec
@@ -64,7 +65,9 @@ from dsp_core.plan.kernelspec import Unsupported as Unsupported
 from dsp_core.plan.kernelspec import attention_nodes as attention_nodes
 from dsp_core.plan.kernelspec import attention_split_specs as attention_split_specs
 from dsp_core.plan.kernelspec import kv_store_nodes as kv_store_nodes
+from dsp_core.plan.kernelspec import merged_index as merged_index
 from dsp_core.plan.kernelspec import merged_operands as merged_operands
+from dsp_core.plan.kernelspec import merged_spec as merged_spec
 
 # numpy dtype -> (C storage type, C compute type)
 C_TYPES: dict[str, tuple[str, str]] = {
@@ -488,6 +491,12 @@ class _Gen:
             return self._scalar_at(v, idx)
         if v in self.staged:
             return f"{self.staged[v]}[{idx.dims[-1]}]"
+        paired = int(self.spec.params.get("paired", 0))
+        if paired and v in (self.spec.params.get("y0"), self.spec.params.get("y1")):
+            # merged siblings of one width (gate, up): a part's column c is the joined product's
+            # column c, or c + width for the second (each warp computes both, then the epilogue)
+            col = idx.dims[-1] if v == self.spec.params["y0"] else f"({idx.dims[-1]} + {paired})"
+            return self.value(MERGED_Y, Idx((*idx.dims[:-1], col)))
         pin = self.pinned.get(v)
         if pin is not None:
             if _kept(self.spec.values[v].shape, idx) != pin[0]:
@@ -1114,7 +1123,11 @@ _OTHER = frozenset({"Cast", "CastLike", *_CMP, *_LOGIC, "Not", "Where", "Max", "
 INJECTIVE_OPS = INDEX_OPS
 PRODUCT_OPS = frozenset({"MatMul", "Gemm"})
 MAX_PRODUCT_ROWS = 16  # rows of a product the template takes; above, cuBLAS (prefill)
+MERGED_OP = ("dsp", "MergedMatMul")  # the core's merged sibling products
 PROLOGUE_NORMS = frozenset({"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
+# what a product's norm prologue reduces: a norm op, or the one reduction of an exported norm's chain
+# (the exported RMSNorm: Cast, Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul, Cast)
+PROLOGUE_REDUCTIONS = PROLOGUE_NORMS | frozenset({"ReduceMean", "ReduceSum", "ReduceSumSquare"})
 MAX_PROLOGUE_ROW = 8192  # elements of the row a norm prologue stages in shared memory (32 KB)
 ATTENTION_DTYPES = frozenset({"float16", "bfloat16", "float32"})  # operands of decode attention (T4)
 MAX_ATTENTION_POSITIONS = 8192  # KV positions of one decode attention: their scores in shared memory (32 KB)
@@ -1229,6 +1242,8 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     kv_nodes = kv_store_nodes(spec)
     if kv_nodes:
         return _store_template(gen, spec, kv_nodes)
+    if spec.splits:
+        return _merged_template(gen, spec)
     space = max(spec.outputs, key=lambda v: spec.values[v].numel)
     numel = max(1, spec.values[space].numel)
     staged = _norm_prologue(gen, spec)
@@ -1271,6 +1286,42 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     for k, (v, idx) in enumerate(stores):
         _store(gen, k, v, idx)
     return stores, (numel + THREADS - 1) // THREADS
+
+
+def _merged_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
+    """Merged siblings (Q/K/V) as one product over their joined weights (``merged_spec``): a warp (or
+    a block) per column of the joined product ``MERGED_Y``, its value stored to the part whose
+    columns hold it (``spec.splits``: output -> (offset, width)), after the norm prologue if any."""
+    if MERGED_Y not in spec.values or not gen.lanes:
+        raise Unsupported("merged products as one product need the joined product's lanes")
+    if spec.nodes[-1].op not in PRODUCT_OPS:
+        raise Unsupported("merged products that store their parts take no epilogue")
+    joined = spec.values[MERGED_Y]
+    numel = max(1, joined.numel)
+    staged = _norm_prologue(gen, spec)
+    gen.line("__shared__ float dsp_red[32];")
+    at = f"((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({gen.lanes})"
+    gen.line(f"const long long dsp_at = {at};")
+    gen.line(f"const bool dsp_live = dsp_at < {numel};")
+    gen.line(f"const long long lin = dsp_live ? dsp_at : {numel - 1};")
+    gen.line(f"const int lane = threadIdx.x % DSP_LANES({gen.lanes});")
+    if not staged:  # no barrier after this point: a spare warp may leave
+        gen.line("if (!dsp_live) return;")
+    idx = gen.unflatten("lin", joined.shape)
+    name = gen.value(MERGED_Y, idx)
+    col = idx.dims[-1]
+    stores: list[tuple[int, Idx]] = []
+    for k, v in enumerate(spec.outputs):
+        if v not in spec.splits:
+            raise Unsupported("a merged product's group stores other than its parts")
+        offset, width = spec.splits[v]
+        part = Idx((*idx.dims[:-1], f"({col} - {offset})"))
+        off = gen.flatten(part, spec.values[v].shape)
+        gen.wait()
+        cond = f"dsp_live && lane == 0 && {col} >= {offset} && {col} < {offset + width}"
+        gen.line(f"if ({cond}) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
+        stores.append((v, part))
+    return stores, (numel * gen.lanes + THREADS - 1) // THREADS
 
 
 def _store_template(gen: _Gen, spec: GroupSpec, kv_nodes: list[NodeSpec]) -> tuple[list[tuple[int, Idx]], int]:
@@ -1320,8 +1371,8 @@ def _norm_prologue(gen: _Gen, spec: GroupSpec) -> bool:
     if spec.template != "product" or len(products) != 1:
         raise Unsupported("a row-valued op in a pointwise group")
     node, product = norms[0], products[0]
-    if len(norms) != 1 or node.op not in PROLOGUE_NORMS:
-        raise Unsupported("a product's prologue computes one norm (LayerNorm, RMSNorm)")
+    if len(norms) != 1 or node.op not in PROLOGUE_REDUCTIONS:
+        raise Unsupported("a product's prologue computes one norm (LayerNorm, RMSNorm, or an exported chain's mean)")
     if spec.nodes.index(node) > spec.nodes.index(product):
         raise Unsupported("a norm after the product (its epilogue takes pointwise ops only)")
     src, a = node.inputs[0], product.inputs[0]
@@ -1672,7 +1723,7 @@ def prologue_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
     product's first operand, row-major; the product and its epilogue after it, on their
     reference kernels (cuBLAS for the product). As ``attention_parts``: node lists index
     ``spec.nodes`` (head, part, tail; the head is empty)."""
-    products = [j for j, n in enumerate(spec.nodes) if n.op in PRODUCT_OPS]
+    products = [j for j, n in enumerate(spec.nodes) if n.op in PRODUCT_OPS or (n.domain, n.op) == MERGED_OP]
     if len(products) != 1 or not any(n.op in _ROW_VALUED for n in spec.nodes[: products[0]]):
         raise Unsupported("not a product group with a norm prologue")
     cut = products[0]
@@ -1692,6 +1743,57 @@ def prologue_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
 
 
 # -- merged sibling products (dsp::MergedMatMul): one product over their joined weights ------
+# A big product takes a block's lanes per output (not a warp's) where K is longer than this and
+# it has at most this many outputs: GPT-2's MLP down projection, K 3072 by 768 outputs, is a
+# warp per output in ~96 steps of K each with 24 warps to an SM (11 us on the H200).
+BLOCK_LANES_MIN_K = 1024
+BLOCK_LANES_MAX_OUTPUTS = 4096
+
+
+def lanes_for(k_len: int, outputs: int, dtype: str) -> int:
+    """Lanes sharing one output of a product by a big constant weight: a block's where K is long and
+    the outputs few, else a warp's."""
+    block = k_len > BLOCK_LANES_MIN_K and outputs <= BLOCK_LANES_MAX_OUTPUTS and dtype != "float64"
+    return THREADS if block else WARP
+
+
+def merged_group(spec: GroupSpec, joined: dict[int, TensorSpec]) -> tuple[Kernel, GroupSpec]:
+    """A merged products' group (``dsp::MergedMatMul`` after its prologue) as one kernel, given the specs
+    of its joined weights and biases (``MERGED_B`` as a contiguous [sum N, K], ``MERGED_C``): alone,
+    ``merged_product``; with a norm prologue or a pairwise epilogue, the joined product as one product
+    node (``merged_spec``) through the product template, each lane group computing one column of the
+    joined product, or the same column of both parts where the epilogue reads them pairwise."""
+    spec = GroupSpec(
+        spec.template,
+        spec.nodes,
+        {**spec.values, **joined},
+        spec.inputs,
+        spec.outputs,
+        spec.constants,
+        spec.splits,
+        spec.params,
+    )
+    node = spec.nodes[merged_index(spec)]
+    if len(spec.nodes) == 1:
+        return merged_product(node, spec.values), spec
+    bias = joined.get(MERGED_C)
+    merged = merged_spec(spec, None if bias is None else tuple(bias.shape))
+    k_len, width = merged.values[MERGED_B].shape
+    outputs = int(merged.params.get("paired", 0)) or int(width)
+    lanes = lanes_for(int(k_len), outputs, merged.values[MERGED_B].dtype)
+    merged = GroupSpec(
+        merged.template,
+        merged.nodes,
+        merged.values,
+        merged.inputs,
+        merged.outputs,
+        merged.constants,
+        merged.splits,
+        {**merged.params, "lanes": lanes, "fixed_b": 1},
+    )
+    return generate(merged), merged
+
+
 def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
     """Sibling products merged by the core (Q/K/V, gate/up) as one kernel over their weights joined
     into one [sum N, K] matrix (``MERGED_B``, K its unit stride; biases joined as ``MERGED_C``):

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,14 +167,14 @@ def check_model(
     for seg, g, spec, values in group_specs(model, feeds):
         ops = [n.op for n in spec.nodes]
         try:
-            kernel, spec = _kernel(spec)
+            kernel, spec, joined = _kernel(spec, values)
         except codegen.Unsupported as exc:
             results.append(GroupCheck(seg.index, g.index, g.template, ops, "unsupported", str(exc)))
             continue
         try:
             if nvrtc:
                 compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("compute_75"))
-            arrays = {v: np.asarray(values[v]) for v in kernel.args[: kernel.n_inputs]}
+            arrays = {v: joined[v] if v in joined else np.asarray(values[v]) for v in kernel.args[: kernel.n_inputs]}
             for v, x in arrays.items():  # a value the group stores between its parts: row-major
                 if v not in spec.inputs or spec.values[v].strides == tuple(codegen.row_major(x.shape)):
                     arrays[v] = np.ascontiguousarray(x)
@@ -204,16 +205,48 @@ def _poisoned_rows(spec: codegen.GroupSpec, out: int, values: list[Any]) -> np.n
     return buffer
 
 
-def _kernel(spec: codegen.GroupSpec) -> tuple[codegen.Kernel, codegen.GroupSpec]:
-    """The group's kernel and the spec it runs on: a decode attention the one-block kernel declines
-    (a prompt's query rows) as the segment runs it, its softmax part (``codegen.attention_parts``)."""
+def _kernel(
+    spec: codegen.GroupSpec, values: list[Any]
+) -> tuple[codegen.Kernel, codegen.GroupSpec, dict[int, np.ndarray]]:
+    """The group's kernel, the spec it runs on and the arrays it reads that the plan does not hold, as
+    the segment builds them: merged products over their weights joined into one [sum N, K] array
+    (``merged_product`` alone, ``merged_spec`` with a norm prologue or a pairwise epilogue); for a
+    layout the kernel declines (a prompt's rows), the part the segment generates: a product's norm
+    prologue as its own row kernel (``codegen.prologue_parts``), a decode attention's softmax
+    (``codegen.attention_parts``)."""
     try:
-        return codegen.generate(spec), spec
+        if codegen.merged_index(spec) >= 0:
+            return merged_kernel(spec, lambda v: np.asarray(values[v]))
+        return codegen.generate(spec), spec, {}
     except codegen.Unsupported as exc:
-        if spec.template != "decode_attention" or "query rows" not in str(exc):
+        if spec.template == "product" and any(n.op in codegen.PROLOGUE_REDUCTIONS for n in spec.nodes):
+            _, part, _ = codegen.prologue_parts(spec)  # a prompt's rows: the norm as its own kernel
+        elif spec.template == "decode_attention" and "query rows" in str(exc):
+            _, part, _ = codegen.attention_parts(spec)
+        else:
             raise
-        _, part, _ = codegen.attention_parts(spec)
-        return codegen.generate(part), part
+        return codegen.generate(part), part, {}
+
+
+def merged_kernel(
+    spec: codegen.GroupSpec, array: Callable[[int], np.ndarray]
+) -> tuple[codegen.Kernel, codegen.GroupSpec, dict[int, np.ndarray]]:
+    """A merged products' group on the host: its joined weights (and biases) built with numpy as the
+    segment builds them with CuPy, then its kernel (a warp's lanes per output)."""
+    from dsp_cuda_graphs.derived import joined_bias, joined_nk
+
+    node = spec.nodes[codegen.merged_index(spec)]
+    weights, biases = codegen.merged_operands(node)
+    trans_b = str(node.attrs.get("form", "MatMul")) == "Gemm" and int(node.attrs.get("transB", 0)) == 1
+    joined = {codegen.MERGED_B: joined_nk(trans_b)(np, [array(w) for w in weights])}
+    if biases:
+        joined[codegen.MERGED_C] = joined_bias(np, [array(c) for c in biases])
+    specs = {
+        v: codegen.TensorSpec(x.shape, str(x.dtype), tuple(st // x.itemsize for st in x.strides))
+        for v, x in joined.items()
+    }
+    kernel, spec = codegen.merged_group(spec, specs)
+    return kernel, spec, joined
 
 
 def main() -> int:

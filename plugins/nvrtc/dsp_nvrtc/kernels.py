@@ -33,11 +33,6 @@ from dsp_nvrtc.launch import launch
 _MODULES: dict[tuple[str, str, int], Any] = {}
 _modules_lock = threading.Lock()
 OPTIONS: tuple[str, ...] = ()  # NVRTC options beyond compiler.OPTIONS (part of the cache key)
-# A big product takes a block's lanes per output (not a warp's) where K is longer than this and
-# it has at most this many outputs: GPT-2's MLP down projection, K 3072 by 768 outputs, is a
-# warp per output in ~96 steps of K each with 24 warps to an SM (11 us on the H200).
-BLOCK_LANES_MIN_K = 1024
-BLOCK_LANES_MAX_OUTPUTS = 4096
 VECTOR_ALIGNMENT = 16  # bytes: a weight read 16 bytes a load (codegen.VECTOR_ELEMENTS)
 
 
@@ -207,43 +202,43 @@ class NvrtcGroup(GroupStep):
         k_len = int(wb.shape[1] if trans_b else wb.shape[0])
         out = node.outputs[0]
         outputs = spec.values[out].numel if out is not None else wb.numel // max(1, k_len)
-        block = k_len > BLOCK_LANES_MIN_K and outputs <= BLOCK_LANES_MAX_OUTPUTS and wb.dtype != "float64"
-        lanes = codegen.THREADS if block else codegen.WARP
+        lanes = codegen.lanes_for(k_len, outputs, wb.dtype)
         params = {**spec.params, "lanes": lanes}
         if b not in subs and int(local[b].data.ptr) % VECTOR_ALIGNMENT:
             params.pop("fixed_b", None)  # a weight read as it is, at an address 16-byte loads cannot take
         return dataclasses.replace(spec, values=values, params=params), subs
 
-    def _merged(self, spec: codegen.GroupSpec, local: dict[int, Any]) -> tuple[codegen.Kernel, dict[int, Derived]]:
+    def _merged(
+        self, spec: codegen.GroupSpec, local: dict[int, Any]
+    ) -> tuple[codegen.Kernel, codegen.GroupSpec, dict[int, Derived]]:
         """Merged siblings (``dsp::MergedMatMul``) as one kernel over their weights joined once into a
-        [sum N, K] copy (and their biases into one vector); the constants stay for the reference."""
-        node = spec.nodes[0]
+        [sum N, K] copy (and their biases into one vector); the constants stay for the reference.
+        With a norm prologue (the norm before Q/K/V or gate/up) or a pairwise epilogue (SiLU(gate) x
+        up) the kernel computes those too (``codegen.merged_group``)."""
+        node = spec.nodes[codegen.merged_index(spec)]
         weights, biases = codegen.merged_operands(node)
-        if len(spec.nodes) != 1 or any(not self.fixed(w) or w not in self.in_flats for w in (*weights, *biases)):
-            raise Unfusable("merged products with an epilogue, or whose weights are not constants")
+        if any(not self.fixed(w) or w not in self.in_flats for w in (*weights, *biases)):
+            raise Unfusable("merged products whose weights are not constants")
         trans_b = str(node.attrs.get("form", "MatMul")) == "Gemm" and int(node.attrs.get("transB", 0)) == 1
         subs = {codegen.MERGED_B: Derived.make(self.cp, weights, [local[w] for w in weights], joined_nk(trans_b))}
         if biases:
             subs[codegen.MERGED_C] = Derived.make(self.cp, biases, [local[c] for c in biases], joined_bias)
-        kernel = codegen.merged_product(node, spec.values)
-        return kernel, subs
+        kernel, spec = codegen.merged_group(spec, {f: _spec_of(d.array) for f, d in subs.items()})
+        return kernel, spec, subs
 
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
         asked: set[int] = set()
         spec = self.spec(inputs, local, asked)
         try:
-            if spec.nodes and (spec.nodes[0].domain, spec.nodes[0].op) == ("dsp", "MergedMatMul"):
-                kernel, subs = self._merged(spec, local)
-                spec = dataclasses.replace(
-                    spec, values={**spec.values, **{f: _spec_of(d.array) for f, d in subs.items()}}
-                )
+            if codegen.merged_index(spec) >= 0:
+                kernel, spec, subs = self._merged(spec, local)
             elif spec.template == "decode_attention" and self._kv_splits(spec) > 1:
                 return self._split_attention(spec, inputs, asked)
             else:
                 spec, subs = self._product_layout(spec, local)
                 kernel = codegen.generate(spec)
         except codegen.Unsupported as exc:
-            if spec.template == "product" and any(n.op in codegen.PROLOGUE_NORMS for n in spec.nodes):
+            if spec.template == "product" and any(n.op in codegen.PROLOGUE_REDUCTIONS for n in spec.nodes):
                 return self._parts(spec, inputs, local, asked, str(exc), codegen.prologue_parts, PROLOGUE_PARTS)
             if spec.template != "decode_attention" or "query rows" not in str(exc):
                 raise Unfusable(str(exc)) from exc

@@ -23,7 +23,7 @@ from dsp_core.plan.fusion import (
     norm_prologue,
 )
 from dsp_core.plan.kernelspec import ROW_VALUED_OPS
-from dsp_core.plan.merge import is_merged
+from dsp_core.plan.merge import is_merged, paired_reason
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen
 
@@ -125,13 +125,11 @@ class NvrtcPolicy(ReferencePolicy):
         why = product_declined(plan, s, pattern)
         if why is not None:
             return why
-        if is_merged(plan.slots[s]):
-            return "a merged product reads its joined weights through its own kernel: no norm prologue"
         why = norm_prologue(plan, group, s, self.readers(plan))
         if why is not None:
             return why
         for m in group.reductions:
-            if plan.slots[m].op not in codegen.PROLOGUE_NORMS:
+            if plan.slots[m].op not in codegen.PROLOGUE_REDUCTIONS:
                 return f"{plan.slots[m].op} is not a norm the product's prologue computes"
         shape = pattern.shape
         rows = _fixed_count(shape[:-1]) if shape is not None and len(shape) >= 2 else None
@@ -149,8 +147,11 @@ class NvrtcPolicy(ReferencePolicy):
         """A product's epilogue: generated pointwise ops over its output's elements (bias, activation,
         residual add, cast), each thread computing them on its own dot product."""
         first = next((m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL), group.slots[0])
-        if is_merged(plan.slots[first]):
-            return "merged products store their parts: each part's epilogue is a kernel of its own"
+        merged = is_merged(plan.slots[first])
+        if merged:  # gate and up: each warp computes column c of both parts, then the epilogue on the pair
+            why = paired_reason(plan, first)
+            if why is not None:
+                return why
         op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
@@ -162,12 +163,17 @@ class NvrtcPolicy(ReferencePolicy):
         # The same elements (a view may regroup the rows): each thread computes one dot product.
         anchor = group.patterns[first]
         shape, product = pattern.shape, anchor.shape
+        numel = anchor.numel
+        if merged:  # the elements of one part (the parts are of one width)
+            part = plan.ref_info(plan.slots[first].outputs[0])[1]
+            product = tuple(part) if part is not None else product
+            numel = _fixed_count(product) if product is not None else None
         if (
             shape is None
             or product is None
             or not shape
             or shape[-1] != product[-1]
-            or not _same_elements(shape, product, pattern.numel, anchor.numel)
+            or not _same_elements(shape, product, pattern.numel, numel)
         ):
             got = list(shape) if shape is not None else "unknown"
             return f"{op}'s output {got} is not the product's {list(product) if product else 'unknown'} elements"

@@ -21,7 +21,7 @@ from dsp_core.plan.fusion import (
     feeds_only_norm_statistics,
     norm_prologue,
 )
-from dsp_core.plan.merge import is_merged
+from dsp_core.plan.merge import is_merged, paired_reason
 from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen, kernels
 
@@ -204,7 +204,7 @@ class TritonPolicy(ReferencePolicy):
             return None  # V's reshape and transpose on the way to its KV store: the store's index arithmetic
         merged = [m for m in group.slots if is_merged(plan.slots[m])]
         if merged and not self._only_stores_after(plan, group, merged[0]):
-            why = _paired(plan, merged[0])
+            why = paired_reason(plan, merged[0])
             if why is not None:
                 return why
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
@@ -279,19 +279,6 @@ class TritonPolicy(ReferencePolicy):
 def attention_kernels(plan: Plan, slots: Sequence[int]) -> int:
     """Kernels of a decode-attention group (``attention.plan_kernels``, DSP_TRITON_KV_SPLITS forcing)."""
     return attention.plan_kernels(plan, slots, int(config.get("triton_kv_splits")))
-
-
-def _paired(plan: Plan, s: int) -> str | None:
-    """Why merged product slot ``s`` takes no epilogue (None: two MatMuls of one width, computed pairwise)."""
-    slot = plan.slots[s]
-    outs = [v for v in slot.outputs if v is not None]
-    if len(outs) != 2 or str(slot.attrs.get("form", "MatMul")) != "MatMul":
-        return "an epilogue fuses only into two merged MatMuls (gate and up), each column of both in one program"
-    weights = slot.inputs[1:3]  # [K, N_i]: a part's width is its weight's
-    widths = [(plan.ref_info(w)[1] or (None,))[-1] if w is not None else None for w in weights]
-    if widths[0] is None or widths[0] != widths[1]:
-        return "merged products of different widths take no epilogue"
-    return None
 
 
 def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
