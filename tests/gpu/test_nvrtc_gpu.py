@@ -296,6 +296,50 @@ def test_merged_sibling_products_are_one_kernel_equal_to_the_reference(form: str
     assert len(merged) == 1 and merged[0]["status"] == "fused", _reports(model)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_norm_is_the_merged_products_prologue_and_silu_times_up_its_pairwise_epilogue(dtype: str) -> None:
+    """Llama-1B's shapes: RMSNorm (the exported chain) -> Q/K/V (2048, 512, 512) as one kernel; another
+    RMSNorm -> gate/up (8192 each) -> SiLU(gate) x up as one kernel; replaying, equal to the reference."""
+    rng = np.random.default_rng(11)
+    g = dsp.GraphBuilder()
+    k = 2048
+    x = g.placeholder("x", dtype, [1, 1, k])
+    half = dtype == "float16"
+
+    def rms(scale: float) -> Any:
+        x32 = g.Cast(x, to=1)
+        mean = g.ReduceMean(g.Pow(x32, g.constant(np.array(2.0, np.float32))), g.constant(np.array([-1])))
+        inv = g.Reciprocal(g.Sqrt(g.Add(mean, g.constant(np.array(1e-6, np.float32)))))
+        w = g.constant((scale + 0.1 * rng.standard_normal(k)).astype(dtype))
+        return g.Mul(g.Cast(g.Mul(x32, inv), to=10 if half else 1), w)
+
+    def weight(n: int) -> Any:
+        return g.constant((rng.standard_normal((k, n)) * 0.02).astype(dtype))
+
+    h = rms(1.0)
+    for i, n in enumerate((2048, 512, 512)):
+        g.output(g.Identity(h @ weight(n)), f"qkv{i}")
+    h2 = rms(0.9)
+    gate, up = h2 @ weight(8192), h2 @ weight(8192)
+    g.output(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), "mlp")
+    graph = g.build()
+    want = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
+    tol = _tolerance("nvrtc_jit")
+    for run in range(8):
+        feeds = {"x": rng.standard_normal((1, 1, k)).astype(dtype)}
+        _close(model.run(feeds), want.run(feeds), tol, f"merged with prologue {dtype} run {run}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    plan = model.plan()
+    assert plan is not None
+    merged = [r for r in _reports(model) if "MergedMatMul" in [plan.slots[s].op for s in r["slots"]]]
+    assert len(merged) == 2 and all(r["status"] == "fused" for r in merged), merged
+    for r in merged:
+        ops = [plan.slots[s].op for s in r["slots"]]
+        assert "ReduceMean" in ops and r["kernel"].startswith("dsp_mm_"), (ops, r)
+    assert sum("Sigmoid" in [plan.slots[s].op for s in r["slots"]] for r in merged) == 1
+
+
 def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() -> None:
     """48 products in a chain (each reads the one before; its weight preloaded, 16 bytes a load,
     before it waits), a residual and pointwise kernels between them: with DSP_NVRTC_PDL on (the
