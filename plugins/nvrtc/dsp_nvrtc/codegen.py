@@ -91,6 +91,8 @@ MAX_ROW = 1 << 20  # rows are looped over, not held in registers: the limit only
 THREADS = 256  # threads per block, both templates
 ROW_CACHE_STEPS = 8  # a row of at most this many elements a thread is read once, into registers
 ATTENTION_THREADS = 512  # threads of a decode-attention block (one block per head: its latency is the kernel's)
+# threads of a split decode attention's block (a range of about 64 positions: many blocks fill the GPU)
+SPLIT_ATTENTION_THREADS = int(__import__("os").environ.get("DSP_NVRTC_SPLIT_THREADS", "128"))
 ATTENTION_LANES = 8  # lanes per KV position sharing the scores' dot product over the head dim
 ATTENTION_ROUNDS = 8  # rounds of K's positions whose loads a decode-attention thread has in flight
 ATTENTION_UNROLL = 16  # positions of V whose loads a decode-attention thread has in flight
@@ -1181,7 +1183,9 @@ def generate(spec: GroupSpec) -> Kernel:
     else:
         raise Unsupported(f"no CUDA C template for a {spec.template} group")
     gen.wait()  # a kernel that stored nothing before this point still waits (once, here)
-    threads = ATTENTION_THREADS if spec.template == "decode_attention" else THREADS
+    threads = THREADS
+    if spec.template == "decode_attention":
+        threads = SPLIT_ATTENTION_THREADS if int(spec.params.get("kv_splits", 1)) > 1 else ATTENTION_THREADS
     body = gen.top.lines
     if len(body) > MAX_SOURCE_LINES:
         raise Unsupported(f"the kernel would have {len(body)} lines")
@@ -1502,11 +1506,6 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         )
     if split and list(spec.outputs) != [ATT_M, ATT_L, ATT_ACC]:
         raise Unsupported("a split attention's partial kernel stores its partial max, sum and weighted sum")
-    vw = min(ATTENTION_THREADS, _pow2(d2))  # threads over V's head dim; the other groups split the positions
-    gen.line("__shared__ float dsp_red[32];")
-    gen.line(f"__shared__ float att_q[{d}];")
-    gen.line(f"__shared__ float att_x[{chunk}];  // the scores, then the probabilities")
-    gen.line(f"__shared__ float att_part[{ATTENTION_THREADS // vw * d2}];")
     if split:  # block (head, range): the range's positions [lo, lo + n_here) of the buffer's
         gen.line(f"const long long bh = (long long)blockIdx.x / {n_split}, sk = (long long)blockIdx.x % {n_split};")
         gen.line(f"const long long lo = sk * {chunk};")
@@ -1524,6 +1523,14 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         tail = tuple(e if shape[len(shape) - 2 + j] != 1 else "0" for j, e in enumerate(pair))
         return Idx((*head.dims, *tail))
 
+    if split:
+        return _split_attention_body(gen, spec, at, SPLIT_ATTENTION_THREADS, chunk, n_split)
+    block = ATTENTION_THREADS
+    vw = min(block, _pow2(d2))  # threads over V's head dim; the other groups split the positions
+    gen.line("__shared__ float dsp_red[32];")
+    gen.line(f"__shared__ float att_q[{d}];")
+    gen.line(f"__shared__ float att_x[{chunk}];  // the scores, then the probabilities")
+    gen.line(f"__shared__ float att_part[{block // vw * d2}];")
     with gen.block(f"for (long long d = threadIdx.x; d < {d}; d += blockDim.x)"):
         gen.line(f"att_q[d] = (float)({gen.value(q, at(q, ('0', 'd')))});")
     gen.wait()
@@ -1536,7 +1543,7 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     # the buffer (a position past it is weighted zero, not branched around), so the compiler
     # issues a chunk's loads together: a loop that tests its bound between loads waits out one
     # memory latency per load.
-    gen.line(f"constexpr int T = DSP_BLOCK({ATTENTION_THREADS}), PL = DSP_LANES({ATTENTION_LANES});")
+    gen.line(f"constexpr int T = DSP_BLOCK({block}), PL = DSP_LANES({ATTENTION_LANES});")
     gen.line(f"constexpr int SLOTS = T / PL, DPL = ({d} + PL - 1) / PL, ROUNDS = ({chunk} + SLOTS - 1) / SLOTS;")
     gen.line(f"constexpr int R = ROUNDS < {ATTENTION_ROUNDS} ? ROUNDS : {ATTENTION_ROUNDS};  // rounds in flight")
     gen.line("const int plane = threadIdx.x % PL, slot = threadIdx.x / PL;")
@@ -1629,6 +1636,114 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         gen.wait()
         gen.line(f"out0[{off}] = {_to_storage('att_o', ov.dtype)};")
     return [(out, out_idx)], max(1, math.prod(batch))
+
+
+def _split_attention_body(
+    gen: _Gen, spec: GroupSpec, at: Callable[[int, tuple[str, str]], Idx], block: int, chunk: int, n_split: int
+) -> tuple[list[tuple[int, Idx]], int]:
+    """One range of a split decode attention in one pass (the partials' kernel).
+
+    The block's threads form groups of ATTENTION_LANES lanes, one group per position of a round
+    (``SLOTS`` positions a round, every round's K and V loads issued together, before any
+    arithmetic: one memory latency, not one per phase). A group's lanes split q . K[l] over the
+    head dim and V[l]'s row over the value dim; each group keeps a running max, sum of
+    exponentials and weighted sum of V (rescaled when the max grows). Then the groups' results
+    are merged through shared memory and the range's max, sum and unnormalised weighted sum are
+    stored for ``attention_combine``. q is read by each lane into registers: no barrier before
+    the loads.
+    """
+    _, _, _, at_ = attention_values(spec)
+    q, k, scores, a, v, x_in, probs = at_.q, at_.k, at_.scores, at_.a, at_.v, at_.x_in, at_.probs
+    sv, pv = spec.values[scores], spec.values[probs]
+    d, d2 = spec.values[q].shape[-1], spec.values[v].shape[-1]
+    ov = spec.values[at_.out]
+    bh = max(1, math.prod(tuple(ov.shape[:-2])))
+    slots = block // ATTENTION_LANES
+    gen.line(f"__shared__ float att_m[{slots}], att_l[{slots}];")
+    gen.line(f"__shared__ float att_acc[{slots * d2}];")
+    gen.line(f"constexpr int T = DSP_BLOCK({block}), PL = DSP_LANES({ATTENTION_LANES}), SLOTS = T / PL;")
+    gen.line(f"constexpr int DPL = ({d} + PL - 1) / PL, VPL = ({d2} + PL - 1) / PL;")
+    gen.line(f"constexpr int ROUNDS = ({chunk} + SLOTS - 1) / SLOTS;")
+    gen.line(f"constexpr int R = ROUNDS < {ATTENTION_ROUNDS} ? ROUNDS : {ATTENTION_ROUNDS};  // rounds in flight")
+    gen.line("const int plane = threadIdx.x % PL, slot = threadIdx.x / PL;")
+    gen.wait()
+    gen.line("float att_qr[DPL];")
+    gen.line("#pragma unroll")
+    with gen.block("for (int j = 0; j < DPL; ++j)"):
+        gen.line("const long long d = plane + j * PL;")
+        gen.line(f"const long long dc = d < {d} ? d : {d - 1};")
+        gen.line(f"att_qr[j] = d < {d} ? (float)({gen.value(q, at(q, ('0', 'dc')))}) : 0.f;")
+    gen.line("float att_mg = -DSP_INF, att_lg = 0.f, att_o[VPL];")
+    gen.line("#pragma unroll")
+    gen.line("for (int j = 0; j < VPL; ++j) att_o[j] = 0.f;")
+    with gen.block("for (int r0 = 0; r0 < ROUNDS; r0 += R)"):
+        gen.line("float att_k[R][DPL], att_v[R][VPL];")
+        gen.line("#pragma unroll")
+        with gen.block("for (int r = 0; r < R; ++r)"):
+            gen.line("const long long l = (long long)(r0 + r) * SLOTS + slot;")
+            gen.line(
+                f"const long long lc = lo + l < {spec.values[k].shape[-1]} ? lo + l : {spec.values[k].shape[-1] - 1};"
+            )
+            gen.line("#pragma unroll")
+            with gen.block("for (int j = 0; j < DPL; ++j)"):
+                gen.line("const long long d = plane + j * PL;")
+                gen.line(f"const long long dc = d < {d} ? d : {d - 1};")
+                gen.line(f"att_k[r][j] = (float)({gen.value(k, at(k, ('dc', 'lc')))});")
+            gen.line("#pragma unroll")
+            with gen.block("for (int j = 0; j < VPL; ++j)"):
+                gen.line("const long long dv = plane + j * PL;")
+                gen.line(f"const long long dvc = dv < {d2} ? dv : {d2 - 1};")
+                gen.line(f"att_v[r][j] = (float)({gen.value(v, at(v, ('lc', 'dvc')))});")
+        gen.line("#pragma unroll")
+        with gen.block("for (int r = 0; r < R; ++r)"):
+            gen.line("const long long l = (long long)(r0 + r) * SLOTS + slot;")
+            gen.line(
+                f"const long long lc = lo + l < {spec.values[k].shape[-1]} ? lo + l : {spec.values[k].shape[-1] - 1};"
+            )
+            gen.line("float att_s = 0.f;")
+            gen.line("#pragma unroll")
+            gen.line("for (int j = 0; j < DPL; ++j) att_s += att_qr[j] * att_k[r][j];")
+            gen.line("att_s = dsp_lanes_sum(att_s, PL);  // every lane of the position holds the dot product")
+            lane_l = at(scores, ("0", "lc"))
+            gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
+            xs = gen.value(x_in, at(x_in, ("0", "lc")))
+            del gen.pinned[scores]
+            gen.line(f"const float att_x = l < n_here ? (float)({xs}) : -DSP_INF;")
+            gen.line("const float att_mn = fmaxf(att_mg, att_x);")
+            gen.line("const float att_mu = att_mn == -DSP_INF ? 0.f : att_mn;")
+            gen.line("const float att_al = expf(att_mg - att_mu);  // the old terms, rescaled to the new max")
+            at_p = at(probs, ("0", "lc"))
+            gen.pinned[probs] = (_kept(pv.shape, at_p), gen.let("expf(att_x - att_mu)", "float", "p"))
+            xa = gen.value(a, at(a, ("0", "lc")))
+            del gen.pinned[probs]
+            gen.line(f"const float att_p = (float)({xa});")
+            gen.line("att_lg = att_lg * att_al + att_p;")
+            gen.line("#pragma unroll")
+            gen.line("for (int j = 0; j < VPL; ++j) att_o[j] = att_o[j] * att_al + att_p * att_v[r][j];")
+            gen.line("att_mg = att_mn;")
+    # the groups' partial results, merged: every lane of a group holds its group's max and sum
+    with gen.block("if (plane == 0)"):
+        gen.line("att_m[slot] = att_mg;")
+        gen.line("att_l[slot] = att_lg;")
+    gen.line("#pragma unroll")
+    with gen.block("for (int j = 0; j < VPL; ++j)"):
+        gen.line("const long long dv = plane + j * PL;")
+        gen.line(f"if (dv < {d2}) att_acc[slot * {d2} + dv] = att_o[j];")
+    gen.line("__syncthreads();")
+    gen.line("float att_top = -DSP_INF;")
+    gen.line("for (int g = 0; g < SLOTS; ++g) att_top = fmaxf(att_top, att_m[g]);")
+    gen.line("const float att_tu = att_top == -DSP_INF ? 0.f : att_top;")
+    with gen.block(f"for (long long dv = threadIdx.x; dv < {d2}; dv += blockDim.x)"):
+        gen.line("float o = 0.f;")
+        gen.line(f"for (int g = 0; g < SLOTS; ++g) o += att_acc[g * {d2} + dv] * expf(att_m[g] - att_tu);")
+        gen.line(f"out2[(bh * {n_split} + sk) * {d2} + dv] = o;")
+    with gen.block("if (threadIdx.x == 0)"):
+        gen.line("float sum = 0.f;")
+        gen.line("for (int g = 0; g < SLOTS; ++g) sum += att_l[g] * expf(att_m[g] - att_tu);")
+        gen.line(f"out0[bh * {n_split} + sk] = att_top;")
+        gen.line(f"out1[bh * {n_split} + sk] = sum;")
+    part = Idx(("bh", "sk"))
+    return [(ATT_M, part), (ATT_L, part), (ATT_ACC, Idx(("bh", "sk", "dv")))], bh * n_split
 
 
 def attention_combine(spec: GroupSpec) -> Kernel:

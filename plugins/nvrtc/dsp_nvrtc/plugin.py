@@ -197,7 +197,14 @@ class NvrtcPolicy(ReferencePolicy):
         return super().joined(group, s, pattern)
 
     def absorbs(self, plan: Plan, group: GroupView, s: int, other: GroupView) -> bool:
-        """The scores product takes K's index arithmetic; the weighted sum, V's (GQA's expand)."""
+        """The scores product takes K's index arithmetic; the weighted sum, V's (GQA's expand); a
+        pointwise or copy group, a pointwise or copy group whose values only it reads (rotary's
+        x * cos, made apart from the rotated half it is added to: the generator computes a value at
+        whatever index its reader asks, so one kernel computes both)."""
+        if group.template in ("pointwise", "copy") and other.template in ("pointwise", "copy"):
+            members = {*group.slots, *other.slots}
+            readers = self.readers(plan)
+            return group.reduction is None and attention.only_for(plan, readers, other.slots, members) is None
         if plan.slots[s].op != "MatMul" or group.template not in ("scores", "decode_attention"):
             return False
         return attention.absorbs_operand(plan, group, s, other, self.readers(plan))
