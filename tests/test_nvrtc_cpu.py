@@ -723,6 +723,36 @@ def test_constant_weights_are_read_16_bytes_a_load_before_the_kernel_waits(
     np.testing.assert_allclose(got.astype(f), want.astype(cast).astype(f), rtol=tol, atol=tol * 8)
 
 
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("offset", [0, 1])  # A's address a multiple of 16 bytes, and one half past it
+def test_a_products_input_row_is_read_16_bytes_a_load_where_its_address_allows(offset: int) -> None:
+    """A (an input of the weight's dtype, K its unit stride) is read 16 bytes a load beside the weight
+    when its address is a multiple of 16 (checked where the kernel runs); a view one element off takes
+    the element-wise path; both give the product."""
+    n = codegen.NodeSpec
+    rng = np.random.default_rng(offset)
+    k_len, width = 256, 16
+    base = rng.standard_normal(k_len + 8).astype(np.float16)
+    a = base[offset : offset + k_len].reshape(1, k_len)
+    nk = np.ascontiguousarray(rng.standard_normal((width, k_len)).astype(np.float16))
+    nodes = [n("Gemm", (1, 2), (3,), {"transB": 1})]
+    spec = _spec(
+        "product",
+        nodes,
+        {1: ((1, k_len), "float16"), 2: (nk.shape, "float16"), 3: ((1, width), "float16")},
+        [1, 2],
+        [3],
+    )
+    spec = dataclasses.replace(spec, params={"lanes": codegen.WARP, "fixed_b": 1})
+    kernel = codegen.generate(spec)
+    assert "dsp_aok" in kernel.source and "dsp_v16_at" in kernel.source
+    if NVRTC_MISSING is None:
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    got = hostcheck.run_on_host(kernel, spec, {1: a, 2: nk})[3]
+    want = (a.astype(np.float64) @ nk.T.astype(np.float64)).astype(np.float16)
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=3e-2, atol=3e-2)
+
+
 def test_the_product_template_says_why_it_declines() -> None:
     n = codegen.NodeSpec
     rows = codegen.MAX_PRODUCT_ROWS + 1

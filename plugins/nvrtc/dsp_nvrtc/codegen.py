@@ -92,7 +92,7 @@ THREADS = 256  # threads per block, both templates
 ROW_CACHE_STEPS = 8  # a row of at most this many elements a thread is read once, into registers
 ATTENTION_THREADS = 512  # threads of a decode-attention block (one block per head: its latency is the kernel's)
 # threads of a split decode attention's block (a range of about 64 positions: many blocks fill the GPU)
-SPLIT_ATTENTION_THREADS = int(__import__("os").environ.get("DSP_NVRTC_SPLIT_THREADS", "128"))
+SPLIT_ATTENTION_THREADS = 128
 ATTENTION_LANES = 8  # lanes per KV position sharing the scores' dot product over the head dim
 ATTENTION_ROUNDS = 8  # rounds of K's positions whose loads a decode-attention thread has in flight
 ATTENTION_UNROLL = 16  # positions of V whose loads a decode-attention thread has in flight
@@ -151,6 +151,13 @@ __device__ __forceinline__ float dsp_lanes_sum(float v, int n) {
 // 16 bytes of a constant weight, one vector load (its address is a multiple of 16)
 struct alignas(16) dsp_v16 { unsigned int w[4]; };
 __device__ __forceinline__ float dsp_u2f(unsigned int u) { return __uint_as_float(u); }
+// 16 bytes from an address that may not be a multiple of 16: four 4-byte loads, or eight 2-byte ones
+template <typename T> __device__ __forceinline__ dsp_v16 dsp_v16_at(const T* p) {
+    dsp_v16 q;
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    for (int i = 0; i < 4; ++i) q.w[i] = (unsigned int)h[2 * i] | ((unsigned int)h[2 * i + 1] << 16);
+    return q;
+}
 __device__ __forceinline__ float dsp_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -241,6 +248,7 @@ static inline unsigned short dsp_f2bf(float f) {
 #define DSP_STEPS(steps, n) (n)  // one thread walks the whole row
 struct alignas(16) dsp_v16 { unsigned int w[4]; };
 static inline float dsp_u2f(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+template <typename T> static inline dsp_v16 dsp_v16_at(const T* p) { dsp_v16 q; memcpy(&q, p, 16); return q; }
 static inline float dsp_warp_sum(float v) { return v; }
 static inline double dsp_warp_sum(double v) { return v; }
 static inline float dsp_lanes_sum(float v, int n) { (void)n; return v; }
@@ -699,7 +707,17 @@ class _Gen:
         self.run_prologue()  # after the preload: the weight's loads overlap the kernel before
         self.line(f"{ct} {acc} = 0;")
 
+        a_vector = self._a_vector(a, idx, v, wb.dtype)
+
         def dot(q: str) -> None:
+            if a_vector is not None:  # A's v elements in 16-byte loads too (shared memory, or an aligned input)
+                names, elem = a_vector
+                for h, load in enumerate(names):
+                    self.line(f"const dsp_v16 ra{h} = {load};")
+                self.line("#pragma unroll")
+                with self.block(f"for (int j = 0; j < {v}; ++j)"):
+                    self.line(f"{acc} += ({ct})({elem}) * ({ct})({_vector_element(q, 'j', wb.dtype)});")
+                return
             self.line("#pragma unroll")
             with self.block(f"for (int j = 0; j < {v}; ++j)"):
                 xa = self.value(a, Idx((*idx.dims[:-1], "(kb + j)")))
@@ -715,6 +733,32 @@ class _Gen:
         with self.block(f"for (long long kb = (lane + {pre} * {lanes}) * {v}LL; kb < {k_len}; kb += {lanes} * {v}LL)"):
             self.line(f"const dsp_v16 q = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
             dot("q")
+
+    def _a_vector(self, a: int, idx: Idx, v: int, dtype: str) -> tuple[list[str], str] | None:
+        """A's ``v`` elements at ``kb`` as 16-byte loads, where A is the norm prologue's row staged in
+        shared memory (floats: ``v`` / 4 loads) or an input of the weight's dtype whose K is its unit
+        stride and whose rows start at multiples of ``v`` (one load; its address is checked where the
+        kernel runs, ``dsp_aok``: a misaligned view takes the element loads); None: element loads.
+        Returns the loads (``ra0``, ``ra1``, ...) and element ``j``'s expression."""
+        staged = self.staged.get(a)
+        if staged is not None:
+            if v % 4:
+                return None
+            loads = [f"*reinterpret_cast<const dsp_v16*>(&{staged}[kb + {4 * h}])" for h in range(v // 4)]
+            return loads, "dsp_u2f(ra0.w[j])" if v == 4 else "dsp_u2f((j < 4 ? ra0 : ra1).w[j & 3])"
+        sa = self.spec.values[a]
+        if a not in self.inputs or sa.dtype != dtype or sa.strides is None or sa.strides[-1] != 1:
+            return None
+        if self._literal(a) is not None or any(st % v for st, n in zip(sa.strides[:-1], sa.shape[:-1]) if n != 1):
+            return None
+        if a not in self.args:
+            self.args.append(a)
+        self.wait()
+        row = self.flatten(Idx((*idx.dims[:-1], "0")), sa.shape, sa.strides)
+        ptr = f"in{self.args.index(a)}"
+        self.top_line(f"const bool dsp_aok = (reinterpret_cast<unsigned long long>({ptr}) & 15) == 0;")
+        load = f"*reinterpret_cast<const dsp_v16*>({ptr} + {row} + kb)"
+        return [f"dsp_aok ? {load} : dsp_v16_at({ptr} + {row} + kb)"], _vector_element("ra0", "j", dtype)
 
     def run_prologue(self) -> None:
         """The product's norm prologue (``_norm_prologue``), once, where the product's code begins."""
@@ -1393,7 +1437,7 @@ def _norm_prologue(gen: _Gen, spec: GroupSpec) -> bool:
         gen.row = row
         gen.row_idx = Idx((*("0" for _ in row[:-1]), "j"))
         gen.row_steps = -(-n // THREADS) if n <= ROW_CACHE_STEPS * THREADS else 0
-        gen.line(f"__shared__ float dsp_pro[{n}];  // the norm's row, as the product reads it")
+        gen.line(f"alignas(16) __shared__ float dsp_pro[{n}];  // the norm's row, as the product reads it")
         gen._reduce(node)
         with gen.row_loop():
             x = gen.value(a, Idx((*("0" for _ in a_shape[:-1]), "j")))
