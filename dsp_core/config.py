@@ -211,11 +211,11 @@ OPTIONS: tuple[Option, ...] = (
         "nvrtc_attention",
         "DSP_NVRTC_ATTENTION",
         "bool",
-        False,
+        True,
         "dsp-nvrtc runs decode attention (scores with scale and mask, softmax, the weighted sum) as one "
-        "CUDA C kernel a head (one block per head: on the H200 no faster than the three kernels it replaces, "
-        "12 us a launch on GPT-2 124M's shape, until it splits the KV positions); off: cuBLAS products and a "
-        "softmax row kernel.",
+        "CUDA C kernel: one block a head up to 256 KV positions, past that one block per head and range of "
+        "about 64 positions, then a combine kernel (docs/nvrtc.md); off: cuBLAS products and a softmax row "
+        "kernel, with a copy for GQA's expand.",
     ),
     Option(
         "nvrtc_kv_splits",

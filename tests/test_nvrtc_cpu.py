@@ -128,15 +128,22 @@ def test_policy_fuses_the_fixtures_and_the_grouped_reference_is_bit_equal(name: 
         assert any(g.template == "product" and len(g.slots) > 1 for g in result.groups), result.groups
 
 
-def test_plan_explain_shows_each_groups_chain_ending_at_the_winners_kernel() -> None:
+@pytest.mark.parametrize("attention", ["1", "0"])
+def test_plan_explain_shows_each_groups_chain_ending_at_the_winners_kernel(
+    attention: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSP_NVRTC_ATTENTION", attention)
     plain = dsp.compile(FIXTURES / "gpt2_eager.onnx", mode="slot_by_slot")
     grouped = CompiledModel(
         plain.graph, dsp.GraphExecutionMode.SLOT_BY_SLOT, registry=Registry(backends=[NvrtcGroupedSlotBySlot()])
     )
     groups = [g for seg in grouped.explain()["segments"] for g in seg["fusion"]["groups"]]
     verdicts = {g["template"]: g["chain"][-1]["verdict"] for g in groups}
-    assert verdicts["row_reduction"] == "one generated kernel"
-    assert verdicts["matmul"].startswith("its slots' own kernels (a matmul group runs alone")
+    if attention == "1":  # the default: scores, softmax and weighted sum one group
+        assert verdicts["decode_attention"] == "one generated kernel" and "matmul" not in verdicts
+    else:  # the products on cuBLAS, the softmax a row kernel
+        assert verdicts["row_reduction"] == "one generated kernel"
+        assert verdicts["matmul"].startswith("its slots' own kernels (a matmul group runs alone")
     assert all(g["chain"][-1]["backend"] == "slot_by_slot" for g in groups)
 
 
@@ -1256,13 +1263,20 @@ def test_decode_attention_is_one_group_reading_k_and_v_through_their_index_arith
 
 @pytest.fixture
 def nvrtc_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DSP_NVRTC_ATTENTION on (it is off by default: one block per head is slower than cuBLAS on the H200)."""
+    """DSP_NVRTC_ATTENTION on (the default), whatever the environment says."""
     monkeypatch.setenv("DSP_NVRTC_ATTENTION", "1")
 
 
-def test_decode_attention_is_off_by_default_and_the_products_stay_on_cublas() -> None:
-    """Without DSP_NVRTC_ATTENTION the scores and the weighted sum are matmul groups (cuBLAS), the
+def test_decode_attention_is_on_by_default() -> None:
+    from dsp_core import config
+
+    assert config.get("nvrtc_attention", env={}) is True
+
+
+def test_without_decode_attention_the_products_stay_on_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With DSP_NVRTC_ATTENTION=0 the scores and the weighted sum are matmul groups (cuBLAS), the
     softmax a row kernel, and the boundary says why."""
+    monkeypatch.setenv("DSP_NVRTC_ATTENTION", "0")
     plan = _decode_plan("gpt2_eager", "fixture")
     assert plan is not None
     result = propose_groups(plan, range(len(plan.slots)), NvrtcPolicy())

@@ -33,7 +33,7 @@ def _own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
 
 @pytest.fixture
 def nvrtc_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DSP_NVRTC_ATTENTION", "1")  # off by default (docs/nvrtc.md)
+    monkeypatch.setenv("DSP_NVRTC_ATTENTION", "1")  # the default, whatever the environment says
 
 
 def _tolerance(mode: str) -> float:
