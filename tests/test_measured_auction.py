@@ -6,6 +6,7 @@ Also: a plan split across openvino, onnxruntime and slot_by_slot gives the refer
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,3 +198,33 @@ def test_a_segment_no_runtime_can_build_goes_to_the_reference(
     np.testing.assert_allclose(out["y"], reference["y"], rtol=1e-6, atol=1e-6)
     runtime = model.last_live.runtime  # type: ignore[union-attr]
     assert {u.backend.name for u in runtime.units} == {"slot_by_slot"}
+
+
+def test_the_trial_judges_each_candidate_by_its_median_run_taken_in_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate with one lucky run (every core free) but slower steps as a rule loses to one that is
+    steadily faster: its best run no longer decides. Runs alternate between the candidates, and at
+    least ``runs`` of each are taken."""
+    from dsp_core.backends import auction
+
+    clock = [0.0]
+    monkeypatch.setattr(auction.time, "perf_counter", lambda: clock[0])
+    lucky = iter([0.001] + [0.010] * 100)
+    order: list[str] = []
+
+    def step(name: str, cost: Any) -> Any:
+        def run() -> None:
+            order.append(name)
+            clock[0] += cost() if callable(cost) else cost
+
+        return run
+
+    steps = {"lucky": step("lucky", lambda: next(lucky)), "steady": step("steady", 0.005)}
+    times = auction._timed_turns(steps, 5, 0)
+    assert times == pytest.approx({"lucky": 0.010, "steady": 0.005})
+    assert order[:4] in (["lucky", "steady", "steady", "lucky"], ["steady", "lucky", "lucky", "steady"])
+    assert len(order) == 2 * auction.TRIAL_ROUNDS * 5  # within the budget: TRIAL_ROUNDS x runs rounds
+    # slow steps: ``runs`` rounds each, then the budget stops the trial
+    clock[0], order[:] = 0.0, []
+    slow = {"a": step("a", 0.1), "b": step("b", 0.2)}
+    assert auction._timed_turns(slow, 5, 0) == pytest.approx({"a": 0.1, "b": 0.2})
+    assert len(order) == 2 * 5

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -450,17 +451,18 @@ def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
 # alone does not say which is faster on this machine, for these shapes. At freeze, each
 # candidate runs the segment on the step's real inputs: a capturing one warm -> prepare ->
 # capture, and one untimed replay (what only a first run pays); an eager one runs once.
-# Then the candidates are timed in turns, TRIALS replays (or runs) each per turn, for
-# TRIAL_ROUNDS turns or until TRIAL_BUDGET_S is spent (at least one turn): turns spread
-# a shared machine's passing load over every candidate instead of one. The fastest wins
-# (the best of its runs: noise only ever adds time); candidates within TIE of the
-# fastest count as tied, and the chain's order breaks ties. The result is kept in the
+# Then the candidates are timed run by run in turns (each round in a rotated order), at
+# least DSP_AUCTION_TRIALS runs each and up to TRIAL_ROUNDS times that while TRIAL_BUDGET_S
+# lasts: turns spread a shared machine's passing load over every candidate instead of one.
+# The lowest median wins (a runtime's several threads on shared cores are judged on what a
+# step usually costs, not on its one lucky run); candidates within TIE of the fastest count
+# as tied, and the chain's order breaks ties. The result is kept in the
 # partition (per segment and feed shapes) and in the disk cache, so a later freeze of the
 # same shapes, here or in another process, does not time again.
 TIE = 0.05
 TRIAL_ROUNDS = 3
 TRIAL_BUDGET_S = 0.5
-TRIAL_FORMAT = "dsp-auction-trial/1"
+TRIAL_FORMAT = "dsp-auction-trial/2"  # 2: medians of interleaved runs (1: best runs)
 
 
 @dataclass(frozen=True)
@@ -609,22 +611,31 @@ def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) 
 
 
 def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> dict[str, float]:
-    """Best seconds of each step over TRIAL_ROUNDS turns of ``runs`` runs each (fewer past TRIAL_BUDGET_S)."""
-    times = {name: math.inf for name in steps}
+    """Median seconds of each step over up to TRIAL_ROUNDS x ``runs`` runs, interleaved (fewer past TRIAL_BUDGET_S).
+
+    The candidates take turns run by run (each round in a rotated order), so a passing load
+    on a shared machine lands on all of them alike; each one's time is the median of its runs,
+    not its best: a runtime using several threads on shared cores is judged on what a step
+    usually costs it (one lucky run, when every core happened to be free, used to decide).
+    """
+    samples: dict[str, list[float]] = {name: [] for name in steps}
     started = time.perf_counter()
-    for turn in range(TRIAL_ROUNDS):
-        if turn and time.perf_counter() - started > TRIAL_BUDGET_S:
-            break
-        for name in list(steps):
+    names = list(steps)
+    for turn in range(TRIAL_ROUNDS * max(1, runs)):
+        if turn >= runs and time.perf_counter() - started > TRIAL_BUDGET_S:
+            break  # at least ``runs`` runs each, then as many as the budget allows
+        k = turn % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            if name not in steps:
+                continue
             try:
-                for _ in range(runs):
-                    start = time.perf_counter()
-                    steps[name]()
-                    times[name] = min(times[name], time.perf_counter() - start)
+                start = time.perf_counter()
+                steps[name]()
+                samples[name].append(time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001  (a candidate that fails while timed is out)
                 log.info("DSP auction trial: %s failed on segment %d: %s", name, index, describe(exc))
-                del steps[name], times[name]
-    return times
+                del steps[name], samples[name]
+    return {name: statistics.median(got) for name, got in samples.items() if got}
 
 
 def _hand_over(executor: Any, k: int, winner: Backend, compiled: CompiledSegment | None = None) -> None:
