@@ -1592,11 +1592,8 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     gen.line(f"constexpr int R = ROUNDS < {ATTENTION_ROUNDS} ? ROUNDS : {ATTENTION_ROUNDS};  // rounds in flight")
     gen.line("const int plane = threadIdx.x % PL, slot = threadIdx.x / PL;")
 
-    def position(expr: str) -> None:
-        """Position ``l`` of the block's range (its index into ``att_x``), and ``lc``, the buffer's
-        position it reads (``lo + l``, clamped into the buffer)."""
-        gen.line(f"const long long l = {expr};")
-        gen.line(f"const long long lc = lo + l < {length} ? lo + l : {length - 1};")
+    def position(expr: str) -> None:  # position ``l`` (its index into ``att_x``) and ``lc``, where it is read
+        _position(gen, expr, length)
 
     with gen.block(f"for (int l0 = 0; l0 < {chunk}; l0 += SLOTS * R)"):
         gen.line("float att_k[R][DPL];")
@@ -1615,11 +1612,7 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
             gen.line("float att_s = 0.f;")
             gen.line("#pragma unroll")
             gen.line("for (int j = 0; j < DPL; ++j) att_s += att_k[r][j];")
-            gen.line("att_s = dsp_lanes_sum(att_s, PL);  // every lane of the position holds the dot product")
-            lane_l = at(scores, ("0", "lc"))
-            gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
-            xs = gen.value(x_in, at(x_in, ("0", "lc")))
-            del gen.pinned[scores]
+            xs = _scored(gen, at, scores, x_in)
             gen.line(f"if (l < n_here && plane == 0) att_x[l] = (float)({xs});")
     gen.line("__syncthreads();")
     # phase 2: the softmax over the block's positions (of its range: unnormalised, against the
@@ -1682,6 +1675,25 @@ def _attention_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     return [(out, out_idx)], max(1, math.prod(batch))
 
 
+def _scored(gen: _Gen, at: Callable[[int, tuple[str, str]], Idx], scores: int, x_in: int) -> str:
+    """Decode attention's score at position ``lc`` (the lanes' partial dot products ``att_s`` summed,
+    rounded as the reference rounds the product), through its epilogue (scale, mask): its expression."""
+    gen.line("att_s = dsp_lanes_sum(att_s, PL);  // every lane of the position holds the dot product")
+    sv = gen.spec.values[scores]
+    lane_l = at(scores, ("0", "lc"))
+    gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
+    xs = gen.value(x_in, at(x_in, ("0", "lc")))
+    del gen.pinned[scores]
+    return xs
+
+
+def _position(gen: _Gen, expr: str, length: int) -> None:
+    """Position ``l`` of a block's range (``expr``), and ``lc``, the buffer's position it reads
+    (``lo + l``, clamped into the buffer)."""
+    gen.line(f"const long long l = {expr};")
+    gen.line(f"const long long lc = lo + l < {length} ? lo + l : {length - 1};")
+
+
 def _split_attention_body(
     gen: _Gen, spec: GroupSpec, at: Callable[[int, tuple[str, str]], Idx], block: int, chunk: int, n_split: int
 ) -> tuple[list[tuple[int, Idx]], int]:
@@ -1698,7 +1710,7 @@ def _split_attention_body(
     """
     _, _, _, at_ = attention_values(spec)
     q, k, scores, a, v, x_in, probs = at_.q, at_.k, at_.scores, at_.a, at_.v, at_.x_in, at_.probs
-    sv, pv = spec.values[scores], spec.values[probs]
+    pv = spec.values[probs]
     d, d2 = spec.values[q].shape[-1], spec.values[v].shape[-1]
     ov = spec.values[at_.out]
     bh = max(1, math.prod(tuple(ov.shape[:-2])))
@@ -1724,10 +1736,7 @@ def _split_attention_body(
         gen.line("float att_k[R][DPL], att_v[R][VPL];")
         gen.line("#pragma unroll")
         with gen.block("for (int r = 0; r < R; ++r)"):
-            gen.line("const long long l = (long long)(r0 + r) * SLOTS + slot;")
-            gen.line(
-                f"const long long lc = lo + l < {spec.values[k].shape[-1]} ? lo + l : {spec.values[k].shape[-1] - 1};"
-            )
+            _position(gen, "(long long)(r0 + r) * SLOTS + slot", spec.values[k].shape[-1])
             gen.line("#pragma unroll")
             with gen.block("for (int j = 0; j < DPL; ++j)"):
                 gen.line("const long long d = plane + j * PL;")
@@ -1740,18 +1749,11 @@ def _split_attention_body(
                 gen.line(f"att_v[r][j] = (float)({gen.value(v, at(v, ('lc', 'dvc')))});")
         gen.line("#pragma unroll")
         with gen.block("for (int r = 0; r < R; ++r)"):
-            gen.line("const long long l = (long long)(r0 + r) * SLOTS + slot;")
-            gen.line(
-                f"const long long lc = lo + l < {spec.values[k].shape[-1]} ? lo + l : {spec.values[k].shape[-1] - 1};"
-            )
+            _position(gen, "(long long)(r0 + r) * SLOTS + slot", spec.values[k].shape[-1])
             gen.line("float att_s = 0.f;")
             gen.line("#pragma unroll")
             gen.line("for (int j = 0; j < DPL; ++j) att_s += att_qr[j] * att_k[r][j];")
-            gen.line("att_s = dsp_lanes_sum(att_s, PL);  // every lane of the position holds the dot product")
-            lane_l = at(scores, ("0", "lc"))
-            gen.pinned[scores] = (_kept(sv.shape, lane_l), gen.let(_round("att_s", sv.dtype), "float", "p"))
-            xs = gen.value(x_in, at(x_in, ("0", "lc")))
-            del gen.pinned[scores]
+            xs = _scored(gen, at, scores, x_in)
             gen.line(f"const float att_x = l < n_here ? (float)({xs}) : -DSP_INF;")
             gen.line("const float att_mn = fmaxf(att_mg, att_x);")
             gen.line("const float att_mu = att_mn == -DSP_INF ? 0.f : att_mn;")
