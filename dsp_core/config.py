@@ -218,6 +218,17 @@ OPTIONS: tuple[Option, ...] = (
         "kernel, with a copy for GQA's expand.",
     ),
     Option(
+        "nvrtc_product_columns",
+        "DSP_NVRTC_PRODUCT_COLUMNS",
+        "int",
+        1,
+        "Adjacent output columns one warp (or block) of a dsp-nvrtc product by a big constant weight "
+        "computes, reading A once for all of them (dsp-triton's product programs compute a tile of "
+        "columns); 1: one column a warp. 2 and 4 are built and checked on the host, not yet timed on a GPU.",
+        minimum=1,
+        maximum=8,
+    ),
+    Option(
         "nvrtc_kv_splits",
         "DSP_NVRTC_KV_SPLITS",
         "int",

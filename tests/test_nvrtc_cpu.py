@@ -760,6 +760,79 @@ def test_a_products_input_row_is_read_16_bytes_a_load_where_its_address_allows(o
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("cols", [1, 2, 4])
+@pytest.mark.parametrize("lanes", [codegen.WARP, codegen.THREADS])
+@pytest.mark.parametrize("norm", [False, True])
+def test_several_columns_a_lane_group_give_the_product_and_its_epilogue(cols: int, lanes: int, norm: bool) -> None:
+    """DSP_NVRTC_PRODUCT_COLUMNS: a warp (or block) computes ``cols`` adjacent columns, A read once for
+    all of them, then each column's epilogue (bias, residual) stored: the product's values, with and
+    without a norm prologue, K longer than the preload."""
+    n = codegen.NodeSpec
+    rng = np.random.default_rng(cols + lanes)
+    k_len, width = 8 * codegen.PRELOAD_VECTORS * 3 + 64, 48
+    x = (rng.standard_normal((1, k_len)) + 0.3).astype(np.float16)
+    nk = np.ascontiguousarray((rng.standard_normal((width, k_len)) / 16).astype(np.float16))
+    bias, res = (
+        (rng.standard_normal(width) * 0.1).astype(np.float16),
+        rng.standard_normal((1, width)).astype(np.float16),
+    )
+    nodes = [n("Gemm", (2, 3, 4), (5,), {"transB": 1}), n("Add", (5, 6), (7,))]
+    values = {2: ((1, k_len), "float16"), 3: (nk.shape, "float16"), 4: ((width,), "float16")}
+    values |= {5: ((1, width), "float16"), 6: ((1, width), "float16"), 7: ((1, width), "float16")}
+    inputs = [2, 3, 4, 6]
+    if norm:
+        nodes = [n("RMSNormalization", (1, 8), (2,), {"axis": -1, "epsilon": 1e-6}), *nodes]
+        values |= {1: ((1, k_len), "float16"), 8: ((k_len,), "float16")}
+        inputs = [1, 8, 3, 4, 6]
+    spec = _spec("product", nodes, values, inputs, [7])
+    spec = dataclasses.replace(spec, params={"lanes": lanes, "fixed_b": 1, "cols": cols})
+    kernel = codegen.generate(spec)
+    assert kernel.source.count("dsp_v16 wq") == cols
+    assert kernel.grid == -(-(width // cols) * lanes // codegen.THREADS)
+    if NVRTC_MISSING is None:
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    gamma = (rng.random(k_len) + 0.5).astype(np.float16)
+    arrays = {1: x, 8: gamma, 3: nk, 4: bias, 6: res} if norm else {2: x, 3: nk, 4: bias, 6: res}
+    got = hostcheck.run_on_host(kernel, spec, arrays)[7].astype(np.float64)
+    f = np.float64
+    a = x.astype(f)
+    if norm:
+        a = (a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * gamma.astype(f)).astype(np.float16).astype(f)
+    want = ((a @ nk.T.astype(f)).astype(np.float16).astype(f) + bias).astype(np.float16).astype(f) + res
+    np.testing.assert_allclose(got, want.astype(np.float16).astype(f), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("cols", [2, 4])
+@pytest.mark.parametrize("graph", ["gated", "qkv"])
+def test_merged_products_compute_several_columns_a_lane_group_on_the_host(graph: str, cols: int) -> None:
+    """The merged gate/up (paired, SiLU x up, the exported RMSNorm as prologue) and Q/K/V (three parts,
+    LayerNorm prologue; columns of one group may fall in two parts) with ``cols`` columns a warp."""
+    if graph == "gated":
+        built, feeds = _gated_mlp(True, "float16", k=64, n=96)
+    else:
+        rng = np.random.default_rng(9)
+        g = dsp.GraphBuilder()
+        x = g.placeholder("x", "float16", [1, 1, 64])
+        h = g.LayerNormalization(x, g.constant(np.ones(64, np.float16)), g.constant(np.zeros(64, np.float16)))
+        for i, width in enumerate((48, 18, 18)):  # 18: a group of 4 columns straddles the parts
+            g.output(h @ g.constant((rng.standard_normal((64, width)) / 8).astype(np.float16)), f"y{i}")
+        built, feeds = g.build(), {"x": rng.standard_normal((1, 1, 64)).astype(np.float16)}
+    model = dsp.compile(built, mode="slot_by_slot")
+    model.run(feeds)
+    ((_, _, spec, values),) = hostcheck.group_specs(model, feeds)
+    kernel, merged, joined = hostcheck.merged_kernel(spec, lambda v: np.asarray(values[v]), cols)
+    assert merged.params["cols"] == cols
+    if NVRTC_MISSING is None:
+        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    arrays = {v: joined[v] if v in joined else np.asarray(values[v]) for v in kernel.args[: kernel.n_inputs]}
+    got = hostcheck.run_on_host(kernel, merged, arrays)
+    for o in merged.outputs:
+        want = np.asarray(values[o]).astype(np.float64)
+        np.testing.assert_allclose(got[o].astype(np.float64), want, rtol=5e-3, atol=5e-3 * max(1.0, np.abs(want).max()))
+
+
 def test_the_product_template_says_why_it_declines() -> None:
     n = codegen.NodeSpec
     rows = codegen.MAX_PRODUCT_ROWS + 1

@@ -365,6 +365,10 @@ class _Gen:
         # emitted once, after the weight's preload; value -> the shared array (one row, read at K)
         self.prologue: Callable[[], None] | None = None
         self.staged: dict[int, str] = {}
+        # product template, ``spec.params["cols"]``: adjacent output columns one lane group computes
+        # (``_columns_template``); value -> its name for the column being stored (any index asked)
+        self.cols = int(spec.params.get("cols", 1)) if spec.template == "product" else 1
+        self.pinned_any: dict[int, str] = {}
 
     def wait(self) -> None:
         """``DSP_WAIT()`` once, in the kernel's top scope, before the first statement that touches
@@ -501,6 +505,8 @@ class _Gen:
             return self._scalar_at(v, idx)
         if v in self.staged:
             return f"{self.staged[v]}[{idx.dims[-1]}]"
+        if v in self.pinned_any:  # a product's value for the column being stored (_columns_template)
+            return self.pinned_any[v]
         paired = int(self.spec.params.get("paired", 0))
         if paired and v in (self.spec.params.get("y0"), self.spec.params.get("y1")):
             # merged siblings of one width (gate, up): a part's column c is the joined product's
@@ -759,6 +765,94 @@ class _Gen:
         self.top_line(f"const bool dsp_aok = (reinterpret_cast<unsigned long long>({ptr}) & 15) == 0;")
         load = f"*reinterpret_cast<const dsp_v16*>({ptr} + {row} + kb)"
         return [f"dsp_aok ? {load} : dsp_v16_at({ptr} + {row} + kb)"], _vector_element("ra0", "j", dtype)
+
+    def multi_dot(self, node: NodeSpec, cols: list[str], row: tuple[str, ...]) -> list[str]:
+        """Product ``node`` (by a constant weight read 16 bytes a load, ``_vector``) at columns ``cols`` of
+        the row ``row`` (A's leading index): each lane's preloads of every column's weight, then one loop
+        over K reading A's elements once a step for all the columns; the lanes' sums, rounded as
+        ``_product`` rounds (the product, then a Gemm's bias). The columns' names, in order."""
+        a, b = node.inputs[0], node.inputs[1]
+        out = node.outputs[0]
+        assert a is not None and b is not None and out is not None
+        os_ = self.spec.values[out]
+        gemm = node.op == "Gemm"
+        trans_b = gemm and int(node.attrs.get("transB", 0)) == 1
+        k_len = self.spec.values[a].shape[-1]
+        v = self._vector(b, k_len, trans_b)
+        if not v:
+            raise Unsupported("several columns a lane group need the weight read 16 bytes a load")
+        wb = self.spec.values[b]
+        assert wb.strides is not None
+        self.constant_inputs.add(b)
+        if b not in self.args:
+            self.args.append(b)
+        if b not in self.vector_args:
+            self.vector_args.append(b)
+        ct = "double" if os_.dtype == "float64" else "float"
+        lanes = f"DSP_LANES({self.lanes})"
+        n_stride = wb.strides[0] if trans_b else wb.strides[1]
+        ptr = f"in{self.args.index(b)}"
+        per_lane = -(-k_len // (self.lanes * v))
+        pre = min(per_lane, max(1, PRELOAD_VECTORS // len(cols)))
+        tag = self.count
+        self.count += 1
+        bases = [self.let(f"{c} * {n_stride}LL", prefix="w") for c in cols]
+        for i, base in enumerate(bases):
+            self.line(f"dsp_v16 wq{tag}_{i}[{pre}];")
+            self.line("#pragma unroll")
+            with self.block(f"for (int it = 0; it < {pre}; ++it)"):
+                self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
+                self.line(
+                    f"if (kb < {k_len}) wq{tag}_{i}[it] = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);"
+                )
+        self.run_prologue()  # after the preloads: the weights' loads overlap the kernel before
+        accs = [f"acc{tag}_{i}" for i in range(len(cols))]
+        for acc in accs:
+            self.line(f"{ct} {acc} = 0;")
+        a_vector = self._a_vector(a, Idx((*row, "0")), v, wb.dtype)
+
+        def step(weights: list[str]) -> None:
+            if a_vector is not None:
+                loads, elem = a_vector
+                for h, load in enumerate(loads):
+                    self.line(f"const dsp_v16 ra{h} = {load};")
+            self.line("#pragma unroll")
+            with self.block(f"for (int j = 0; j < {v}; ++j)"):
+                xa = elem if a_vector is not None else self.value(a, Idx((*row, "(kb + j)")))
+                xa = self.let(f"({ct})({xa})", ct, "xa")
+                for acc, q in zip(accs, weights):
+                    self.line(f"{acc} += {xa} * ({ct})({_vector_element(q, 'j', wb.dtype)});")
+
+        self.line("#pragma unroll")
+        with self.block(f"for (int it = 0; it < {pre}; ++it)"):
+            self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
+            with self.block(f"if (kb < {k_len})"):
+                step([f"wq{tag}_{i}[it]" for i in range(len(cols))])
+        with self.block(f"for (long long kb = (lane + {pre} * {lanes}) * {v}LL; kb < {k_len}; kb += {lanes} * {v}LL)"):
+            for i, base in enumerate(bases):
+                self.line(f"const dsp_v16 q{i} = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
+            step([f"q{i}" for i in range(len(cols))])
+        names = []
+        for acc, c in zip(accs, cols):
+            if self.lanes == WARP:
+                self.line(f"{acc} = dsp_warp_sum({acc});")
+            else:
+                if ct != "float":
+                    raise Unsupported("a block's lanes per output sum floats only")
+                self.line(f"{acc} = dsp_block_reduce({acc}, dsp_red, 0);")
+            expr = acc
+            if gemm:
+                alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
+                if alpha != 1.0:
+                    expr = f"({ct})({alpha!r}) * {expr}"
+                bias = node.inputs[2] if len(node.inputs) > 2 else None
+                if bias is not None and beta != 0.0:
+                    at = self.broadcast(Idx((*row, c)), os_.shape, self.spec.values[bias].shape)
+                    xc = self.value(bias, at)
+                    term = f"({ct})({xc})" if beta == 1.0 else f"({ct})({beta!r}) * ({ct})({xc})"
+                    expr = f"{_round(expr, os_.dtype)} + {term}"
+            names.append(self.let(_round(expr, os_.dtype), self.ctype(out), "p"))
+        return names
 
     def run_prologue(self) -> None:
         """The product's norm prologue (``_norm_prologue``), once, where the product's code begins."""
@@ -1292,6 +1386,10 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
         return _store_template(gen, spec, kv_nodes)
     if spec.splits:
         return _merged_template(gen, spec)
+    if gen.cols > 1:
+        got = _columns_template(gen, spec)
+        if got is not None:
+            return got
     space = max(spec.outputs, key=lambda v: spec.values[v].numel)
     numel = max(1, spec.values[space].numel)
     staged = _norm_prologue(gen, spec)
@@ -1336,6 +1434,73 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     return stores, (numel + THREADS - 1) // THREADS
 
 
+def _column_groups(gen: _Gen, numel: int, staged: bool) -> str:
+    """The lane group's first element (``numel`` elements, ``gen.cols`` a group): every thread stays
+    (the prologue's barriers, the block's reductions); a spare group computes the last one again and
+    stores nothing (``dsp_live``)."""
+    groups = numel // gen.cols
+    if gen.lanes == THREADS or staged:
+        gen.line("__shared__ float dsp_red[32];")
+    gen.line(f"const long long dsp_at = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({gen.lanes});")
+    gen.line(f"const bool dsp_live = dsp_at < {groups};")
+    gen.line(f"const long long lin = dsp_live ? dsp_at : {groups - 1};")
+    gen.line(f"const int lane = threadIdx.x % DSP_LANES({gen.lanes});")
+    return gen.let(f"lin * {gen.cols}", prefix="c")
+
+
+def _columns_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int] | None:
+    """A product whose lane group computes ``gen.cols`` adjacent columns of one row (``multi_dot``: A read
+    once for all of them), then each column's epilogue and stores, one scope each, the product's value
+    pinned for it. The epilogue is over the product's elements in their order (the policy's rule: views
+    that keep the flat order, pointwise ops), so output element f is the product's element f. None:
+    the layout does not divide into such groups (the one-column template runs)."""
+    products = [n for n in spec.nodes if n.op in PRODUCT_OPS]
+    if len(products) != 1 or not gen.lanes:
+        return None
+    node = products[0]
+    pv = node.outputs[0]
+    assert pv is not None
+    paired = int(spec.params.get("paired", 0))
+    shape = tuple(spec.values[pv].shape)
+    if paired:
+        shape = (*shape[:-1], paired)
+    numel = max(1, math.prod(shape))
+    if shape[-1] % gen.cols or any(spec.values[v].numel != numel for v in spec.outputs):
+        return None
+    b = node.inputs[1]
+    trans_b = node.op == "Gemm" and int(node.attrs.get("transB", 0)) == 1
+    if b is None or node.inputs[0] is None or not gen._vector(b, spec.values[node.inputs[0]].shape[-1], trans_b):
+        return None
+    staged = _norm_prologue(gen, spec)
+    base = _column_groups(gen, numel, staged)
+    idx = gen.unflatten(base, shape)
+    row, c0 = idx.dims[:-1], idx.dims[-1]
+    cols = [c0 if i == 0 else f"({c0} + {i})" for i in range(gen.cols)]
+    if paired:
+        names = gen.multi_dot(node, cols + [f"({c} + {paired})" for c in cols], row)
+        pins = [
+            {int(spec.params["y0"]): names[i], int(spec.params["y1"]): names[gen.cols + i]} for i in range(gen.cols)
+        ]
+    else:
+        names = gen.multi_dot(node, cols, row)
+        pins = [{pv: name} for name in names]
+    stores: list[tuple[int, Idx]] = []
+    for i, pin in enumerate(pins):
+        with gen.block(f"/* column {i} */"):
+            gen.pinned_any = pin
+            flat = gen.let(f"{base} + {i}", prefix="f")
+            for k, v in enumerate(spec.outputs):
+                at = gen.unflatten(flat, spec.values[v].shape)
+                name = gen.value(v, at)
+                off = gen.flatten(at, spec.values[v].shape)
+                gen.wait()
+                gen.line(f"if (dsp_live && lane == 0) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
+                if i == 0:
+                    stores.append((v, at))
+            gen.pinned_any = {}
+    return stores, (numel // gen.cols * gen.lanes + THREADS - 1) // THREADS
+
+
 def _merged_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
     """Merged siblings (Q/K/V) as one product over their joined weights (``merged_spec``): a warp (or
     a block) per column of the joined product ``MERGED_Y``, its value stored to the part whose
@@ -1346,6 +1511,11 @@ def _merged_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]],
         raise Unsupported("merged products that store their parts take no epilogue")
     joined = spec.values[MERGED_Y]
     numel = max(1, joined.numel)
+    product = spec.nodes[-1]
+    a, b = product.inputs[0], product.inputs[1]
+    if gen.cols > 1 and joined.shape[-1] % gen.cols == 0 and a is not None and b is not None:
+        if gen._vector(b, spec.values[a].shape[-1], False):
+            return _merged_columns(gen, spec, product, numel)
     staged = _norm_prologue(gen, spec)
     gen.line("__shared__ float dsp_red[32];")
     at = f"((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({gen.lanes})"
@@ -1370,6 +1540,31 @@ def _merged_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]],
         gen.line(f"if ({cond}) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
         stores.append((v, part))
     return stores, (numel * gen.lanes + THREADS - 1) // THREADS
+
+
+def _merged_columns(gen: _Gen, spec: GroupSpec, product: NodeSpec, numel: int) -> tuple[list[tuple[int, Idx]], int]:
+    """``_merged_template`` with ``gen.cols`` adjacent columns of the joined product a lane group (A read
+    once for all of them, ``multi_dot``), each column stored to the part that holds it."""
+    joined = spec.values[MERGED_Y]
+    staged = _norm_prologue(gen, spec)
+    base = _column_groups(gen, numel, staged)
+    idx = gen.unflatten(base, joined.shape)
+    row, c0 = idx.dims[:-1], idx.dims[-1]
+    cols = [c0 if i == 0 else gen.let(f"{c0} + {i}", prefix="c") for i in range(gen.cols)]
+    names = gen.multi_dot(product, cols, row)
+    stores: list[tuple[int, Idx]] = []
+    for k, v in enumerate(spec.outputs):
+        if v not in spec.splits:
+            raise Unsupported("a merged product's group stores other than its parts")
+        offset, width = spec.splits[v]
+        gen.wait()
+        for col, name in zip(cols, names):
+            part = Idx((*row, f"({col} - {offset})"))
+            off = gen.flatten(part, spec.values[v].shape)
+            cond = f"dsp_live && lane == 0 && {col} >= {offset} && {col} < {offset + width}"
+            gen.line(f"if ({cond}) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
+        stores.append((v, Idx((*row, f"({c0} - {offset})"))))
+    return stores, (numel // gen.cols * gen.lanes + THREADS - 1) // THREADS
 
 
 def _store_template(gen: _Gen, spec: GroupSpec, kv_nodes: list[NodeSpec]) -> tuple[list[tuple[int, Idx]], int]:
@@ -1918,12 +2113,13 @@ def lanes_for(k_len: int, outputs: int, dtype: str) -> int:
     return THREADS if block else WARP
 
 
-def merged_group(spec: GroupSpec, joined: dict[int, TensorSpec]) -> tuple[Kernel, GroupSpec]:
+def merged_group(spec: GroupSpec, joined: dict[int, TensorSpec], cols: int = 1) -> tuple[Kernel, GroupSpec]:
     """A merged products' group (``dsp::MergedMatMul`` after its prologue) as one kernel, given the specs
     of its joined weights and biases (``MERGED_B`` as a contiguous [sum N, K], ``MERGED_C``): alone,
     ``merged_product``; with a norm prologue or a pairwise epilogue, the joined product as one product
     node (``merged_spec``) through the product template, each lane group computing one column of the
-    joined product, or the same column of both parts where the epilogue reads them pairwise."""
+    joined product, or the same column of both parts where the epilogue reads them pairwise (``cols``
+    adjacent columns a lane group, alone too: ``_columns_template``, ``_merged_columns``)."""
     spec = GroupSpec(
         spec.template,
         spec.nodes,
@@ -1935,7 +2131,7 @@ def merged_group(spec: GroupSpec, joined: dict[int, TensorSpec]) -> tuple[Kernel
         spec.params,
     )
     node = spec.nodes[merged_index(spec)]
-    if len(spec.nodes) == 1:
+    if len(spec.nodes) == 1 and cols == 1:
         return merged_product(node, spec.values), spec
     bias = joined.get(MERGED_C)
     merged = merged_spec(spec, None if bias is None else tuple(bias.shape))
@@ -1950,7 +2146,7 @@ def merged_group(spec: GroupSpec, joined: dict[int, TensorSpec]) -> tuple[Kernel
         merged.outputs,
         merged.constants,
         merged.splits,
-        {**merged.params, "lanes": lanes, "fixed_b": 1},
+        {**merged.params, "lanes": lanes, "fixed_b": 1, "cols": cols},
     )
     return generate(merged), merged
 

@@ -229,7 +229,7 @@ def _kernel(
 
 
 def merged_kernel(
-    spec: codegen.GroupSpec, array: Callable[[int], np.ndarray]
+    spec: codegen.GroupSpec, array: Callable[[int], np.ndarray], cols: int = 1
 ) -> tuple[codegen.Kernel, codegen.GroupSpec, dict[int, np.ndarray]]:
     """A merged products' group on the host: its joined weights (and biases) built with numpy as the
     segment builds them with CuPy, then its kernel (a warp's lanes per output)."""
@@ -245,7 +245,7 @@ def merged_kernel(
         v: codegen.TensorSpec(x.shape, str(x.dtype), tuple(st // x.itemsize for st in x.strides))
         for v, x in joined.items()
     }
-    kernel, spec = codegen.merged_group(spec, specs)
+    kernel, spec = codegen.merged_group(spec, specs, cols)
     return kernel, spec, joined
 
 

@@ -203,7 +203,7 @@ class NvrtcGroup(GroupStep):
         out = node.outputs[0]
         outputs = spec.values[out].numel if out is not None else wb.numel // max(1, k_len)
         lanes = codegen.lanes_for(k_len, outputs, wb.dtype)
-        params = {**spec.params, "lanes": lanes}
+        params = {**spec.params, "lanes": lanes, "cols": int(config.get("nvrtc_product_columns"))}
         if b not in subs and int(local[b].data.ptr) % VECTOR_ALIGNMENT:
             params.pop("fixed_b", None)  # a weight read as it is, at an address 16-byte loads cannot take
         return dataclasses.replace(spec, values=values, params=params), subs
@@ -223,7 +223,8 @@ class NvrtcGroup(GroupStep):
         subs = {codegen.MERGED_B: Derived.make(self.cp, weights, [local[w] for w in weights], joined_nk(trans_b))}
         if biases:
             subs[codegen.MERGED_C] = Derived.make(self.cp, biases, [local[c] for c in biases], joined_bias)
-        kernel, spec = codegen.merged_group(spec, {f: _spec_of(d.array) for f, d in subs.items()})
+        joined = {f: _spec_of(d.array) for f, d in subs.items()}
+        kernel, spec = codegen.merged_group(spec, joined, int(config.get("nvrtc_product_columns")))
         return kernel, spec, subs
 
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
