@@ -1120,8 +1120,9 @@ def test_the_kv_store_declines_what_it_cannot_write() -> None:
 def test_a_decode_plans_kv_stores_join_the_kernel_that_makes_their_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-2's decode plan: both stores of a layer join the copy group that splits the QKV product
     and lays out K and V (one kernel a layer where there were two store kernels); Llama's K store
-    joins its rotary. DSP_NVRTC_KV_FUSION=0: each dsp::KVScatter is a store group of its own, which
-    dsp-nvrtc generates too (NvrtcKVStore: one kernel where the reference launches four)."""
+    joins its rotary, its V store the merged Q/K/V product. DSP_NVRTC_KV_FUSION=0: each
+    dsp::KVScatter is a store group of its own, which dsp-nvrtc generates too (NvrtcKVStore: one
+    kernel where the reference launches four)."""
     from dsp_nvrtc.segment import unfused_reason
 
     def stores(name: str) -> tuple[Any, list[Any]]:
@@ -1137,6 +1138,9 @@ def test_a_decode_plans_kv_stores_join_the_kernel_that_makes_their_rows(monkeypa
     plan, found = stores("llama_eager")
     rotary = [g for g in found if any(plan.slots[s].op == "Neg" for s in g.slots)]
     assert len(found) == 4 and len(rotary) == 2, [[plan.slots[s].op for s in g.slots] for g in found]
+    # V's store: the merged Q/K/V product's kernel writes V's row through its reshape and transpose
+    products = [g for g in found if g.template == "product"]
+    assert len(products) == 2 and all(any(plan.slots[s].op == "MergedMatMul" for s in g.slots) for g in products)
     monkeypatch.setenv("DSP_NVRTC_KV_FUSION", "0")
     plan, found = stores("gpt2_eager")
     assert len(found) == 4 and all(g.template == "store" and len(g.slots) == 1 for g in found)
@@ -1178,6 +1182,29 @@ def test_kernels_with_kv_stores_write_the_rows_the_reference_writes_on_the_host(
     assert not [r for r in results if r.status in ("mismatch", "error")], results
     with_stores = [r for r in results if "KVScatter" in r.ops and r.template != "store"]  # a store alone: kv_store
     assert len(with_stores) >= 2 and all(r.status == "ok" for r in with_stores), with_stores
+
+
+@pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))
+@pytest.mark.parametrize("cols", [1, 2, 4])
+def test_the_merged_qkv_product_writes_vs_kv_row_through_its_layout(cols: int) -> None:
+    """Llama's decode step: the norm, the merged Q/K/V product, V's reshape and transpose and V's KV
+    store are one kernel (the store's index mapped forward from V's column); started from the buffer
+    with the new row poisoned, it writes the reference's row, with 1, 2 or 4 columns a lane group."""
+    decode, feeds = _decode_step("llama_eager")
+    found = [(spec, values) for _, _, spec, values in hostcheck.group_specs(decode, feeds)]
+    merged = [(spec, values) for spec, values in found if any(n.op == "KVScatter" for n in spec.nodes)]
+    merged = [(spec, values) for spec, values in merged if codegen.merged_index(spec) >= 0]
+    assert len(merged) == 2, [[n.op for n in spec.nodes] for spec, _ in found]  # two layers
+    for spec, values in merged:
+        kernel, mspec, joined = hostcheck.merged_kernel(spec, lambda v, got=values: np.asarray(got[v]), cols)
+        assert kernel.kv_stores and [n.op for n in mspec.nodes][-3:] == ["Reshape", "Transpose", "KVScatter"]
+        arrays = {v: joined[v] if v in joined else np.asarray(values[v]) for v in kernel.args[: kernel.n_inputs]}
+        for out, _ in kernel.kv_stores:
+            arrays[out] = hostcheck._poisoned_rows(mspec, out, values)
+        got = hostcheck.run_on_host(kernel, mspec, arrays)
+        for o in mspec.outputs:
+            want = np.asarray(values[o]).astype(np.float64)
+            np.testing.assert_allclose(got[o].astype(np.float64), want, rtol=1e-4, atol=1e-4, err_msg=str(o))
 
 
 @pytest.mark.skipif(CXX_MISSING is not None, reason=str(CXX_MISSING))

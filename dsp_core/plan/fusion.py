@@ -281,6 +281,30 @@ def value_readers(plan: Plan) -> dict[int, list[int]]:
     return readers
 
 
+def feeds_only_kv_stores(plan: Plan, readers: Mapping[int, Sequence[int]], s: int) -> bool:
+    """True when everything slot ``s`` makes goes, through layout ops only (reshapes, transposes), to
+    KV stores (``dsp::KVScatter``) as their row: V's layout on its way to the cache, which a kernel
+    computing V can write as the store's index arithmetic."""
+    layout = VIEW_OPS | {"Transpose"}
+    stack, seen = [s], set()
+    while stack:
+        m = stack.pop()
+        for v in plan.slots[m].outputs:
+            if v is None:
+                continue
+            if v in plan.outputs or not readers.get(v):
+                return False
+            for r in readers[v]:
+                slot = plan.slots[r]
+                if (slot.domain, slot.op) == ("dsp", "KVScatter") and slot.inputs[1] == v and slot.inputs[0] != v:
+                    continue
+                if slot.op not in layout or r in seen:
+                    return False
+                seen.add(r)
+                stack.append(r)
+    return True
+
+
 def feeds_only_norm_statistics(
     plan: Plan, patterns: Mapping[int, SlotPattern], readers: Mapping[int, Sequence[int]], s: int
 ) -> bool:

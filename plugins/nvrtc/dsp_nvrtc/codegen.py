@@ -55,6 +55,7 @@ from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: c
     row_major,
     value_side,
 )
+from dsp_core.plan.kernelspec import LAYOUT_OPS as LAYOUT_OPS
 from dsp_core.plan.kernelspec import MERGED_B as MERGED_B
 from dsp_core.plan.kernelspec import MERGED_C as MERGED_C
 from dsp_core.plan.kernelspec import MERGED_Y as MERGED_Y
@@ -656,6 +657,14 @@ class _Gen:
                 xa = self.value(a, Idx((*idx.dims[:-1], kv)))
                 xb = self.value(b, Idx((idx.dims[-1], kv) if trans_b else (kv, idx.dims[-1])))
                 self.line(f"{acc} += ({ct})({xa}) * ({ct})({xb});")
+        return self._dot_result(node, v, acc, idx)
+
+    def _dot_result(self, node: NodeSpec, v: int, acc: str, idx: Idx) -> str:
+        """Product ``v``'s value at ``idx`` from this lane's partial sum ``acc``: the lanes' sum (a warp's
+        shuffles, or a block's reduction), then rounded to the dtype as the reference rounds it (the
+        product, then a Gemm's alpha and bias)."""
+        out = self.spec.values[v]
+        ct = "double" if out.dtype == "float64" else "float"
         if self.lanes == WARP:
             self.line(f"{acc} = dsp_warp_sum({acc});  // every lane holds the whole dot product")
         elif self.lanes:
@@ -663,7 +672,7 @@ class _Gen:
                 raise Unsupported("a block's lanes per output sum floats only")
             self.line(f"{acc} = dsp_block_reduce({acc}, dsp_red, 0);  // every thread holds the whole dot product")
         expr = acc
-        if gemm:
+        if node.op == "Gemm":
             alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
             if alpha != 1.0:
                 expr = f"({ct})({alpha!r}) * {expr}"
@@ -832,27 +841,7 @@ class _Gen:
             for i, base in enumerate(bases):
                 self.line(f"const dsp_v16 q{i} = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
             step([f"q{i}" for i in range(len(cols))])
-        names = []
-        for acc, c in zip(accs, cols):
-            if self.lanes == WARP:
-                self.line(f"{acc} = dsp_warp_sum({acc});")
-            else:
-                if ct != "float":
-                    raise Unsupported("a block's lanes per output sum floats only")
-                self.line(f"{acc} = dsp_block_reduce({acc}, dsp_red, 0);")
-            expr = acc
-            if gemm:
-                alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
-                if alpha != 1.0:
-                    expr = f"({ct})({alpha!r}) * {expr}"
-                bias = node.inputs[2] if len(node.inputs) > 2 else None
-                if bias is not None and beta != 0.0:
-                    at = self.broadcast(Idx((*row, c)), os_.shape, self.spec.values[bias].shape)
-                    xc = self.value(bias, at)
-                    term = f"({ct})({xc})" if beta == 1.0 else f"({ct})({beta!r}) * ({ct})({xc})"
-                    expr = f"{_round(expr, os_.dtype)} + {term}"
-            names.append(self.let(_round(expr, os_.dtype), self.ctype(out), "p"))
-        return names
+        return [self._dot_result(node, out, acc, Idx((*row, c))) for acc, c in zip(accs, cols)]
 
     def run_prologue(self) -> None:
         """The product's norm prologue (``_norm_prologue``), once, where the product's code begins."""
@@ -1298,7 +1287,7 @@ def generate(spec: GroupSpec) -> Kernel:
     Identical groups (the same layer's norm in every layer) share one kernel and one compile.
     """
     kv_nodes = kv_store_nodes(spec)
-    if kv_nodes and spec.template not in ("pointwise", "copy"):
+    if kv_nodes and spec.template not in ("pointwise", "copy") and not (spec.template == "product" and spec.splits):
         raise Unsupported(f"a KV store in a {spec.template} kernel")
     for node in spec.nodes:
         if node in kv_nodes:
@@ -1381,11 +1370,11 @@ def _kv_store(gen: _Gen, k: int, node: NodeSpec, idx: Idx) -> None:
 
 
 def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int]:
+    if spec.splits:
+        return _merged_template(gen, spec)
     kv_nodes = kv_store_nodes(spec)
     if kv_nodes:
         return _store_template(gen, spec, kv_nodes)
-    if spec.splits:
-        return _merged_template(gen, spec)
     if gen.cols > 1:
         got = _columns_template(gen, spec)
         if got is not None:
@@ -1507,11 +1496,15 @@ def _merged_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]],
     columns hold it (``spec.splits``: output -> (offset, width)), after the norm prologue if any."""
     if MERGED_Y not in spec.values or not gen.lanes:
         raise Unsupported("merged products as one product need the joined product's lanes")
-    if spec.nodes[-1].op not in PRODUCT_OPS:
-        raise Unsupported("merged products that store their parts take no epilogue")
+    product = next(n for n in spec.nodes if n.op in PRODUCT_OPS)
+    kv_nodes = kv_store_nodes(spec)
+    for node in spec.nodes[spec.nodes.index(product) + 1 :]:
+        if node.op not in LAYOUT_OPS and node not in kv_nodes:
+            raise Unsupported(
+                "merged products that store their parts take no epilogue but a part's way to its KV store"
+            )
     joined = spec.values[MERGED_Y]
     numel = max(1, joined.numel)
-    product = spec.nodes[-1]
     a, b = product.inputs[0], product.inputs[1]
     if gen.cols > 1 and joined.shape[-1] % gen.cols == 0 and a is not None and b is not None:
         if gen._vector(b, spec.values[a].shape[-1], False):
@@ -1527,19 +1520,60 @@ def _merged_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]],
         gen.line("if (!dsp_live) return;")
     idx = gen.unflatten("lin", joined.shape)
     name = gen.value(MERGED_Y, idx)
-    col = idx.dims[-1]
-    stores: list[tuple[int, Idx]] = []
-    for k, v in enumerate(spec.outputs):
-        if v not in spec.splits:
-            raise Unsupported("a merged product's group stores other than its parts")
-        offset, width = spec.splits[v]
-        part = Idx((*idx.dims[:-1], f"({col} - {offset})"))
-        off = gen.flatten(part, spec.values[v].shape)
-        gen.wait()
-        cond = f"dsp_live && lane == 0 && {col} >= {offset} && {col} < {offset + width}"
-        gen.line(f"if ({cond}) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
-        stores.append((v, part))
+    stores = _merged_stores(gen, spec, product, idx.dims[:-1], idx.dims[-1], name)
     return stores, (numel * gen.lanes + THREADS - 1) // THREADS
+
+
+def _merged_stores(
+    gen: _Gen, spec: GroupSpec, product: NodeSpec, row: tuple[str, ...], col: str, name: str
+) -> list[tuple[int, Idx]]:
+    """Column ``col`` of the joined product (its value ``name``) stored to the part whose columns hold it,
+    and to what the group makes of that part: a layout (reshape, transpose; its index mapped forward
+    from the part's) read outside, or a KV store's row written into its buffer. The outputs in
+    parameter order: the stored values, then the KV buffers."""
+    at: dict[int, Idx] = {}
+    part_of: dict[int, int] = {}
+    for v, (offset, _) in spec.splits.items():
+        at[v], part_of[v] = Idx((*row, f"({col} - {offset})")), v
+    for node in spec.nodes[spec.nodes.index(product) + 1 :]:  # layouts, mapped forward from their part
+        src, out = node.inputs[0] if node.inputs else None, node.outputs[0] if node.outputs else None
+        if node.op not in LAYOUT_OPS or src not in at or out is None:
+            continue
+        assert src is not None
+        if node.op == "Transpose":
+            rank = len(spec.values[out].shape)
+            perm = [int(p) for p in node.attrs.get("perm", list(range(rank - 1, -1, -1)))]
+            at[out] = Idx(tuple(at[src].dims[p] for p in perm))
+        else:
+            at[out] = gen.reshape(at[src], spec.values[src].shape, spec.values[out].shape)
+        part_of[out] = part_of[src]
+
+    def held(v: int) -> str:  # this lane group's column lies in the part ``v`` comes from
+        offset, width = spec.splits[part_of[v]]
+        return f"dsp_live && lane == 0 && {col} >= {offset} && {col} < {offset + width}"
+
+    kv_nodes = kv_store_nodes(spec)
+    buffers = {n.outputs[0] for n in kv_nodes}
+    stores: list[tuple[int, Idx]] = []
+    for v in spec.outputs:
+        if v in buffers:
+            continue
+        if v not in at:
+            raise Unsupported("a merged product's group stores other than its parts and their layouts")
+        off = gen.flatten(at[v], spec.values[v].shape)
+        gen.wait()
+        gen.line(f"if ({held(v)}) out{len(stores)}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
+        stores.append((v, at[v]))
+    for node in kv_nodes:
+        update, buffer_out = node.inputs[1], node.outputs[0]
+        if update is None or update not in at or buffer_out is None:
+            raise Unsupported("a KV store of a merged product's value that is not a part or its layout")
+        with gen.block(f"if ({held(update)})"):
+            gen.pinned_any[update] = name
+            _kv_store(gen, len(stores), node, at[update])
+            del gen.pinned_any[update]
+        stores.append((buffer_out, at[update]))
+    return stores
 
 
 def _merged_columns(gen: _Gen, spec: GroupSpec, product: NodeSpec, numel: int) -> tuple[list[tuple[int, Idx]], int]:
@@ -1553,17 +1587,10 @@ def _merged_columns(gen: _Gen, spec: GroupSpec, product: NodeSpec, numel: int) -
     cols = [c0 if i == 0 else gen.let(f"{c0} + {i}", prefix="c") for i in range(gen.cols)]
     names = gen.multi_dot(product, cols, row)
     stores: list[tuple[int, Idx]] = []
-    for k, v in enumerate(spec.outputs):
-        if v not in spec.splits:
-            raise Unsupported("a merged product's group stores other than its parts")
-        offset, width = spec.splits[v]
-        gen.wait()
-        for col, name in zip(cols, names):
-            part = Idx((*row, f"({col} - {offset})"))
-            off = gen.flatten(part, spec.values[v].shape)
-            cond = f"dsp_live && lane == 0 && {col} >= {offset} && {col} < {offset + width}"
-            gen.line(f"if ({cond}) out{k}[{off}] = {_to_storage(name, spec.values[v].dtype)};")
-        stores.append((v, Idx((*row, f"({c0} - {offset})"))))
+    for i, (col, name) in enumerate(zip(cols, names)):
+        with gen.block(f"/* column {i} */"):
+            got = _merged_stores(gen, spec, product, row, col, name)
+        stores = stores or got
     return stores, (numel // gen.cols * gen.lanes + THREADS - 1) // THREADS
 
 

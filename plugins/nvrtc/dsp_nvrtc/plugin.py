@@ -19,6 +19,7 @@ from dsp_core.plan.fusion import (
     PatternKind,
     ReferencePolicy,
     SlotPattern,
+    feeds_only_kv_stores,
     feeds_only_norm_statistics,
     norm_prologue,
 )
@@ -27,6 +28,7 @@ from dsp_core.plan.merge import is_merged, paired_reason
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen
 
+LAYOUT_OPS = VIEW_OPS | frozenset({"Transpose"})  # a value's elements relabelled or permuted
 # Fused kernels accumulate reductions in fp32 (the reference rounds a half row's sum per
 # op): half-precision results differ by an ulp or two of the reference's rounding.
 TOLERANCE = 5e-3
@@ -110,6 +112,8 @@ class NvrtcPolicy(ReferencePolicy):
             return "DSP_NVRTC_KV_FUSION is off: a KV store runs as its own kernel"
         if (plan.slots[s].domain, plan.slots[s].op) != ("dsp", "KVScatter"):
             return f"{plan.slots[s].op} has no CUDA C store"
+        if group.template == "product" and any(is_merged(plan.slots[m]) for m in group.slots):
+            return None  # V's row, through its layout, from the merged Q/K/V product (``_merged_template``)
         if group.template not in ("pointwise", "copy", "view"):
             return f"a {group.template} group takes no KV store (its kernel stores only its own outputs)"
         return None
@@ -148,11 +152,15 @@ class NvrtcPolicy(ReferencePolicy):
         residual add, cast), each thread computing them on its own dot product."""
         first = next((m for m in group.slots if group.patterns[m].kind is PatternKind.MATMUL), group.slots[0])
         merged = is_merged(plan.slots[first])
+        op = plan.slots[s].op
+        if merged and op in LAYOUT_OPS and feeds_only_kv_stores(plan, self.readers(plan), s):
+            if not config.get("nvrtc_kv_fusion"):
+                return "DSP_NVRTC_KV_FUSION is off: a KV store runs as its own kernel"
+            return None  # V's reshape and transpose on the way to its KV store: the store's index arithmetic
         if merged:  # gate and up: each warp computes column c of both parts, then the epilogue on the pair
             why = paired_reason(plan, first)
             if why is not None:
                 return why
-        op = plan.slots[s].op
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its elements"

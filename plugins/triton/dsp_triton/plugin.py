@@ -18,6 +18,7 @@ from dsp_core.plan.fusion import (
     PatternKind,
     ReferencePolicy,
     SlotPattern,
+    feeds_only_kv_stores,
     feeds_only_norm_statistics,
     norm_prologue,
 )
@@ -200,7 +201,7 @@ class TritonPolicy(ReferencePolicy):
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
         op = plan.slots[s].op
-        if op in LAYOUT_OPS and decode_fusion() and self._feeds_only_stores(plan, s):
+        if op in LAYOUT_OPS and decode_fusion() and feeds_only_kv_stores(plan, self.readers(plan), s):
             return None  # V's reshape and transpose on the way to its KV store: the store's index arithmetic
         merged = [m for m in group.slots if is_merged(plan.slots[m])]
         if merged and not self._only_stores_after(plan, group, merged[0]):
@@ -227,27 +228,6 @@ class TritonPolicy(ReferencePolicy):
                 f"not the product's {list(product) if product else 'unknown'} lanes"
             )
         return None
-
-    def _feeds_only_stores(self, plan: Plan, s: int) -> bool:
-        """True when everything slot ``s`` makes goes, through layout ops only, to KV stores as their row."""
-        readers = self.readers(plan)
-        stack, seen = [s], set()
-        while stack:
-            m = stack.pop()
-            for v in plan.slots[m].outputs:
-                if v is None:
-                    continue
-                if v in plan.outputs or not readers.get(v):
-                    return False
-                for r in readers[v]:
-                    slot = plan.slots[r]
-                    if (slot.domain, slot.op) == ("dsp", "KVScatter") and slot.inputs[1] == v and slot.inputs[0] != v:
-                        continue
-                    if slot.op not in LAYOUT_OPS or r in seen:
-                        return False
-                    seen.add(r)
-                    stack.append(r)
-        return True
 
     @staticmethod
     def _only_stores_after(plan: Plan, group: GroupView, product: int) -> bool:
