@@ -55,6 +55,7 @@ class PatternKind(enum.Enum):
 
 # Injective ops that only relabel indexes (a view on a contiguous buffer): no kernel of their own.
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+LAYOUT_OPS = VIEW_OPS | frozenset({"Transpose"})  # ops that relabel or permute a value's elements
 INJECTIVE_OPS = VIEW_OPS | frozenset(
     {
         "Transpose",
@@ -285,7 +286,6 @@ def feeds_only_kv_stores(plan: Plan, readers: Mapping[int, Sequence[int]], s: in
     """True when everything slot ``s`` makes goes, through layout ops only (reshapes, transposes), to
     KV stores (``dsp::KVScatter``) as their row: V's layout on its way to the cache, which a kernel
     computing V can write as the store's index arithmetic."""
-    layout = VIEW_OPS | {"Transpose"}
     stack, seen = [s], set()
     while stack:
         m = stack.pop()
@@ -298,7 +298,7 @@ def feeds_only_kv_stores(plan: Plan, readers: Mapping[int, Sequence[int]], s: in
                 slot = plan.slots[r]
                 if (slot.domain, slot.op) == ("dsp", "KVScatter") and slot.inputs[1] == v and slot.inputs[0] != v:
                     continue
-                if slot.op not in layout or r in seen:
+                if slot.op not in LAYOUT_OPS or r in seen:
                     return False
                 seen.add(r)
                 stack.append(r)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core.plan.fusion import LAYOUT_OPS as LAYOUT_OPS  # a merged product's way to its KV store
 from dsp_core.plan.plan import Plan
 
 
@@ -206,8 +207,6 @@ def reference_specs(
 
 # Value ids of merged sibling products' joined weights, biases and product (dsp::MergedMatMul).
 MERGED_B, MERGED_C, MERGED_Y = -1001, -1002, -1003
-# ops that only relabel or permute a value's elements (a merged product's way to its KV store)
-LAYOUT_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Transpose"})
 
 
 def merged_operands(node: NodeSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:

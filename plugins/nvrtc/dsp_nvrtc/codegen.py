@@ -644,19 +644,17 @@ class _Gen:
         self.count += 1
         if self.fixed_b:
             self.constant_inputs.add(b)
-        vector = self._vector(b, k_len, trans_b)
-        if vector:
-            self._vector_dot(a, b, idx, k_len, vector, acc, ct, trans_b)
-        else:
-            self.run_prologue()
-            self.line(f"{ct} {acc} = 0;")
-            first, step = ("lane", f"DSP_LANES({self.lanes})") if self.lanes else ("0", "1")
-            if self.lanes:
-                self.line("#pragma unroll 8")  # loads of several K steps in flight per lane
-            with self.block(f"for (long long {kv} = {first}; {kv} < {k_len}; {kv} += {step})"):
-                xa = self.value(a, Idx((*idx.dims[:-1], kv)))
-                xb = self.value(b, Idx((idx.dims[-1], kv) if trans_b else (kv, idx.dims[-1])))
-                self.line(f"{acc} += ({ct})({xa}) * ({ct})({xb});")
+        if self._vector(b, k_len, trans_b):  # the weight 16 bytes a load: one column of ``multi_dot``
+            return self.multi_dot(node, [idx.dims[-1]], idx.dims[:-1])[0]
+        self.run_prologue()
+        self.line(f"{ct} {acc} = 0;")
+        first, step = ("lane", f"DSP_LANES({self.lanes})") if self.lanes else ("0", "1")
+        if self.lanes:
+            self.line("#pragma unroll 8")  # loads of several K steps in flight per lane
+        with self.block(f"for (long long {kv} = {first}; {kv} < {k_len}; {kv} += {step})"):
+            xa = self.value(a, Idx((*idx.dims[:-1], kv)))
+            xb = self.value(b, Idx((idx.dims[-1], kv) if trans_b else (kv, idx.dims[-1])))
+            self.line(f"{acc} += ({ct})({xa}) * ({ct})({xb});")
         return self._dot_result(node, v, acc, idx)
 
     def _dot_result(self, node: NodeSpec, v: int, acc: str, idx: Idx) -> str:
@@ -697,58 +695,6 @@ class _Gen:
         v = VECTOR_ELEMENTS[wb.dtype]
         return v if k_stride == 1 and n_stride % v == 0 and k_len % v == 0 else 0
 
-    def _vector_dot(self, a: int, b: int, idx: Idx, k_len: int, v: int, acc: str, ct: str, trans_b: bool) -> None:
-        """The lanes' share of one output's dot product, the weight read 16 bytes a load: the first
-        ``PRELOAD_VECTORS`` loads of each lane into registers before the kernel waits for the one
-        before it (their DRAM latency overlaps that kernel's work), the rest in a loop after."""
-        wb = self.spec.values[b]
-        assert wb.strides is not None
-        if b not in self.args:
-            self.args.append(b)
-        self.vector_args.append(b)
-        lanes = f"DSP_LANES({self.lanes})"
-        n_stride = wb.strides[0] if trans_b else wb.strides[1]
-        base = self.let(f"{idx.dims[-1]} * {n_stride}LL", prefix="w") if idx.dims[-1] != "0" else "0"
-        ptr = f"in{self.args.index(b)}"
-        per_lane = -(-k_len // (self.lanes * v))
-        pre = min(per_lane, PRELOAD_VECTORS)
-        regs = f"wq{self.count}"
-        self.count += 1
-        self.line(f"dsp_v16 {regs}[{pre}];")
-        self.line("#pragma unroll")
-        with self.block(f"for (int it = 0; it < {pre}; ++it)"):
-            self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
-            self.line(f"if (kb < {k_len}) {regs}[it] = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
-        self.run_prologue()  # after the preload: the weight's loads overlap the kernel before
-        self.line(f"{ct} {acc} = 0;")
-
-        a_vector = self._a_vector(a, idx, v, wb.dtype)
-
-        def dot(q: str) -> None:
-            if a_vector is not None:  # A's v elements in 16-byte loads too (shared memory, or an aligned input)
-                names, elem = a_vector
-                for h, load in enumerate(names):
-                    self.line(f"const dsp_v16 ra{h} = {load};")
-                self.line("#pragma unroll")
-                with self.block(f"for (int j = 0; j < {v}; ++j)"):
-                    self.line(f"{acc} += ({ct})({elem}) * ({ct})({_vector_element(q, 'j', wb.dtype)});")
-                return
-            self.line("#pragma unroll")
-            with self.block(f"for (int j = 0; j < {v}; ++j)"):
-                xa = self.value(a, Idx((*idx.dims[:-1], "(kb + j)")))
-                self.line(f"{acc} += ({ct})({xa}) * ({ct})({_vector_element(q, 'j', wb.dtype)});")
-
-        self.line("#pragma unroll")
-        with self.block(f"for (int it = 0; it < {pre}; ++it)"):
-            self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
-            with self.block(f"if (kb < {k_len})"):
-                dot(f"{regs}[it]")
-        # the rest of K (none on the device when the preload covered it; on the host check, whose
-        # one lane per output preloads only its first vectors, the remainder)
-        with self.block(f"for (long long kb = (lane + {pre} * {lanes}) * {v}LL; kb < {k_len}; kb += {lanes} * {v}LL)"):
-            self.line(f"const dsp_v16 q = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
-            dot("q")
-
     def _a_vector(self, a: int, idx: Idx, v: int, dtype: str) -> tuple[list[str], str] | None:
         """A's ``v`` elements at ``kb`` as 16-byte loads, where A is the norm prologue's row staged in
         shared memory (floats: ``v`` / 4 loads) or an input of the weight's dtype whose K is its unit
@@ -777,9 +723,13 @@ class _Gen:
 
     def multi_dot(self, node: NodeSpec, cols: list[str], row: tuple[str, ...]) -> list[str]:
         """Product ``node`` (by a constant weight read 16 bytes a load, ``_vector``) at columns ``cols`` of
-        the row ``row`` (A's leading index): each lane's preloads of every column's weight, then one loop
-        over K reading A's elements once a step for all the columns; the lanes' sums, rounded as
-        ``_product`` rounds (the product, then a Gemm's bias). The columns' names, in order."""
+        the row ``row`` (A's leading index): each lane's first loads of every column's weight into
+        registers before the kernel waits for the one before it (their DRAM latency overlaps that
+        kernel's work; ``PRELOAD_VECTORS`` shared among the columns), then one loop over K reading A's
+        elements once a step for all the columns (the rest of K after the preload: none on the device
+        where the preload covers it; on the host check, whose one lane an output preloads only its
+        first vectors, the remainder); the lanes' sums, rounded as ``_product`` rounds (the product,
+        then a Gemm's bias). The columns' names, in order."""
         a, b = node.inputs[0], node.inputs[1]
         out = node.outputs[0]
         assert a is not None and b is not None and out is not None
@@ -1423,18 +1373,21 @@ def _pointwise_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx
     return stores, (numel + THREADS - 1) // THREADS
 
 
-def _column_groups(gen: _Gen, numel: int, staged: bool) -> str:
-    """The lane group's first element (``numel`` elements, ``gen.cols`` a group): every thread stays
-    (the prologue's barriers, the block's reductions); a spare group computes the last one again and
-    stores nothing (``dsp_live``)."""
-    groups = numel // gen.cols
+def _column_groups(gen: _Gen, numel: int, staged: bool, cols: int) -> str:
+    """The lane group's first element (``numel`` elements, ``cols`` a group). With a norm prologue every
+    thread stays for its barriers (a spare group computes the last one again and stores nothing:
+    ``dsp_live``); without, a spare group leaves (live is the same for every lane of a group, and a
+    block's reduction has the whole block as one group)."""
+    groups = numel // cols
     if gen.lanes == THREADS or staged:
         gen.line("__shared__ float dsp_red[32];")
     gen.line(f"const long long dsp_at = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({gen.lanes});")
     gen.line(f"const bool dsp_live = dsp_at < {groups};")
     gen.line(f"const long long lin = dsp_live ? dsp_at : {groups - 1};")
     gen.line(f"const int lane = threadIdx.x % DSP_LANES({gen.lanes});")
-    return gen.let(f"lin * {gen.cols}", prefix="c")
+    if not staged:
+        gen.line("if (!dsp_live) return;")
+    return "lin" if cols == 1 else gen.let(f"lin * {cols}", prefix="c")
 
 
 def _columns_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], int] | None:
@@ -1461,7 +1414,7 @@ def _columns_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]]
     if b is None or node.inputs[0] is None or not gen._vector(b, spec.values[node.inputs[0]].shape[-1], trans_b):
         return None
     staged = _norm_prologue(gen, spec)
-    base = _column_groups(gen, numel, staged)
+    base = _column_groups(gen, numel, staged, gen.cols)
     idx = gen.unflatten(base, shape)
     row, c0 = idx.dims[:-1], idx.dims[-1]
     cols = [c0 if i == 0 else f"({c0} + {i})" for i in range(gen.cols)]
@@ -1510,15 +1463,7 @@ def _merged_template(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]],
         if gen._vector(b, spec.values[a].shape[-1], False):
             return _merged_columns(gen, spec, product, numel)
     staged = _norm_prologue(gen, spec)
-    gen.line("__shared__ float dsp_red[32];")
-    at = f"((long long)blockIdx.x * blockDim.x + threadIdx.x) / DSP_LANES({gen.lanes})"
-    gen.line(f"const long long dsp_at = {at};")
-    gen.line(f"const bool dsp_live = dsp_at < {numel};")
-    gen.line(f"const long long lin = dsp_live ? dsp_at : {numel - 1};")
-    gen.line(f"const int lane = threadIdx.x % DSP_LANES({gen.lanes});")
-    if not staged:  # no barrier after this point: a spare warp may leave
-        gen.line("if (!dsp_live) return;")
-    idx = gen.unflatten("lin", joined.shape)
+    idx = gen.unflatten(_column_groups(gen, numel, staged, 1), joined.shape)
     name = gen.value(MERGED_Y, idx)
     stores = _merged_stores(gen, spec, product, idx.dims[:-1], idx.dims[-1], name)
     return stores, (numel * gen.lanes + THREADS - 1) // THREADS
@@ -1581,7 +1526,7 @@ def _merged_columns(gen: _Gen, spec: GroupSpec, product: NodeSpec, numel: int) -
     once for all of them, ``multi_dot``), each column stored to the part that holds it."""
     joined = spec.values[MERGED_Y]
     staged = _norm_prologue(gen, spec)
-    base = _column_groups(gen, numel, staged)
+    base = _column_groups(gen, numel, staged, gen.cols)
     idx = gen.unflatten(base, joined.shape)
     row, c0 = idx.dims[:-1], idx.dims[-1]
     cols = [c0 if i == 0 else gen.let(f"{c0} + {i}", prefix="c") for i in range(gen.cols)]

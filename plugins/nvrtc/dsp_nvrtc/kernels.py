@@ -233,8 +233,8 @@ class NvrtcGroup(GroupStep):
         try:
             if codegen.merged_index(spec) >= 0:
                 kernel, spec, subs = self._merged(spec, local)
-            elif spec.template == "decode_attention" and self._kv_splits(spec) > 1:
-                return self._split_attention(spec, inputs, asked)
+            elif spec.template == "decode_attention" and (splits := self._kv_splits(spec)) > 1:
+                return self._split_attention(spec, splits, inputs, asked)
             else:
                 spec, subs = self._product_layout(spec, local)
                 kernel = codegen.generate(spec)
@@ -264,11 +264,11 @@ class NvrtcGroup(GroupStep):
             return 1  # a prompt's query rows: as parts
         return attention.spec_splits(spec, self.cp, int(config.get("nvrtc_kv_splits")))
 
-    def _split_attention(self, spec: codegen.GroupSpec, inputs: Sequence[Any], asked: set[int]) -> Built:
+    def _split_attention(self, spec: codegen.GroupSpec, splits: int, inputs: Sequence[Any], asked: set[int]) -> Built:
         """A decode attention over more KV positions than one block a head should walk: one block per
         (head, range of positions) stores the range's max, sum and weighted sum, then one combine
         kernel per head merges them (``codegen.attention_split_specs``, ``attention_combine``)."""
-        partial, combine = codegen.attention_split_specs(spec, self._kv_splits(spec))
+        partial, combine = codegen.attention_split_specs(spec, splits)
         kernel = codegen.generate(partial)
         last = codegen.attention_combine(combine)
         function, hit = loaded(self.cp, kernel, partial, self.cache)

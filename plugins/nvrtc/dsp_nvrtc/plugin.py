@@ -12,6 +12,7 @@ from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.plan.fusion import (
+    LAYOUT_OPS,
     VIEW_OPS,
     FusionLimits,
     Group,
@@ -28,7 +29,6 @@ from dsp_core.plan.merge import is_merged, paired_reason
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen
 
-LAYOUT_OPS = VIEW_OPS | frozenset({"Transpose"})  # a value's elements relabelled or permuted
 # Fused kernels accumulate reductions in fp32 (the reference rounds a half row's sum per
 # op): half-precision results differ by an ulp or two of the reference's rounding.
 TOLERANCE = 5e-3

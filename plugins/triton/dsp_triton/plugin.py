@@ -12,6 +12,7 @@ from dsp_core import config, hookimpl
 from dsp_core.backends.base import Availability, Backend, CaptureProfile, CompiledSegment, ModeContract
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.plan.fusion import (
+    LAYOUT_OPS,
     VIEW_OPS,
     FusionLimits,
     GroupView,
@@ -45,7 +46,6 @@ def row_limit() -> float:
 
 
 # Ops that only move elements (a bijection of indexes): a product's lanes map forward through them.
-LAYOUT_OPS = VIEW_OPS | frozenset({"Transpose"})
 # Fused kernels accumulate in fp32 and round once per value, the reference once per op:
 # half-precision results differ by an ulp or two of the reference's rounding.
 TOLERANCE = 5e-3
