@@ -833,6 +833,7 @@ def dsp_worker(args: argparse.Namespace) -> int:
                     "x".join(map(str, key)): m.dsp.runtime.counters() for key, m in pipe._blocks.items()
                 },
                 "block_backends": {"x".join(map(str, key)): m.resolved_backends() for key, m in pipe._blocks.items()},
+                "block_groups": {"x".join(map(str, key)): _fused_groups(m) for key, m in pipe._blocks.items()},
             }
             if args.profile_tokens:
                 entry["kernels"] = _dsp_kernels(args, pipe, prompt, sampling, row)
@@ -841,6 +842,27 @@ def dsp_worker(args: argparse.Namespace) -> int:
             out["rows"][row] = {"mode": mode, "peer": peer, "error": f"{type(exc).__name__}: {exc}"}
     print(WORKER_MARK + json.dumps(out))  # a marked line: other output of the libraries cannot be taken for it
     return 0
+
+
+def _fused_groups(model: Any) -> list[dict[str, Any]]:
+    """The fusion report of a model's kernel-generating segments, each group with its ops and first
+    output's shape, so that a kernel name in the profile reads as the group it runs."""
+    groups: list[dict[str, Any]] = []
+    try:
+        runtime = model.dsp.runtime
+        plan = runtime.plan
+        for unit in runtime.units:
+            report = getattr(getattr(unit, "compiled", None), "fusion_report", None)
+            if report is None:
+                continue
+            for r in report():
+                slots = [plan.slots[i] for i in r["slots"]]
+                out = next((v for s in slots for v in s.outputs if v is not None), None)
+                shape = plan.values[out].shape if out is not None and out < len(plan.values) else None
+                groups.append({**r, "ops": "+".join(s.op for s in slots), "shape": list(shape or [])})
+    except Exception as exc:  # noqa: BLE001  (a report the runtime does not have costs the row nothing)
+        groups.append({"error": f"{type(exc).__name__}: {exc}"})
+    return groups
 
 
 def _dsp_kernels(args: argparse.Namespace, pipe: Any, prompt: Any, sampling: Any, row: str) -> dict[str, Any]:

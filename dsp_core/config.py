@@ -221,12 +221,23 @@ OPTIONS: tuple[Option, ...] = (
         "nvrtc_product_columns",
         "DSP_NVRTC_PRODUCT_COLUMNS",
         "int",
-        1,
+        0,
         "Adjacent output columns one warp (or block) of a dsp-nvrtc product by a big constant weight "
         "computes, reading A once for all of them (dsp-triton's product programs compute a tile of "
-        "columns); 1: one column a warp. 2 and 4 are built and checked on the host, not yet timed on a GPU.",
-        minimum=1,
+        "columns); 0: auto (two where a warp computes one of many outputs or a norm prologue is "
+        "recomputed by every block, else one; docs/nvrtc.md).",
+        minimum=0,
         maximum=8,
+    ),
+    Option(
+        "nvrtc_product_lanes",
+        "DSP_NVRTC_PRODUCT_LANES",
+        "choice",
+        "auto",
+        "Lanes that share one output of a dsp-nvrtc product by a big constant weight: auto (the rule in "
+        "docs/nvrtc.md: a warp where warps fill the GPU, a block where K is long and the outputs few), "
+        "warp, or block (for measuring the rule).",
+        choices=("auto", "warp", "block"),
     ),
     Option(
         "nvrtc_kv_splits",

@@ -1020,7 +1020,7 @@ def test_a_norm_then_gate_and_up_then_silu_times_up_is_one_kernel_on_the_host(rm
 
 
 @pytest.mark.skipif(NVRTC_MISSING is not None or CXX_MISSING is not None, reason=str(NVRTC_MISSING or CXX_MISSING))
-@pytest.mark.parametrize("k_len", [64, 2048])  # a warp per column; a block per column (long K, few outputs)
+@pytest.mark.parametrize("k_len", [64, 4096])  # a warp per column; a block per column (long K, few outputs)
 def test_a_norm_then_qkv_parts_of_different_widths_is_one_kernel_storing_each_part(k_len: int) -> None:
     """LayerNorm -> Q, K, V (widths 48, 16, 16) merged: the joined product's columns, each stored to its part."""
     rng = np.random.default_rng(5)

@@ -533,10 +533,11 @@ class _Gen:
             return literal
         if v not in self.args:
             self.args.append(v)
-        in_row = self.row_steps and self.row_idx is not None and idx.dims == self.row_idx.dims
+        off = self.flatten(idx, spec.shape, spec.strides)
+        # element j of the row (a vector of the row's length read at j, the norm's scale, is too)
+        in_row = self.row_steps and self.row_idx is not None and (idx.dims == self.row_idx.dims or off == "j")
         if in_row and v in self.row_cache:
             return f"{self.row_cache[v]}[r]"
-        off = self.flatten(idx, spec.shape, spec.strides)
         if v not in self.constant_inputs:
             self.wait()
         raw = f"in{self.args.index(v)}[{off}]"
@@ -1605,6 +1606,16 @@ def _norm_prologue(gen: _Gen, spec: GroupSpec) -> bool:
         gen.row_idx = Idx((*("0" for _ in row[:-1]), "j"))
         gen.row_steps = -(-n // THREADS) if n <= ROW_CACHE_STEPS * THREADS else 0
         gen.line(f"alignas(16) __shared__ float dsp_pro[{n}];  // the norm's row, as the product reads it")
+        if gen.row_steps:  # the row and the vectors read with it (a scale, a bias) in registers, loaded at once
+            weights = {r for r in product.inputs[1:] if r is not None}
+            vectors = [
+                v
+                for v in spec.inputs
+                if v not in weights and spec.values[v].numel == n and spec.values[v].shape[-1] == n
+            ]
+            with gen.row_loop():
+                for v in vectors:
+                    gen.value(v, Idx((*("0" for _ in spec.values[v].shape[:-1]), "j")))
         gen._reduce(node)
         with gen.row_loop():
             x = gen.value(a, Idx((*("0" for _ in a_shape[:-1]), "j")))
@@ -2074,18 +2085,36 @@ def prologue_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
 # A big product takes a block's lanes per output (not a warp's) where K is longer than this and
 # it has at most this many outputs: GPT-2's MLP down projection, K 3072 by 768 outputs, is a
 # warp per output in ~96 steps of K each with 24 warps to an SM (11 us on the H200).
-BLOCK_LANES_MIN_K = 1024
+BLOCK_LANES_MIN_K = 2048
+MANY_OUTPUTS = 8192  # outputs of a product whose warps compute two columns each (columns_for)
 BLOCK_LANES_MAX_OUTPUTS = 4096
 
 
-def lanes_for(k_len: int, outputs: int, dtype: str) -> int:
-    """Lanes sharing one output of a product by a big constant weight: a block's where K is long and
-    the outputs few, else a warp's."""
-    block = k_len > BLOCK_LANES_MIN_K and outputs <= BLOCK_LANES_MAX_OUTPUTS and dtype != "float64"
+def lanes_for(k_len: int, outputs: int, dtype: str, choice: str = "auto") -> int:
+    """Lanes sharing one output of a product by a big constant weight (``choice``: the option
+    ``nvrtc_product_lanes``): auto, a block's where K is long and the outputs few (a warp would walk
+    K alone), else a warp's (a block's reduction costs more than it saves at K 2,048 on an H200:
+    benchmarks/products_nvrtc.py)."""
+    if dtype == "float64" or choice == "warp":
+        return WARP
+    if choice == "block":
+        return THREADS
+    block = k_len > BLOCK_LANES_MIN_K and outputs <= BLOCK_LANES_MAX_OUTPUTS
     return THREADS if block else WARP
 
 
-def merged_group(spec: GroupSpec, joined: dict[int, TensorSpec], cols: int = 1) -> tuple[Kernel, GroupSpec]:
+def columns_for(choice: int, lanes: int, outputs: int, prologue: bool) -> int:
+    """Adjacent columns a lane group computes (``choice``: the option ``nvrtc_product_columns``, 0:
+    auto): two where the lanes are a warp and the outputs many (A read once for both) or a norm
+    prologue is computed by every block (half as many blocks compute it), else one."""
+    if choice:
+        return choice
+    return 2 if lanes == WARP and (outputs >= MANY_OUTPUTS or prologue) else 1
+
+
+def merged_group(
+    spec: GroupSpec, joined: dict[int, TensorSpec], cols: int = 0, lanes_choice: str = "auto"
+) -> tuple[Kernel, GroupSpec]:
     """A merged products' group (``dsp::MergedMatMul`` after its prologue) as one kernel, given the specs
     of its joined weights and biases (``MERGED_B`` as a contiguous [sum N, K], ``MERGED_C``): alone,
     ``merged_product``; with a norm prologue or a pairwise epilogue, the joined product as one product
@@ -2103,13 +2132,19 @@ def merged_group(spec: GroupSpec, joined: dict[int, TensorSpec], cols: int = 1) 
         spec.params,
     )
     node = spec.nodes[merged_index(spec)]
-    if len(spec.nodes) == 1 and cols == 1:
-        return merged_product(node, spec.values), spec
     bias = joined.get(MERGED_C)
-    merged = merged_spec(spec, None if bias is None else tuple(bias.shape))
+    try:
+        merged = merged_spec(spec, None if bias is None else tuple(bias.shape))
+    except Unsupported:
+        if len(spec.nodes) == 1:
+            return merged_product(node, spec.values), spec
+        raise
     k_len, width = merged.values[MERGED_B].shape
     outputs = int(merged.params.get("paired", 0)) or int(width)
-    lanes = lanes_for(int(k_len), outputs, merged.values[MERGED_B].dtype)
+    lanes = lanes_for(int(k_len), outputs, merged.values[MERGED_B].dtype, lanes_choice)
+    cols = columns_for(cols, lanes, outputs, any(n.op in _ROW_VALUED for n in merged.nodes))
+    if len(spec.nodes) == 1 and cols == 1:  # one column a warp, nothing before or after: the plain kernel
+        return merged_product(node, spec.values), spec
     merged = GroupSpec(
         merged.template,
         merged.nodes,

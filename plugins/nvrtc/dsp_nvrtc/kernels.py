@@ -202,8 +202,10 @@ class NvrtcGroup(GroupStep):
         k_len = int(wb.shape[1] if trans_b else wb.shape[0])
         out = node.outputs[0]
         outputs = spec.values[out].numel if out is not None else wb.numel // max(1, k_len)
-        lanes = codegen.lanes_for(k_len, outputs, wb.dtype)
-        params = {**spec.params, "lanes": lanes, "cols": int(config.get("nvrtc_product_columns"))}
+        lanes = codegen.lanes_for(k_len, outputs, wb.dtype, str(config.get("nvrtc_product_lanes")))
+        prologue = any(n.op in codegen.PROLOGUE_REDUCTIONS for n in spec.nodes)
+        cols = codegen.columns_for(int(config.get("nvrtc_product_columns")), lanes, outputs, prologue)
+        params = {**spec.params, "lanes": lanes, "cols": cols}
         if b not in subs and int(local[b].data.ptr) % VECTOR_ALIGNMENT:
             params.pop("fixed_b", None)  # a weight read as it is, at an address 16-byte loads cannot take
         return dataclasses.replace(spec, values=values, params=params), subs
@@ -224,7 +226,9 @@ class NvrtcGroup(GroupStep):
         if biases:
             subs[codegen.MERGED_C] = Derived.make(self.cp, biases, [local[c] for c in biases], joined_bias)
         joined = {f: _spec_of(d.array) for f, d in subs.items()}
-        kernel, spec = codegen.merged_group(spec, joined, int(config.get("nvrtc_product_columns")))
+        kernel, spec = codegen.merged_group(
+            spec, joined, int(config.get("nvrtc_product_columns")), str(config.get("nvrtc_product_lanes"))
+        )
         return kernel, spec, subs
 
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
