@@ -224,8 +224,8 @@ OPTIONS: tuple[Option, ...] = (
         0,
         "Adjacent output columns one warp (or block) of a dsp-nvrtc product by a big constant weight "
         "computes, reading A once for all of them (dsp-triton's product programs compute a tile of "
-        "columns); 0: auto (two where a warp computes one of many outputs or a norm prologue is "
-        "recomputed by every block, else one; docs/nvrtc.md).",
+        "columns); 0: auto (with a norm prologue, the fewest columns that let every block be resident "
+        "at once; else two where a warp computes one of many outputs, one otherwise; docs/nvrtc.md).",
         minimum=0,
         maximum=8,
     ),

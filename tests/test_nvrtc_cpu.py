@@ -1716,3 +1716,33 @@ def test_the_policy_takes_a_norm_into_its_one_row_product_unless_turned_off(monk
     norms = [g for g in apart.groups if any(plan.slots[s].op == "LayerNormalization" for s in g.slots)]
     assert all(g.template == "row_reduction" for g in norms)
     assert any("DSP_NVRTC_NORM_PROLOGUE is off" in b.reason for b in apart.boundaries)
+
+
+def test_product_lanes_follow_the_measured_rule_and_the_option() -> None:
+    """A warp per output up to K 2,048 (a block's reduction costs more than it saves there on the
+    H200), a block past it where the outputs are few; DSP_NVRTC_PRODUCT_LANES's choice wins; fp64
+    products sum in a warp (the block reduction sums floats)."""
+    assert codegen.lanes_for(2048, 3072, "float16") == codegen.WARP  # Llama's Q/K/V
+    assert codegen.lanes_for(2048, 2048, "float16") == codegen.WARP  # Llama's output projection
+    assert codegen.lanes_for(8192, 2048, "float16") == codegen.THREADS  # Llama's down projection
+    assert codegen.lanes_for(3072, 768, "float16") == codegen.THREADS  # GPT-2's down projection
+    assert codegen.lanes_for(8192, 16384, "float16") == codegen.WARP  # many outputs: warps fill the GPU
+    assert codegen.lanes_for(2048, 3072, "float16", "block") == codegen.THREADS
+    assert codegen.lanes_for(8192, 2048, "float16", "warp") == codegen.WARP
+    assert codegen.lanes_for(8192, 2048, "float64") == codegen.WARP
+
+
+def test_product_columns_auto_pays_the_norm_prologue_in_one_wave() -> None:
+    """Auto columns: with a norm prologue, the fewest columns a warp that leave at most two blocks a
+    multiprocessor (Llama's Q/K/V two, gate/up four on an H200's 132; more on a smaller GPU); without
+    one, two where the outputs are 8,192 or more; one on a block's lanes; an explicit choice wins."""
+    warp, block = codegen.WARP, codegen.THREADS
+    assert codegen.columns_for(0, warp, 3072, True, 132) == 2
+    assert codegen.columns_for(0, warp, 8192, True, 132) == 4
+    assert codegen.columns_for(0, warp, 8192, True, None) == 4  # unknown device: the H200's count
+    assert codegen.columns_for(0, warp, 3072, True, 66) == 4
+    assert codegen.columns_for(0, warp, 2304, True, 132) == 2  # GPT-2's LayerNorm + QKV
+    assert codegen.columns_for(0, warp, 16384, False, 132) == 2
+    assert codegen.columns_for(0, warp, 3072, False, 132) == 1
+    assert codegen.columns_for(0, block, 2048, True, 132) == 1
+    assert codegen.columns_for(3, warp, 3072, True, 132) == 3

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dsp_core.plan.fusion import GroupView, PatternKind, SlotPattern
 from dsp_core.plan.kernelspec import GroupSpec, attention_nodes
 from dsp_core.plan.plan import Plan
+from dsp_cuda_graphs.device import sm_count
 
 Readers = dict[int, list[int]]  # value id -> the slots that read it (ReferencePolicy.readers)
 # Why a backend's product template declines product slot ``s`` (None: it takes it).
@@ -83,11 +84,7 @@ def spec_splits(spec: GroupSpec, cp: object, forced: int = 0) -> int:
     assert scores is not None and out is not None
     length = spec.values[scores].shape[-1]
     heads = max(1, math.prod(spec.values[out].shape[:-2]))
-    try:
-        sms: int | None = int(cp.cuda.Device().attributes["MultiProcessorCount"])  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001
-        sms = 1
-    return kv_split_count(heads, length, sms, forced=forced)
+    return kv_split_count(heads, length, sm_count(cp) or 1, forced=forced)
 
 
 def only_for(plan: Plan, readers: Readers, slots: Sequence[int], members: set[int], what: str = "group") -> str | None:

@@ -62,6 +62,14 @@ def cupy_module() -> Any:
     return cupy
 
 
+def sm_count(cp: Any) -> int | None:
+    """The current device's streaming multiprocessors (``cp``: CuPy), None where it cannot say."""
+    try:
+        return int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # noqa: BLE001  (no device, a stand-in module: the caller's rule has a default)
+        return None
+
+
 def state(tf32: bool) -> dict[str, Any]:
     """The current device's stream, events and cuBLAS handle (made once per device, outside any capture)."""
     cp = cupy_module()

@@ -2087,6 +2087,11 @@ def prologue_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
 # warp per output in ~96 steps of K each with 24 warps to an SM (11 us on the H200).
 BLOCK_LANES_MIN_K = 2048
 MANY_OUTPUTS = 8192  # outputs of a product whose warps compute two columns each (columns_for)
+# Blocks of a product kernel with a norm prologue one multiprocessor holds at once (256 threads of
+# about 100 registers each, measured with ptxas on Llama-1B's merged Q/K/V and gate/up) and the
+# multiprocessors of the GPU the rule was measured on, where the device is not known (the host check).
+PROLOGUE_BLOCKS_PER_SM = 2
+H200_SMS = 132
 BLOCK_LANES_MAX_OUTPUTS = 4096
 
 
@@ -2103,17 +2108,25 @@ def lanes_for(k_len: int, outputs: int, dtype: str, choice: str = "auto") -> int
     return THREADS if block else WARP
 
 
-def columns_for(choice: int, lanes: int, outputs: int, prologue: bool) -> int:
+def columns_for(choice: int, lanes: int, outputs: int, prologue: bool, sms: int | None = None) -> int:
     """Adjacent columns a lane group computes (``choice``: the option ``nvrtc_product_columns``, 0:
-    auto): two where the lanes are a warp and the outputs many (A read once for both) or a norm
-    prologue is computed by every block (half as many blocks compute it), else one."""
+    auto). Auto, where the lanes are a warp: with a norm prologue, the fewest columns (1, 2, 4 or 8)
+    that leave no more blocks than the GPU holds at once (``PROLOGUE_BLOCKS_PER_SM`` a multiprocessor,
+    ``sms`` of them, an H200's where unknown), so the prologue, which every block computes before its
+    product, is paid in one wave; without one, two where the outputs are many (A read once for both);
+    else one."""
     if choice:
         return choice
-    return 2 if lanes == WARP and (outputs >= MANY_OUTPUTS or prologue) else 1
+    if lanes != WARP:
+        return 1
+    if prologue:
+        room = PROLOGUE_BLOCKS_PER_SM * (sms or H200_SMS)
+        return next((c for c in (1, 2, 4) if -(-outputs // (c * (THREADS // WARP))) <= room), 8)
+    return 2 if outputs >= MANY_OUTPUTS else 1
 
 
 def merged_group(
-    spec: GroupSpec, joined: dict[int, TensorSpec], cols: int = 0, lanes_choice: str = "auto"
+    spec: GroupSpec, joined: dict[int, TensorSpec], cols: int = 0, lanes_choice: str = "auto", sms: int | None = None
 ) -> tuple[Kernel, GroupSpec]:
     """A merged products' group (``dsp::MergedMatMul`` after its prologue) as one kernel, given the specs
     of its joined weights and biases (``MERGED_B`` as a contiguous [sum N, K], ``MERGED_C``): alone,
@@ -2142,7 +2155,7 @@ def merged_group(
     k_len, width = merged.values[MERGED_B].shape
     outputs = int(merged.params.get("paired", 0)) or int(width)
     lanes = lanes_for(int(k_len), outputs, merged.values[MERGED_B].dtype, lanes_choice)
-    cols = columns_for(cols, lanes, outputs, any(n.op in _ROW_VALUED for n in merged.nodes))
+    cols = columns_for(cols, lanes, outputs, any(n.op in _ROW_VALUED for n in merged.nodes), sms)
     if len(spec.nodes) == 1 and cols == 1:  # one column a warp, nothing before or after: the plain kernel
         return merged_product(node, spec.values), spec
     merged = GroupSpec(

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from dsp_cuda_graphs import attention
 from dsp_cuda_graphs.derived import Derived, joined_bias, joined_nk, nk_copy
+from dsp_cuda_graphs.device import sm_count
 from dsp_cuda_graphs.fusion import MAX_KEYED_ELEMENTS, GroupReport, GroupStep, Step, Unfusable, run_step
 from dsp_cuda_graphs.greedy import PickLayout
 
@@ -204,7 +205,8 @@ class NvrtcGroup(GroupStep):
         outputs = spec.values[out].numel if out is not None else wb.numel // max(1, k_len)
         lanes = codegen.lanes_for(k_len, outputs, wb.dtype, str(config.get("nvrtc_product_lanes")))
         prologue = any(n.op in codegen.PROLOGUE_REDUCTIONS for n in spec.nodes)
-        cols = codegen.columns_for(int(config.get("nvrtc_product_columns")), lanes, outputs, prologue)
+        choice = int(config.get("nvrtc_product_columns"))
+        cols = codegen.columns_for(choice, lanes, outputs, prologue, sm_count(self.cp))
         params = {**spec.params, "lanes": lanes, "cols": cols}
         if b not in subs and int(local[b].data.ptr) % VECTOR_ALIGNMENT:
             params.pop("fixed_b", None)  # a weight read as it is, at an address 16-byte loads cannot take
@@ -226,9 +228,8 @@ class NvrtcGroup(GroupStep):
         if biases:
             subs[codegen.MERGED_C] = Derived.make(self.cp, biases, [local[c] for c in biases], joined_bias)
         joined = {f: _spec_of(d.array) for f, d in subs.items()}
-        kernel, spec = codegen.merged_group(
-            spec, joined, int(config.get("nvrtc_product_columns")), str(config.get("nvrtc_product_lanes"))
-        )
+        columns, lanes = int(config.get("nvrtc_product_columns")), str(config.get("nvrtc_product_lanes"))
+        kernel, spec = codegen.merged_group(spec, joined, columns, lanes, sm_count(self.cp))
         return kernel, spec, subs
 
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> Built:
