@@ -37,7 +37,9 @@ Reported per row (table and JSON): lateSteady tokens/s (step >= 20, the definiti
 dsp_core.llm.metrics; the median of ``--repeats`` timed runs of ``--new-tokens`` tokens, 5 runs
 of 256 by default, hf_eager ``--hf-repeats`` = 1 run), ms/token, **kernels per token** and GPU
 µs per token, the ratio to torch.compile reduce-overhead and to the floor, the fraction of
-tokens identical to hf_eager's, and the resolved backends. Kernels are counted by
+tokens identical to hf_eager's, and the resolved backends; the JSON's ``block_groups`` gives, for
+each kernel a fusing backend generated, its group's template, ops and shape (so that a kernel name
+in ``kernels.every_kernel`` reads as the group it runs). Kernels are counted by
 ``torch.profiler.profile(activities=[ProfilerActivity.CUDA])`` (it sees the kernels inside
 replayed CUDA graphs, CuPy-captured ones included) over a steady window of
 ``--profile-tokens`` decode tokens (16; a whole number of blocks for the DSP rows; the window
@@ -844,10 +846,13 @@ def dsp_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fused_groups(model: Any) -> list[dict[str, Any]]:
-    """The fusion report of a model's kernel-generating segments, each group with its ops and first
-    output's shape, so that a kernel name in the profile reads as the group it runs."""
-    groups: list[dict[str, Any]] = []
+def _fused_groups(model: Any) -> dict[str, Any]:
+    """The fusion report of a model's kernel-generating segments, by kernel name: the group's
+    template, ops and first output's shape, and how many groups of the plan run it (so that a
+    kernel name in the profile reads as the group it runs); groups without a kernel, counted by
+    status and reason."""
+    kernels: dict[str, dict[str, Any]] = {}
+    others: dict[str, int] = {}
     try:
         runtime = model.dsp.runtime
         plan = runtime.plan
@@ -856,13 +861,26 @@ def _fused_groups(model: Any) -> list[dict[str, Any]]:
             if report is None:
                 continue
             for r in report():
-                slots = [plan.slots[i] for i in r["slots"]]
-                out = next((v for s in slots for v in s.outputs if v is not None), None)
-                shape = plan.values[out].shape if out is not None and out < len(plan.values) else None
-                groups.append({**r, "ops": "+".join(s.op for s in slots), "shape": list(shape or [])})
+                if not r.get("kernel"):
+                    why = f"{r.get('status')}: {str(r.get('reason', ''))[:160]}"
+                    others[why] = others.get(why, 0) + 1
+                    continue
+                entry = kernels.get(r["kernel"])
+                if entry is None:
+                    slots = [plan.slots[i] for i in r["slots"]]
+                    out = next((v for s in slots for v in s.outputs if v is not None), None)
+                    shape = plan.values[out].shape if out is not None and out < len(plan.values) else None
+                    ops = "+".join(s.op for s in slots)
+                    entry = kernels[r["kernel"]] = {
+                        "template": r["template"],
+                        "ops": ops if len(ops) <= 240 else ops[:237] + "...",
+                        "shape": [str(d) for d in shape or []],
+                        "groups": 0,
+                    }
+                entry["groups"] += 1
     except Exception as exc:  # noqa: BLE001  (a report the runtime does not have costs the row nothing)
-        groups.append({"error": f"{type(exc).__name__}: {exc}"})
-    return groups
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"kernels": kernels, "without_kernel": others}
 
 
 def _dsp_kernels(args: argparse.Namespace, pipe: Any, prompt: Any, sampling: Any, row: str) -> dict[str, Any]:
