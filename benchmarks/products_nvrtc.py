@@ -178,6 +178,22 @@ def cublas_us(k: int, n: int, runs: int) -> float:
     return _kernel_sums(lambda: torch.mm(a, w, out=out), junk.zero_, runs)[0]
 
 
+def _no_gpu() -> str | None:
+    """None where CuPy and torch both see a CUDA device, else why not."""
+    try:
+        import cupy as cp
+        import torch
+    except ImportError as exc:
+        return f"{exc.name} is not installed"
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001  (no driver raises anything)
+        return f"CuPy sees no CUDA device ({type(exc).__name__})"
+    if count < 1 or not torch.cuda.is_available():
+        return "no CUDA device for CuPy and torch"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt2-124m,llama-1b")
@@ -186,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--out", default="benchmarks/results/products_nvrtc.json")
     args = p.parse_args(argv)
+    missing = _no_gpu()
+    if missing:
+        print(f"products_nvrtc.py needs a CUDA GPU: {missing}", file=sys.stderr)
+        return 2
     sweep = [(item.split(":")[0], int(item.split(":")[1])) for item in args.sweep.split(",") if item]
     rows: list[dict[str, Any]] = []
     print(
