@@ -20,7 +20,7 @@ DIST ?= dist
 $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test,dev]" $(addprefix -e ,$(filter-out plugins/nvrtc,$(PLUGINS))) -e "plugins/nvrtc[nvrtc]"
+	$(BIN)/pip install -q -e ".[test,dev]" $(addprefix -e ,$(filter-out plugins/nvrtc,$(PLUGINS))) -e "plugins/nvrtc[nvrtc,test]"
 	touch $(STAMP)
 
 $(TEST_STAMP): $(STAMP) $(TEST_DISTS)/pyproject.toml

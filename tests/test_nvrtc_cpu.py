@@ -36,6 +36,40 @@ NVRTC_MISSING = compiler.available()
 CXX_MISSING = None if hostcheck.host_compiler() else "no C++ compiler (g++) to run kernels on the host"
 
 
+def _nvdisasm() -> str | None:
+    """nvdisasm from the ``nvidia-cuda-nvdisasm`` wheel (dsp-nvrtc's ``test`` extra) or the path."""
+    import shutil
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in list(spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13/bin/nvdisasm", "cuda_nvdisasm/bin/nvdisasm"):
+            if os.path.exists(os.path.join(root, sub)):
+                return os.path.join(root, sub)
+    return shutil.which("nvdisasm")
+
+
+def _assert_preloads_before_the_wait(cubin: bytes, name: str) -> None:
+    """In the kernel's SASS, the weight's 16-byte preloads are issued before ``griddepcontrol.wait``
+    (ACQBULK) and no load precedes them that would keep the wait above it: ptxas places the wait
+    above every non-coherent (.nc, ``LDG...CONSTANT``) load, so a preload through a const
+    __restrict__ pointer would wait for the kernel before (``dsp_pre16`` is a plain load)."""
+    tool = _nvdisasm()
+    if tool is None:
+        return  # the source-order checks above still hold; the SASS check needs the test extra
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{name}.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
+    ops = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if "/*0" in line and "*/" in line]
+    ops = [op.lstrip("@!P0123456789T ").split(" ")[0] if op.startswith("@") else op.split(" ")[0] for op in ops]
+    wait = ops.index("ACQBULK")
+    assert any(op.startswith("LDG.E.128") for op in ops[:wait]), ("no preload before the wait", ops[: wait + 1])
+    assert not any(op.startswith("LDG") and "CONSTANT" in op for op in ops[:wait]), ops[: wait + 1]
+
+
 def _gpu_missing() -> bool:
     try:
         import cupy
@@ -716,13 +750,14 @@ def test_constant_weights_are_read_16_bytes_a_load_before_the_kernel_waits(
     body = kernel.source.split("\n")
     weight = kernel.args.index(2)
     waits = [k for k, line in enumerate(body) if "DSP_WAIT();" in line]
-    preload = next(k for k, line in enumerate(body) if f"reinterpret_cast<const dsp_v16*>(in{weight}" in line)
+    preload = next(k for k, line in enumerate(body) if f"dsp_pre16(in{weight}" in line)
     # every other load (the row of A, the residual) and the store
     touches = [k for k, line in enumerate(body) if re.search(r"\b(in[0-9]+|out[0-9]+)\[", line) and k != preload]
     assert len(waits) == 1 and preload < waits[0] < min(touches), kernel.source
     assert all(not body[k - 1].lstrip().startswith("#pragma") for k in waits), kernel.source  # pragmas precede loops
     if NVRTC_MISSING is None:  # griddepcontrol needs sm_90
-        compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+        cubin = compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+        _assert_preloads_before_the_wait(cubin, kernel.name)
     got = hostcheck.run_on_host(kernel, spec, {1: a_, 2: b, 4: r_})[5]
     f = np.float64
     want = (a_.astype(f) @ w_.astype(f)).astype(cast).astype(f) + r_.astype(f)
@@ -1746,3 +1781,30 @@ def test_product_columns_auto_pays_the_norm_prologue_in_one_wave() -> None:
     assert codegen.columns_for(0, warp, 3072, False, 132) == 1
     assert codegen.columns_for(0, block, 2048, True, 132) == 1
     assert codegen.columns_for(3, warp, 3072, True, 132) == 3
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
+@pytest.mark.parametrize("cols", [0, 1, 2, 4])
+def test_merged_kernels_issue_their_weight_preloads_before_the_wait(cols: int) -> None:
+    """The merged gate/up kernel with its norm prologue (at 1, 2 and 4 columns a warp), and (0) two
+    sibling products alone, the plain merged kernel: in the SASS for sm_90 the joined weight's
+    preloads precede griddepcontrol.wait, so they overlap the kernel before."""
+    if cols:
+        graph, feeds = _gated_mlp(True, "float16", k=2048, n=256)
+    else:
+        rng = np.random.default_rng(2)
+        g = dsp.GraphBuilder()
+        x = g.placeholder("x", "float16", [1, 1, 2048])
+        for i in range(2):
+            g.output(x @ g.constant((rng.standard_normal((2048, 256)) * 0.02).astype(np.float16)), f"y{i}")
+        graph, feeds = g.build(), {"x": rng.standard_normal((1, 1, 2048)).astype(np.float16)}
+        cols = 1
+    model = dsp.compile(graph, mode="slot_by_slot")
+    model.run(feeds)
+    specs = hostcheck.group_specs(model, feeds)
+    merged = [s for s in specs if codegen.merged_index(s[2]) >= 0]
+    assert len(merged) == 1, [s[2].template for s in specs]
+    spec, values = merged[0][2], merged[0][3]
+    kernel, _, _ = hostcheck.merged_kernel(spec, lambda v: np.asarray(values[v]), cols)
+    cubin = compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
+    _assert_preloads_before_the_wait(cubin, kernel.name)

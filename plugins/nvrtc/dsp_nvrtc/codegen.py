@@ -152,6 +152,15 @@ __device__ __forceinline__ float dsp_lanes_sum(float v, int n) {
 // 16 bytes of a constant weight, one vector load (its address is a multiple of 16)
 struct alignas(16) dsp_v16 { unsigned int w[4]; };
 __device__ __forceinline__ float dsp_u2f(unsigned int u) { return __uint_as_float(u); }
+// A constant weight's 16 bytes read before the kernel waits for the one before it: a plain global
+// load. Through a const __restrict__ pointer it would be a non-coherent (.nc) load, and ptxas
+// keeps griddepcontrol.wait above every .nc load: the preload would wait for the kernel before.
+__device__ __forceinline__ dsp_v16 dsp_pre16(const void* p) {
+    dsp_v16 q;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(q.w[0]), "=r"(q.w[1]), "=r"(q.w[2]), "=r"(q.w[3]) : "l"(p));
+    return q;
+}
 // 16 bytes from an address that may not be a multiple of 16: four 4-byte loads, or eight 2-byte ones
 template <typename T> __device__ __forceinline__ dsp_v16 dsp_v16_at(const T* p) {
     dsp_v16 q;
@@ -249,6 +258,7 @@ static inline unsigned short dsp_f2bf(float f) {
 #define DSP_STEPS(steps, n) (n)  // one thread walks the whole row
 struct alignas(16) dsp_v16 { unsigned int w[4]; };
 static inline float dsp_u2f(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline dsp_v16 dsp_pre16(const void* p) { dsp_v16 q; memcpy(&q, p, 16); return q; }
 template <typename T> static inline dsp_v16 dsp_v16_at(const T* p) { dsp_v16 q; memcpy(&q, p, 16); return q; }
 static inline float dsp_warp_sum(float v) { return v; }
 static inline double dsp_warp_sum(double v) { return v; }
@@ -763,7 +773,7 @@ class _Gen:
             with self.block(f"for (int it = 0; it < {pre}; ++it)"):
                 self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
                 self.line(
-                    f"if (kb < {k_len}) wq{tag}_{i}[it] = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);"
+                    f"if (kb < {k_len}) wq{tag}_{i}[it] = dsp_pre16({ptr} + {base} + kb);"
                 )
         self.run_prologue()  # after the preloads: the weights' loads overlap the kernel before
         accs = [f"acc{tag}_{i}" for i in range(len(cols))]
@@ -2237,7 +2247,7 @@ def merged_product(node: NodeSpec, values: dict[int, TensorSpec]) -> Kernel:
             "#pragma unroll",
             f"    for (int it = 0; it < {pre}; ++it) {{",
             f"        const long long kb = (lane + it * {lanes}) * {v}LL;",
-            f"        if (kb < {k_len}) wq[it] = *reinterpret_cast<const dsp_v16*>(in1 + c * {k_len}LL + kb);",
+            f"        if (kb < {k_len}) wq[it] = dsp_pre16(in1 + c * {k_len}LL + kb);",
             "    }",
             "    DSP_WAIT();",
             f"    {ct} acc = 0;",
