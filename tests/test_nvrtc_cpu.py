@@ -799,13 +799,17 @@ def test_a_products_input_row_is_read_16_bytes_a_load_where_its_address_allows(o
 @pytest.mark.parametrize("cols", [1, 2, 4])
 @pytest.mark.parametrize("lanes", [codegen.WARP, codegen.THREADS])
 @pytest.mark.parametrize("norm", [False, True])
-def test_several_columns_a_lane_group_give_the_product_and_its_epilogue(cols: int, lanes: int, norm: bool) -> None:
+@pytest.mark.parametrize("k_len", [8 * codegen.PRELOAD_VECTORS * 3 + 64, 2112])
+def test_several_columns_a_lane_group_give_the_product_and_its_epilogue(
+    cols: int, lanes: int, norm: bool, k_len: int
+) -> None:
     """DSP_NVRTC_PRODUCT_COLUMNS: a warp (or block) computes ``cols`` adjacent columns, A read once for
     all of them, then each column's epilogue (bias, residual) stored: the product's values, with and
-    without a norm prologue, K longer than the preload."""
+    without a norm prologue, K longer than the preload (2,112 at a warp: nine steps a lane, more than
+    the preload's window at 2 and 4 columns, so the rolling window refills, the last step partial)."""
     n = codegen.NodeSpec
     rng = np.random.default_rng(cols + lanes)
-    k_len, width = 8 * codegen.PRELOAD_VECTORS * 3 + 64, 48
+    width = 48
     x = (rng.standard_normal((1, k_len)) + 0.3).astype(np.float16)
     nk = np.ascontiguousarray((rng.standard_normal((width, k_len)) / 16).astype(np.float16))
     bias, res = (
@@ -825,6 +829,8 @@ def test_several_columns_a_lane_group_give_the_product_and_its_epilogue(cols: in
     kernel = codegen.generate(spec)
     assert kernel.source.count("dsp_v16 wq") == cols
     assert kernel.grid == -(-(width // cols) * lanes // codegen.THREADS)
+    steps, window = -(-k_len // (lanes * 8)), min(-(-k_len // (lanes * 8)), codegen.PRELOAD_VECTORS // cols)
+    assert ("const long long kn" in kernel.source) == (window < steps), kernel.source  # the rolling refill
     if NVRTC_MISSING is None:
         compiler.compile_source(kernel.device_source(), kernel.name, compiler.Target("sm_90"))
     gamma = (rng.random(k_len) + 0.5).astype(np.float16)

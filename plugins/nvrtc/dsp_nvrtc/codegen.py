@@ -772,9 +772,7 @@ class _Gen:
             self.line("#pragma unroll")
             with self.block(f"for (int it = 0; it < {pre}; ++it)"):
                 self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
-                self.line(
-                    f"if (kb < {k_len}) wq{tag}_{i}[it] = dsp_pre16({ptr} + {base} + kb);"
-                )
+                self.line(f"if (kb < {k_len}) wq{tag}_{i}[it] = dsp_pre16({ptr} + {base} + kb);")
         self.run_prologue()  # after the preloads: the weights' loads overlap the kernel before
         accs = [f"acc{tag}_{i}" for i in range(len(cols))]
         for acc in accs:
@@ -793,12 +791,26 @@ class _Gen:
                 for acc, q in zip(accs, weights):
                     self.line(f"{acc} += {xa} * ({ct})({_vector_element(q, 'j', wb.dtype)});")
 
+        # Where the preload does not cover a lane's K (more columns, a longer K), a rolling window:
+        # each step refills the registers it used with the vector ``pre`` steps ahead, so ``pre``
+        # vectors a column stay in flight to the end (a loop that loaded a step's vectors only after
+        # the step before had used its own would wait for DRAM once a step).
+        rolled = per_lane if pre < per_lane <= MAX_ROLLED_STEPS else pre
         self.line("#pragma unroll")
-        with self.block(f"for (int it = 0; it < {pre}; ++it)"):
+        with self.block(f"for (int it = 0; it < {rolled}; ++it)"):
             self.line(f"const long long kb = (lane + it * {lanes}) * {v}LL;")
+            slot = "it" if rolled == pre else f"it % {pre}"
             with self.block(f"if (kb < {k_len})"):
-                step([f"wq{tag}_{i}[it]" for i in range(len(cols))])
-        with self.block(f"for (long long kb = (lane + {pre} * {lanes}) * {v}LL; kb < {k_len}; kb += {lanes} * {v}LL)"):
+                step([f"wq{tag}_{i}[{slot}]" for i in range(len(cols))])
+            if rolled > pre:
+                with self.block(f"if (it + {pre} < {rolled})"):
+                    self.line(f"const long long kn = (lane + (it + {pre}) * {lanes}) * {v}LL;")
+                    for i, base in enumerate(bases):
+                        load = f"*reinterpret_cast<const dsp_v16*>({ptr} + {base} + kn)"
+                        self.line(f"if (kn < {k_len}) wq{tag}_{i}[{slot}] = {load};")
+        # the rest of K: none on the device; the host check's one lane an output walks it here
+        start, stride = f"(lane + {rolled} * {lanes}) * {v}LL", f"{lanes} * {v}LL"
+        with self.block(f"for (long long kb = {start}; kb < {k_len}; kb += {stride})"):
             for i, base in enumerate(bases):
                 self.line(f"const dsp_v16 q{i} = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
             step([f"q{i}" for i in range(len(cols))])
@@ -1224,6 +1236,7 @@ MAX_ATTENTION_POSITIONS = 8192  # KV positions of one decode attention: their sc
 MAX_ATTENTION_DIM = 256  # head dims of q, K and V one decode-attention block takes
 VECTOR_ELEMENTS = {"float16": 8, "bfloat16": 8, "float32": 4}  # a 16-byte load of a constant weight
 PRELOAD_VECTORS = 16  # of them, per lane, read before the kernel waits (64 registers at most)
+MAX_ROLLED_STEPS = 32  # a lane's K steps a product unrolls to keep its preload's window in flight
 MAX_PRODUCT_WEIGHTS = (
     1 << 18
 )  # weight elements of a product the policy gives the template (above: cuBLAS; see docs/nvrtc.md)
