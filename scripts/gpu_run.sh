@@ -7,8 +7,13 @@
 #   nvrtc: dsp-nvrtc's GPU tests (NVRTC_JIT and PTX_JIT; kernel counts in $OUT/nvrtc_kernel_counts.json);
 #   nodes: ONNX's node cases in TRITON mode (NODE_MODE), JSON under $OUT;
 #   decode: the decode race (benchmarks/decode_gpu.py,
-#   JSON under $OUT/decode, exports in /tmp/dsp_onnx; DECODE_ARGS passed on).
+#   JSON under $OUT/decode, exports in /tmp/dsp_onnx; DECODE_ARGS passed on);
+#   products: dsp-nvrtc's product kernels by lanes and columns against dsp-triton's and cuBLAS
+#   (benchmarks/products_nvrtc.py, $OUT/products_nvrtc.json; PRODUCTS_ARGS passed on).
 # The LLM decode run: STAGES="gputests decode" bash scripts/gpu_run.sh
+# dsp-nvrtc against dsp-triton (about 7 minutes on a fresh H200): STAGES="nvrtc products decode"
+#   NVRTC_TIMEOUT=120 DECODE_ARGS="--models llama-1b,gpt2-124m --modes triton,nvrtc_jit --peers dsp_block
+#   --repeats 1" bash scripts/gpu_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -29,6 +34,7 @@ for stage in $STAGES; do
     nvrtc) timeout ${NVRTC_TIMEOUT:-500} python3 -m pytest -q tests/gpu/test_nvrtc_gpu.py tests/gpu/test_ptx_rowwise_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT/nvrtc_gpu.log" | tail -40 ;;
     tritoncpu) timeout 300 python3 -m pytest -q tests/test_triton_cpu.py -p no:cacheprovider 2>&1 | tee "$OUT/triton_cpu.log" | tail -5 ;;
     nodes) DSP_MODE=${NODE_MODE:-triton} timeout ${NODES_TIMEOUT:-400} python3 scripts/node_suite.py --json "$OUT/node_suite_${NODE_MODE:-triton}.json" ${NODE_ARGS:-} 2>&1 | tee "$OUT/node_suite.log" | tail -15 ;;
+    products) timeout ${PRODUCTS_TIMEOUT:-120} python3 benchmarks/products_nvrtc.py --out "$OUT/products_nvrtc.json" ${PRODUCTS_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/products_nvrtc.log" | tail -16 ;;
     bench) timeout 400 python3 benchmarks/step_gpu.py --out "$OUT/step_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\s" | tail -30 ;;
   esac
 done
