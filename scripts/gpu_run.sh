@@ -12,7 +12,7 @@
 #   (benchmarks/products_nvrtc.py, $OUT/products_nvrtc.json; PRODUCTS_ARGS passed on).
 # The LLM decode run: STAGES="gputests decode" bash scripts/gpu_run.sh
 # dsp-nvrtc against dsp-triton (about 7 minutes on a fresh H200): STAGES="nvrtc products decode"
-#   NVRTC_TIMEOUT=120 DECODE_ARGS="--models llama-1b,gpt2-124m --modes triton,nvrtc_jit --peers dsp_block
+#   NVRTC_TIMEOUT=120 DECODE_TIMEOUT=360 DECODE_ARGS="--models llama-1b,gpt2-124m --modes triton,nvrtc_jit --peers dsp_block
 #   --repeats 1" bash scripts/gpu_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
