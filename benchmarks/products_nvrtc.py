@@ -39,7 +39,7 @@ PLAIN = {
     "gpt2-124m": [(768, 2304), (768, 768), (768, 3072), (3072, 768)],
     "llama-1b": [(2048, 2048), (2048, 3072), (8192, 2048), (2048, 16384)],
 }
-SWEEP = [(lanes, cols) for lanes in ("warp", "block") for cols in (1, 2, 4)]
+SWEEP = [("auto", 0)] + [(lanes, cols) for lanes in ("warp", "block") for cols in (1, 2, 4)]  # auto: the rules
 
 
 def plain_case(k: int, n: int) -> Any:
