@@ -2131,6 +2131,11 @@ def lanes_for(k_len: int, outputs: int, dtype: str, choice: str = "auto") -> int
     return THREADS if block else WARP
 
 
+def has_norm_prologue(spec: GroupSpec) -> bool:
+    """Whether a product group computes a norm before its product (``_norm_prologue``)."""
+    return any(n.op in _ROW_VALUED for n in spec.nodes)
+
+
 def columns_for(choice: int, lanes: int, outputs: int, prologue: bool, sms: int | None = None) -> int:
     """Adjacent columns a lane group computes (``choice``: the option ``nvrtc_product_columns``, 0:
     auto). Auto, where the lanes are a warp: with a norm prologue, the fewest columns (1, 2, 4 or 8)
@@ -2178,7 +2183,7 @@ def merged_group(
     k_len, width = merged.values[MERGED_B].shape
     outputs = int(merged.params.get("paired", 0)) or int(width)
     lanes = lanes_for(int(k_len), outputs, merged.values[MERGED_B].dtype, lanes_choice)
-    cols = columns_for(cols, lanes, outputs, any(n.op in _ROW_VALUED for n in merged.nodes), sms)
+    cols = columns_for(cols, lanes, outputs, has_norm_prologue(merged), sms)
     if len(spec.nodes) == 1 and cols == 1:  # one column a warp, nothing before or after: the plain kernel
         return merged_product(node, spec.values), spec
     merged = GroupSpec(

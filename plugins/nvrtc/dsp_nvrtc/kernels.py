@@ -204,8 +204,7 @@ class NvrtcGroup(GroupStep):
         out = node.outputs[0]
         outputs = spec.values[out].numel if out is not None else wb.numel // max(1, k_len)
         lanes = codegen.lanes_for(k_len, outputs, wb.dtype, str(config.get("nvrtc_product_lanes")))
-        prologue = any(n.op in codegen.PROLOGUE_REDUCTIONS for n in spec.nodes)
-        choice = int(config.get("nvrtc_product_columns"))
+        choice, prologue = int(config.get("nvrtc_product_columns")), codegen.has_norm_prologue(spec)
         cols = codegen.columns_for(choice, lanes, outputs, prologue, sm_count(self.cp))
         params = {**spec.params, "lanes": lanes, "cols": cols}
         if b not in subs and int(local[b].data.ptr) % VECTOR_ALIGNMENT:
