@@ -5,7 +5,9 @@ backend named (openvino, onnxruntime, slot_by_slot), ONNX Runtime `run` and `IOB
 and OpenVINO with shared inputs; each as a ratio to the best peer (the faster of ONNX
 Runtime and OpenVINO), and each one's max abs difference from ONNX Runtime's outputs.
 Each thread count runs in its own process (BLAS, ONNX Runtime and OpenVINO all read
-their thread settings once).
+their thread settings once). A model's contenders are timed interleaved: three rounds, each
+timing every contender in turn (the order rotating), each figure its best round's median, so
+a noisy moment of the shared machine falls on all of them.
 
     python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
@@ -89,23 +91,29 @@ MODELS: dict[str, tuple[str, Callable[[int], tuple[Any, dict[str, np.ndarray]]]]
 
 
 # -- timing -------------------------------------------------------------------------------
-def _median_us(step: Callable[[], Any], runs: int, budget_s: float = 3.0, rounds: int = 3) -> float:
-    """The best of ``rounds`` medians (a shared machine's noise only adds time), within ``budget_s`` in all."""
-    for _ in range(3):
-        step()
-    start = time.perf_counter()
-    step()
-    once = time.perf_counter() - start
-    n = max(5, min(runs, int(budget_s / rounds / max(once, 1e-9))))
-    best = float("inf")
-    for _ in range(rounds):
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
+def _interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0, rounds: int = 3) -> dict:
+    """Each contender's best of ``rounds`` medians (a shared machine's noise only adds time), the
+    contenders timed in turn within each round (their order rotating), so a noisy moment falls on
+    all of them, not on whichever ran then; about ``budget_s`` each in all."""
+    counts: dict[str, int] = {}
+    for name, step in steps.items():
+        for _ in range(3):
             step()
-            times.append(time.perf_counter() - t)
-        best = min(best, float(np.median(times)))
-    return best * 1e6
+        start = time.perf_counter()
+        step()
+        once = time.perf_counter() - start
+        counts[name] = max(5, min(runs, int(budget_s / rounds / max(once, 1e-9))))
+    best = {name: float("inf") for name in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step, times = steps[name], []
+            for _ in range(counts[name]):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            best[name] = min(best[name], float(np.median(times)))
+    return {name: value * 1e6 for name, value in best.items()}
 
 
 def _ort_session(path: Path, threads: int) -> Any:
@@ -118,19 +126,19 @@ def _ort_session(path: Path, threads: int) -> Any:
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def _peers(path: Path, feeds: dict[str, np.ndarray], threads: int, runs: int) -> tuple[dict[str, Any], list]:
+def _peers(path: Path, feeds: dict[str, np.ndarray], threads: int) -> tuple[dict[str, Any], dict, list]:
+    """ONNX Runtime (``run``, IOBinding) and OpenVINO on the model: their entries (max abs diff
+    against ONNX Runtime's outputs), their timed steps, and the outputs' names and ORT's values."""
     import openvino as ov
 
     sess = _ort_session(path, threads)
     names = [o.name for o in sess.get_outputs()]
     want = sess.run(names, feeds)
-    results: dict[str, Any] = {"ort_run": {"us": _median_us(lambda: sess.run(names, feeds), runs), "max_diff": 0.0}}
     binding = sess.io_binding()
     for k, v in feeds.items():
         binding.bind_cpu_input(k, v)
     for n in names:
         binding.bind_output(n)
-    results["ort_iobinding"] = {"us": _median_us(lambda: sess.run_with_iobinding(binding), runs), "max_diff": 0.0}
     core = ov.Core()
     compiled = core.compile_model(
         str(path),
@@ -140,14 +148,20 @@ def _peers(path: Path, feeds: dict[str, np.ndarray], threads: int, runs: int) ->
     request = compiled.create_infer_request()
     got = request.infer(feeds, share_inputs=True)
     diff = max(float(np.max(np.abs(np.asarray(got[compiled.output(n)]) - w), initial=0.0)) for n, w in zip(names, want))
-    results["openvino_direct"] = {
-        "us": _median_us(lambda: request.infer(feeds, share_inputs=True, share_outputs=True), runs),
-        "max_diff": diff,
+    entries = {"ort_run": {"max_diff": 0.0}, "ort_iobinding": {"max_diff": 0.0}, "openvino_direct": {"max_diff": diff}}
+    steps: dict[str, Callable[[], Any]] = {
+        "ort_run": lambda: sess.run(names, feeds),
+        "ort_iobinding": lambda: sess.run_with_iobinding(binding),
+        "openvino_direct": lambda: request.infer(feeds, share_inputs=True, share_outputs=True),
     }
-    return results, [names, want]
+    return entries, steps, [names, want]
 
 
-def _dsp(path: Path, feeds: dict[str, np.ndarray], mode: str, runs: int, names: list[str], want: list) -> dict:
+def _dsp(
+    path: Path, feeds: dict[str, np.ndarray], mode: str, names: list[str], want: list
+) -> tuple[dict, Callable[[], Any]]:
+    """DSP in ``mode`` on the model, warmed up (frozen, the auction's trials run): its entry (max
+    abs diff against ONNX Runtime's outputs, the backends it resolved to) and its timed step."""
     import dsp_core as dsp
 
     model = dsp.compile(path, mode=mode)
@@ -155,9 +169,7 @@ def _dsp(path: Path, feeds: dict[str, np.ndarray], mode: str, runs: int, names: 
     for _ in range(4):  # warm-up, freeze (and the auction's trials), capture
         out = model.run(feeds)
     diff = max(float(np.max(np.abs(np.asarray(out[n]) - w), initial=0.0)) for n, w in zip(names, want) if n in out)
-    entry: dict[str, Any] = {"us": _median_us(lambda: model.run(feeds), runs), "max_diff": diff}
-    entry["backends"] = model.resolved_backends()
-    return entry
+    return {"max_diff": diff, "backends": model.resolved_backends()}, lambda: model.run(feeds)
 
 
 def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> list[dict[str, Any]]:
@@ -169,7 +181,7 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
             path, feeds = make(batch)
             row: dict[str, Any] = {"model": key, "title": title, "batch": batch, "threads": threads}
             try:
-                peers, (names, want) = _peers(Path(path), feeds, threads, runs)
+                peers, steps, (names, want) = _peers(Path(path), feeds, threads)
             except Exception as exc:  # noqa: BLE001  (a model a peer cannot run: said in the row)
                 row["error"] = f"peers: {type(exc).__name__}: {str(exc)[:200]}"
                 rows.append(row)
@@ -177,9 +189,11 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
             row.update(peers)
             for mode in DSP_MODES:
                 try:
-                    row[f"dsp_{mode}"] = _dsp(Path(path), feeds, mode, runs, names, want)
+                    row[f"dsp_{mode}"], steps[f"dsp_{mode}"] = _dsp(Path(path), feeds, mode, names, want)
                 except Exception as exc:  # noqa: BLE001
                     row[f"dsp_{mode}"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            for name, us in _interleaved_us(steps, runs).items():
+                row[name]["us"] = us
             best = min(row["ort_run"]["us"], row["ort_iobinding"]["us"], row["openvino_direct"]["us"])
             for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES)):
                 if "us" in row[k]:
