@@ -244,6 +244,44 @@ def test_products_by_big_constant_weights_are_warp_kernels_equal_to_the_referenc
     assert products[0]["kernel"].startswith("dsp_mm_")
 
 
+@pytest.mark.parametrize("columns", ["0", "1", "2", "4"])
+@pytest.mark.parametrize("lanes", ["auto", "warp", "block"])
+@pytest.mark.parametrize("case", ["down_8192x2048", "rms_gate_up"])
+def test_every_lanes_and_columns_setting_gives_the_reference(
+    case: str, lanes: str, columns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every DSP_NVRTC_PRODUCT_LANES x DSP_NVRTC_PRODUCT_COLUMNS the products benchmark times, on
+    Llama-1B's down projection (K 8,192: a warp's lanes walk 32 steps, the preload's window rolling
+    across them) and its RMSNorm + gate/up + SiLU x up (two or four columns a warp roll the window
+    too), replaying, equal to the reference."""
+    monkeypatch.setenv("DSP_NVRTC_PRODUCT_LANES", lanes)
+    monkeypatch.setenv("DSP_NVRTC_PRODUCT_COLUMNS", columns)
+    rng = np.random.default_rng(21)
+    g = dsp.GraphBuilder()
+    k = 8192 if case.startswith("down") else 2048
+    x = g.placeholder("x", "float16", [1, 1, k])
+    if case.startswith("down"):
+        w = g.constant((rng.standard_normal((k, 2048)) * 0.01).astype(np.float16))
+        g.output(g.Add(x @ w, g.constant((rng.standard_normal(2048) * 0.1).astype(np.float16))), "y")
+    else:
+        x32 = g.Cast(x, to=1)
+        mean = g.ReduceMean(g.Pow(x32, g.constant(np.array(2.0, np.float32))), g.constant(np.array([-1])))
+        inv = g.Reciprocal(g.Sqrt(g.Add(mean, g.constant(np.array(1e-6, np.float32)))))
+        h = g.Mul(g.Cast(g.Mul(x32, inv), to=10), g.constant((1 + 0.1 * rng.standard_normal(k)).astype(np.float16)))
+        gate, up = (h @ g.constant((rng.standard_normal((k, 8192)) * 0.02).astype(np.float16)) for _ in range(2))
+        g.output(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), "y")
+    graph = g.build()
+    want = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
+    tol = _tolerance("nvrtc_jit")
+    for run in range(6):
+        feeds = {"x": rng.standard_normal((1, 1, k)).astype(np.float16)}
+        _close(model.run(feeds), want.run(feeds), tol, f"{case} lanes {lanes} columns {columns} run {run}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    products = [r for r in _reports(model) if r["template"] == "product"]
+    assert len(products) == 1 and products[0]["status"] == "fused", _reports(model)
+
+
 @pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager", "llama_sdpa23"])
 def test_the_decode_plans_kv_stores_are_written_by_the_kernels_that_make_their_rows(name: str) -> None:
     """Each dsp::KVScatter of the decode plan is written by the generated kernel of the group that
