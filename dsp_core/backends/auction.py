@@ -462,7 +462,7 @@ def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
 TIE = 0.05
 TRIAL_ROUNDS = 3
 TRIAL_BUDGET_S = 0.5
-TRIAL_FORMAT = "dsp-auction-trial/2"  # 2: medians of interleaved runs (1: best runs)
+TRIAL_FORMAT = "dsp-auction-trial/3"  # 3: medians of bursts in turns (2: of runs in turns; 1: best runs)
 
 
 @dataclass(frozen=True)
@@ -611,30 +611,39 @@ def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) 
 
 
 def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> dict[str, float]:
-    """Median seconds of each step over up to TRIAL_ROUNDS x ``runs`` runs, interleaved (fewer past TRIAL_BUDGET_S).
+    """Median seconds of each step, timed in bursts taken in turns: TRIAL_ROUNDS rounds (fewer past
+    TRIAL_BUDGET_S, at least one), each round a burst of ``runs`` + 1 runs of every candidate (the
+    order rotating round by round), the burst's first run not counted.
 
-    The candidates take turns run by run (each round in a rotated order), so a passing load
-    on a shared machine lands on all of them alike; each one's time is the median of its runs,
-    not its best: a runtime using several threads on shared cores is judged on what a step
-    usually costs it (one lucky run, when every core happened to be free, used to decide).
+    Turns spread a shared machine's passing load over every candidate. They are bursts, not single
+    runs, because a runtime's threads outlive its call: ONNX Runtime's intra-op threads spin for a
+    while after a run, and on two cores they took OpenVINO's from it, so run-by-run turns timed
+    OpenVINO's MiniLM-L3 step at 15.8 ms against 8.7 ms in bursts (ONNX Runtime's 10.8 either way;
+    benchmarks/results/auction_bursts_2026-12-03.json) and gave ONNX Runtime the segment. The
+    first run of a burst pays for the candidate before it and is dropped; each candidate's time is
+    the median of its other runs, not its best: a runtime using several threads on shared cores is
+    judged on what a step usually costs it.
     """
     samples: dict[str, list[float]] = {name: [] for name in steps}
     started = time.perf_counter()
     names = list(steps)
-    for turn in range(TRIAL_ROUNDS * max(1, runs)):
-        if turn >= runs and time.perf_counter() - started > TRIAL_BUDGET_S:
-            break  # at least ``runs`` runs each, then as many as the budget allows
+    for turn in range(TRIAL_ROUNDS):
+        if turn >= 1 and time.perf_counter() - started > TRIAL_BUDGET_S:
+            break  # one round each at least, then as many as the budget allows
         k = turn % len(names) if names else 0
         for name in names[k:] + names[:k]:
-            if name not in steps:
-                continue
+            got: list[float] = []
             try:
-                start = time.perf_counter()
-                steps[name]()
-                samples[name].append(time.perf_counter() - start)
+                for _ in range(max(1, runs) + 1):
+                    start = time.perf_counter()
+                    steps[name]()
+                    got.append(time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001  (a candidate that fails while timed is out)
                 log.info("DSP auction trial: %s failed on segment %d: %s", name, index, describe(exc))
                 del steps[name], samples[name]
+                names.remove(name)
+                continue
+            samples[name] += got[1:]
     return {name: statistics.median(got) for name, got in samples.items() if got}
 
 
