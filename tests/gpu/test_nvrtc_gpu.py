@@ -244,6 +244,16 @@ def test_products_by_big_constant_weights_are_warp_kernels_equal_to_the_referenc
     assert products[0]["kernel"].startswith("dsp_mm_")
 
 
+def _exported_rms(g: Any, x: Any, k: int, rng: np.random.Generator, scale: float, dtype: str) -> Any:
+    """RMSNorm over x's last axis (``k`` long) as torch's exporter writes it (fp32 mean of squares,
+    reciprocal square root, cast back), times a scale vector near ``scale``."""
+    x32 = g.Cast(x, to=1)
+    mean = g.ReduceMean(g.Pow(x32, g.constant(np.array(2.0, np.float32))), g.constant(np.array([-1])))
+    inv = g.Reciprocal(g.Sqrt(g.Add(mean, g.constant(np.array(1e-6, np.float32)))))
+    w = g.constant((scale + 0.1 * rng.standard_normal(k)).astype(dtype))
+    return g.Mul(g.Cast(g.Mul(x32, inv), to=10 if dtype == "float16" else 1), w)
+
+
 @pytest.mark.parametrize("columns", ["0", "1", "2", "4"])
 @pytest.mark.parametrize("lanes", ["auto", "warp", "block"])
 @pytest.mark.parametrize("case", ["down_8192x2048", "rms_gate_up"])
@@ -264,10 +274,7 @@ def test_every_lanes_and_columns_setting_gives_the_reference(
         w = g.constant((rng.standard_normal((k, 2048)) * 0.01).astype(np.float16))
         g.output(g.Add(x @ w, g.constant((rng.standard_normal(2048) * 0.1).astype(np.float16))), "y")
     else:
-        x32 = g.Cast(x, to=1)
-        mean = g.ReduceMean(g.Pow(x32, g.constant(np.array(2.0, np.float32))), g.constant(np.array([-1])))
-        inv = g.Reciprocal(g.Sqrt(g.Add(mean, g.constant(np.array(1e-6, np.float32)))))
-        h = g.Mul(g.Cast(g.Mul(x32, inv), to=10), g.constant((1 + 0.1 * rng.standard_normal(k)).astype(np.float16)))
+        h = _exported_rms(g, x, k, rng, 1.0, "float16")
         gate, up = (h @ g.constant((rng.standard_normal((k, 8192)) * 0.02).astype(np.float16)) for _ in range(2))
         g.output(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), "y")
     graph = g.build()
@@ -346,22 +353,14 @@ def test_a_norm_is_the_merged_products_prologue_and_silu_times_up_its_pairwise_e
     g = dsp.GraphBuilder()
     k = 2048
     x = g.placeholder("x", dtype, [1, 1, k])
-    half = dtype == "float16"
-
-    def rms(scale: float) -> Any:
-        x32 = g.Cast(x, to=1)
-        mean = g.ReduceMean(g.Pow(x32, g.constant(np.array(2.0, np.float32))), g.constant(np.array([-1])))
-        inv = g.Reciprocal(g.Sqrt(g.Add(mean, g.constant(np.array(1e-6, np.float32)))))
-        w = g.constant((scale + 0.1 * rng.standard_normal(k)).astype(dtype))
-        return g.Mul(g.Cast(g.Mul(x32, inv), to=10 if half else 1), w)
 
     def weight(n: int) -> Any:
         return g.constant((rng.standard_normal((k, n)) * 0.02).astype(dtype))
 
-    h = rms(1.0)
+    h = _exported_rms(g, x, k, rng, 1.0, dtype)
     for i, n in enumerate((2048, 512, 512)):
         g.output(g.Identity(h @ weight(n)), f"qkv{i}")
-    h2 = rms(0.9)
+    h2 = _exported_rms(g, x, k, rng, 0.9, dtype)
     gate, up = h2 @ weight(8192), h2 @ weight(8192)
     g.output(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), "mlp")
     graph = g.build()

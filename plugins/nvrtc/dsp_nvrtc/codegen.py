@@ -767,6 +767,10 @@ class _Gen:
         tag = self.count
         self.count += 1
         bases = [self.let(f"{c} * {n_stride}LL", prefix="w") for c in cols]
+
+        def weight(base: str, at: str) -> str:  # 16 bytes of the weight, after the wait
+            return f"*reinterpret_cast<const dsp_v16*>({ptr} + {base} + {at})"
+
         for i, base in enumerate(bases):
             self.line(f"dsp_v16 wq{tag}_{i}[{pre}];")
             self.line("#pragma unroll")
@@ -806,13 +810,12 @@ class _Gen:
                 with self.block(f"if (it + {pre} < {rolled})"):
                     self.line(f"const long long kn = (lane + (it + {pre}) * {lanes}) * {v}LL;")
                     for i, base in enumerate(bases):
-                        load = f"*reinterpret_cast<const dsp_v16*>({ptr} + {base} + kn)"
-                        self.line(f"if (kn < {k_len}) wq{tag}_{i}[{slot}] = {load};")
+                        self.line(f"if (kn < {k_len}) wq{tag}_{i}[{slot}] = {weight(base, 'kn')};")
         # the rest of K: none on the device; the host check's one lane an output walks it here
         start, stride = f"(lane + {rolled} * {lanes}) * {v}LL", f"{lanes} * {v}LL"
         with self.block(f"for (long long kb = {start}; kb < {k_len}; kb += {stride})"):
             for i, base in enumerate(bases):
-                self.line(f"const dsp_v16 q{i} = *reinterpret_cast<const dsp_v16*>({ptr} + {base} + kb);")
+                self.line(f"const dsp_v16 q{i} = {weight(base, 'kb')};")
             step([f"q{i}" for i in range(len(cols))])
         return [self._dot_result(node, out, acc, Idx((*row, c))) for acc, c in zip(accs, cols)]
 
@@ -2106,16 +2109,16 @@ def prologue_parts(spec: GroupSpec) -> tuple[list[int], GroupSpec, list[int]]:
 
 # -- merged sibling products (dsp::MergedMatMul): one product over their joined weights ------
 # A big product takes a block's lanes per output (not a warp's) where K is longer than this and
-# it has at most this many outputs: GPT-2's MLP down projection, K 3072 by 768 outputs, is a
-# warp per output in ~96 steps of K each with 24 warps to an SM (11 us on the H200).
+# it has at most this many outputs: the MLP down projections (GPT-2's K 3,072 by 768, Llama-1B's
+# 8,192 by 2,048); at K 2,048 a warp is the faster (benchmarks/results/gpu_2026-12-03b/).
 BLOCK_LANES_MIN_K = 2048
+BLOCK_LANES_MAX_OUTPUTS = 4096
 MANY_OUTPUTS = 8192  # outputs of a product whose warps compute two columns each (columns_for)
 # Blocks of a product kernel with a norm prologue one multiprocessor holds at once (256 threads of
 # about 100 registers each, measured with ptxas on Llama-1B's merged Q/K/V and gate/up) and the
 # multiprocessors of the GPU the rule was measured on, where the device is not known (the host check).
 PROLOGUE_BLOCKS_PER_SM = 2
 H200_SMS = 132
-BLOCK_LANES_MAX_OUTPUTS = 4096
 
 
 def lanes_for(k_len: int, outputs: int, dtype: str, choice: str = "auto") -> int:
