@@ -296,6 +296,22 @@ OPTIONS: tuple[Option, ...] = (
         "loads overlap work inside a replayed graph; docs/nvrtc.md); read once per process; off: plain launches.",
     ),
     Option(
+        "ptx_dir",
+        "DSP_PTX_DIR",
+        "path",
+        "",
+        "The PTX bundle: dsp-nvrtc's generated kernels as PTX, one file each, which PTX_JIT loads where "
+        "NVRTC is not installed (docs/nvrtc.md); empty = <DSP cache directory>/ptx.",
+    ),
+    Option(
+        "nvrtc_export_ptx",
+        "DSP_NVRTC_EXPORT_PTX",
+        "bool",
+        False,
+        "NVRTC_JIT also compiles each kernel it builds to PTX for the device's virtual architecture and "
+        "writes it to the PTX bundle (DSP_PTX_DIR), for PTX_JIT on machines without NVRTC (docs/nvrtc.md).",
+    ),
+    Option(
         "cublas_tf32",
         "DSP_CUBLAS_TF32",
         "bool",

@@ -93,7 +93,7 @@ def test_registered_through_its_entry_point(name: str, mode: str) -> None:
     assert backend.mode is dsp.GraphExecutionMode[mode]
     assert backend.platform == "cuda" and backend.captures
     assert backend.contract.needs_stable_addresses and backend.contract.deterministic
-    assert isinstance(backend.fusion_policy(), NvrtcPolicy) == (name == "nvrtc_jit")
+    assert isinstance(backend.fusion_policy(), NvrtcPolicy)  # PTX_JIT loads NVRTC_JIT's kernels as PTX
 
 
 @pytest.mark.skipif(not _gpu_missing(), reason="checks the CPU-only behaviour")
@@ -517,6 +517,76 @@ def test_an_entry_under_another_key_is_damaged(tmp_path: Path) -> None:
     assert path is not None
     os.replace(path, cache.path(_key(capability="sm_80")))  # a file renamed by hand
     assert cache.get(_key(capability="sm_80")) is None and cache.damaged == 1
+
+
+# -- the PTX bundle: NVRTC_JIT's kernels as PTX, for PTX_JIT where NVRTC is not -------------------
+def test_the_ptx_archs_a_device_may_load_are_newest_first_and_safe_for_dependent_launches() -> None:
+    from dsp_nvrtc.kernels import ptx_archs
+
+    assert ptx_archs(90, dependent=True) == ["compute_90"]  # PTX before 90 has no griddepcontrol.wait
+    assert ptx_archs(90, dependent=False)[:3] == ["compute_90", "compute_89", "compute_87"]
+    assert ptx_archs(100, dependent=True) == ["compute_100", "compute_90"]
+    assert ptx_archs(86, dependent=False) == ["compute_86", "compute_80", "compute_75"]
+    assert ptx_archs(70, dependent=False) == []
+
+
+@pytest.mark.skipif(NVRTC_MISSING is not None, reason=str(NVRTC_MISSING))
+def test_nvrtc_exports_a_kernels_ptx_and_ptx_jit_finds_it_without_compiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsp_cuda_graphs.fusion import Unfusable
+    from dsp_nvrtc.cache import PtxBundle
+    from dsp_nvrtc.kernels import NvrtcSource, PtxSource
+
+    kernel = codegen.generate(_softmax_spec("float16"))
+    bundle = PtxBundle(tmp_path)
+    with pytest.raises(Unfusable, match=r"no PTX of its kernel .* \(DSP_NVRTC_EXPORT_PTX=1"):
+        PtxSource(bundle).find(kernel, 90, dependent=True)
+    NvrtcSource(SegmentCache(tmp_path / "cache"), bundle).export(kernel, "compute_90")
+    [path] = tmp_path.glob("*.ptx")
+    assert path.name.endswith(".compute_90.ptx")
+
+    def no_nvrtc(*_: Any) -> bytes:
+        raise AssertionError("PTX_JIT compiled")
+
+    monkeypatch.setattr(compiler, "compile_source", no_nvrtc)
+    ptx, arch = PtxSource(PtxBundle(tmp_path)).find(kernel, 100, dependent=True)
+    assert arch == "compute_90" and ptx.endswith(b"\0") and f".entry {kernel.name}(".encode() in ptx
+    assert b".target sm_90" in ptx and b"griddepcontrol.wait" in ptx  # DSP_WAIT() compiled in
+    NvrtcSource(SegmentCache(tmp_path / "cache"), bundle).export(kernel, "compute_90")  # there: not compiled again
+    other = dataclasses.replace(kernel, source=kernel.source.replace("dsp_", "dsp_x_", 1))
+    with pytest.raises(Unfusable):  # another source is another kernel, whatever its name
+        PtxSource(PtxBundle(tmp_path)).find(other, 90, dependent=True)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "renamed"])
+def test_a_damaged_bundle_file_is_left_in_place_and_not_loaded(tmp_path: Path, damage: str) -> None:
+    from dsp_nvrtc.cache import PtxBundle
+
+    bundle = PtxBundle(tmp_path)
+    path = bundle.put("dsp_k", "source", "compute_90", b".version 9.0\n.target sm_90\n\0")
+    assert path is not None and bundle.get("dsp_k", "source", "compute_90") == b".version 9.0\n.target sm_90\n\0"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-3] ^= 0x55
+    elif damage == "truncate":
+        data = data[:-4]
+    elif damage == "header":
+        data[10:12] = b"{{"
+    path.write_bytes(bytes(data))
+    if damage == "renamed":  # a file copied under another kernel's name
+        os.replace(path, bundle.path("dsp_k", "another source", "compute_90"))
+        path = bundle.path("dsp_k", "another source", "compute_90")
+        assert bundle.get("dsp_k", "another source", "compute_90") is None
+    else:
+        assert bundle.get("dsp_k", "source", "compute_90") is None
+    assert bundle.damaged == 1 and path.exists()  # the user's file: said in the log, not removed
+
+
+def test_ptx_jit_holds_its_kernels_to_nvrtc_jits_tolerance() -> None:
+    from dsp_nvrtc.plugin import NvrtcBackend, PtxBackend
+
+    assert PtxBackend().contract.tolerance == NvrtcBackend().contract.tolerance  # the same kernels
 
 
 def test_a_write_that_dies_leaves_the_old_entry_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

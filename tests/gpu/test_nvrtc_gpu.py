@@ -1,6 +1,7 @@
 """NVRTC_JIT and PTX_JIT on a GPU: every fixture matches the reference, captures and replays; the
 generated kernels come from the segment cache on a second compile; fewer kernels per replay than
-CUDA_GRAPHS; generation with Triton out of the way gives torch's tokens.
+CUDA_GRAPHS; generation with Triton out of the way gives torch's tokens; PTX_JIT runs the kernels
+NVRTC_JIT exported as PTX without compiling any.
 
 Run: ``python3 -m pytest -q tests/gpu/test_nvrtc_gpu.py`` (with ``$OUT`` set, the kernel counts
 are also written to ``$OUT/nvrtc_kernel_counts.json``).
@@ -128,7 +129,7 @@ def test_a_damaged_cache_entry_is_recompiled(tmp_path: Path, monkeypatch: pytest
     assert [r for r in reports if r["status"] == "fused"], reports
     assert not [r for r in reports if r["status"] == "demoted"], reports
     runtime = model.last_live.runtime  # type: ignore[union-attr]
-    caches = {id(u.compiled._cache): u.compiled._cache for u in runtime.units if hasattr(u.compiled, "_cache")}
+    caches = {id(u.compiled._source): u.compiled._source.cache for u in runtime.units if hasattr(u.compiled, "_source")}
     assert sum(c.damaged for c in caches.values()) >= 1, "no damaged entry was noticed"
     for path in cache_root().glob("*.kernel"):  # what was read back damaged is whole again
         data = path.read_bytes()
@@ -164,6 +165,45 @@ def test_generation_without_triton_gives_torchs_greedy_tokens(name: str, mode: s
     assert pipe.decoder(1).model.resolved_backends() == [mode]
     result = pipe.generate(g["prompt"], 32)
     assert result.tokens[0].tolist() == want, f"{name} {mode}: tokens differ from torch's"
+
+
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
+def test_ptx_jit_runs_nvrtc_jits_exported_kernels_without_compiling(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsp_nvrtc import compiler
+
+    g = np.load(FIXTURES / f"{name}.golden.npz")
+    want = g["greedy_tokens"][:32].tolist()
+    monkeypatch.setenv("DSP_PTX_DIR", str(tmp_path / "bundle"))
+    monkeypatch.setenv("DSP_NVRTC_EXPORT_PTX", "1")
+    built = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="nvrtc_jit")
+    assert built.generate(g["prompt"], 32).tokens[0].tolist() == want
+    assert list((tmp_path / "bundle").glob("*.compute_*.ptx")), "nothing exported"
+    monkeypatch.delenv("DSP_NVRTC_EXPORT_PTX")
+
+    def no_nvrtc(*_: Any) -> bytes:
+        raise AssertionError("PTX_JIT compiled a kernel")
+
+    monkeypatch.setattr(compiler, "compile_source", no_nvrtc)
+    pipe = GenerationPipeline(FIXTURES / f"{name}.onnx", max_length=64, mode="ptx_jit")
+    assert pipe.decoder(1).model.resolved_backends() == ["ptx_jit"]
+    assert pipe.generate(g["prompt"], 32).tokens[0].tolist() == want, f"{name}: PTX_JIT's tokens differ from torch's"
+    nvrtc = {r["kernel"] for r in _reports(built.decoder(1).model) if r["status"] == "fused"}
+    reports = _reports(pipe.decoder(1).model)
+    assert nvrtc and {r["kernel"] for r in reports if r["status"] == "fused"} == nvrtc, [
+        r for r in reports if r["status"] != "fused"
+    ]
+
+
+def test_ptx_jit_without_a_bundle_runs_each_group_on_its_reference_kernels_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSP_PTX_DIR", str(tmp_path / "empty"))
+    model = _run_fixture("gpt2_eager", "ptx_jit")
+    reports = _reports(model)
+    assert reports and not [r for r in reports if r["status"] == "fused"], reports
+    assert any("no PTX of its kernel" in r["reason"] for r in reports), reports
 
 
 def _kernels_per_replay(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) -> int:

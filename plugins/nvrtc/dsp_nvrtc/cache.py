@@ -1,4 +1,4 @@
-"""The segment cache of NVRTC_JIT (and what PTX_JIT reads): compiled kernels on disk.
+"""Compiled kernels on disk: NVRTC_JIT's segment cache, and the PTX bundle PTX_JIT reads.
 
 One file per kernel under ``<DSP cache directory>/nvrtc`` (``DSP_CACHE_DIR``), named by the
 digest of its ``JitSegmentCacheKey``. A file is a magic line, one JSON header line (the
@@ -6,7 +6,7 @@ key, the kernel's name, the lengths and blake2b digest of what follows) and the 
 source followed by the binary (PTX or CUBIN). Every write is atomic (a temporary file in
 the same folder, then a rename), so a reader sees the old entry or the whole new one. An
 entry that does not parse, whose digest or key does not match, is damaged: it is removed,
-said in the log, and the kernel is compiled again, never loaded.
+said in the log, and the kernel is compiled again, never loaded. ``PtxBundle``: below.
 """
 
 from __future__ import annotations
@@ -53,11 +53,20 @@ def group_digest(source: str) -> str:
     return hashlib.blake2b(source.encode(), digest_size=16).hexdigest()
 
 
+def _dsp_cache_dir() -> Path:
+    root = config.get("cache_dir")
+    return Path(root).expanduser() if root else default_cache_dir(os.environ)
+
+
 def cache_root() -> Path:
     """``<DSP cache directory>/nvrtc``."""
-    root = config.get("cache_dir")
-    base = Path(root).expanduser() if root else default_cache_dir(os.environ)
-    return base / "nvrtc"
+    return _dsp_cache_dir() / "nvrtc"
+
+
+def bundle_root() -> Path:
+    """The PTX bundle's folder: ``DSP_PTX_DIR``, else ``<DSP cache directory>/ptx``."""
+    root = config.get("ptx_dir")
+    return Path(root).expanduser() if root else _dsp_cache_dir() / "ptx"
 
 
 @dataclass(frozen=True)
@@ -146,3 +155,84 @@ def _parse(data: bytes, key: JitSegmentCacheKey) -> tuple[Entry | None, str]:
     except UnicodeDecodeError:
         return None, "source not UTF-8"
     return Entry(name, source, body[n_src:]), ""
+
+
+PTX_MAGIC = b"DSPPTX1\n"
+
+
+class PtxBundle:
+    """Generated kernels as PTX, by the digest of their CUDA C and the PTX's virtual architecture.
+
+    NVRTC_JIT writes it (``DSP_NVRTC_EXPORT_PTX=1``); PTX_JIT reads it on machines without NVRTC:
+    the generator runs anywhere (pure Python), so PTX_JIT generates a group's CUDA C as NVRTC_JIT
+    would, and looks for its PTX here. A file is a magic line, one JSON header line (the kernel's
+    name, the architecture, the source's digest, the PTX's length and digest) and the PTX. Writes
+    are atomic. A file that does not parse, or holds another kernel, is left where it is (the
+    bundle is the user's: copied from another machine) and said in the log; the group then runs
+    its reference kernels.
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root if root is not None else bundle_root()
+        self.hits = 0
+        self.misses = 0
+        self.damaged = 0
+
+    def path(self, name: str, source: str, arch: str) -> Path:
+        return self.root / f"{group_digest(name + chr(0) + source)}.{arch}.ptx"
+
+    def put(self, name: str, source: str, arch: str, ptx: bytes) -> Path | None:
+        """Store ``ptx`` (``source`` compiled for ``arch``) atomically; None when the folder cannot be written."""
+        ptx = ptx.rstrip(b"\0")
+        header = {
+            "name": name,
+            "arch": arch,
+            "source": group_digest(source),
+            "ptx_bytes": len(ptx),
+            "blake2b": hashlib.blake2b(ptx, digest_size=20).hexdigest(),
+        }
+        path = self.path(name, source, arch)
+        try:
+            atomic_write(path, PTX_MAGIC, json.dumps(header).encode() + b"\n", ptx)
+        except OSError as exc:
+            log.warning("DSP NVRTC: cannot write the PTX bundle at %s (%s): PTX not exported", path, exc)
+            return None
+        return path
+
+    def get(self, name: str, source: str, arch: str) -> bytes | None:
+        """The PTX of ``source``'s kernel ``name`` for ``arch`` (NUL-terminated), or None (absent or damaged)."""
+        path = self.path(name, source, arch)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self.misses += 1
+            return None
+        why = _ptx_damage(data, name, source, arch)
+        if why:
+            self.damaged += 1
+            self.misses += 1
+            log.warning("DSP PTX_JIT: bundle file %s is damaged (%s): not loaded", path, why)
+            return None
+        self.hits += 1
+        return data[data.index(b"\n", len(PTX_MAGIC)) + 1 :] + b"\0"
+
+
+def _ptx_damage(data: bytes, name: str, source: str, arch: str) -> str:
+    """Why a bundle file is not ``name``'s PTX for ``arch`` ("" when it is)."""
+    if not data.startswith(PTX_MAGIC):
+        return "no DSPPTX1 magic"
+    end = data.find(b"\n", len(PTX_MAGIC))
+    if end < 0:
+        return "no header"
+    try:
+        header = json.loads(data[len(PTX_MAGIC) : end])
+        want = (str(header["name"]), str(header["arch"]), str(header["source"]), int(header["ptx_bytes"]))
+        digest = str(header["blake2b"])
+    except (ValueError, KeyError, TypeError):
+        return "unreadable header"
+    body = data[end + 1 :]
+    if want != (name, arch, group_digest(source), len(body)):
+        return "it holds another kernel, or is cut short"
+    if hashlib.blake2b(body, digest_size=20).hexdigest() != digest:
+        return "digest mismatch"
+    return ""

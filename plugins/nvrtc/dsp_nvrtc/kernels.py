@@ -27,8 +27,8 @@ from dsp_core import config
 from dsp_core.backends.base import CaptureFailed
 from dsp_core.plan.kernelspec import reference_specs
 from dsp_nvrtc import codegen, compiler
-from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, SegmentCache, group_digest
-from dsp_nvrtc.launch import launch
+from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, PtxBundle, SegmentCache, group_digest
+from dsp_nvrtc.launch import dependent_launch, launch
 
 # (source, target, device) -> loaded module, for the process: a graph holds the functions it launches.
 _MODULES: dict[tuple[str, str, int], Any] = {}
@@ -104,12 +104,75 @@ def load(cp: Any, kernel: codegen.Kernel, binary: bytes, target: compiler.Target
     return module.get_function(kernel.name)
 
 
-def loaded(cp: Any, kernel: codegen.Kernel, spec: codegen.GroupSpec, cache: SegmentCache) -> tuple[Any, bool]:
-    """``kernel`` compiled for the current device (from the segment cache, or compiled and stored)
-    and loaded: (its function, whether the binary came from the cache)."""
-    target = device_target(cp)
-    binary, hit = compiled(kernel, spec, target, cache)
-    return load(cp, kernel, binary, target), hit
+# the virtual architectures NVRTC and the driver know (PTX_JIT looks for the newest the device runs)
+PTX_ARCHS = (75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121)
+
+
+def ptx_archs(capability: int, dependent: bool) -> list[str]:
+    """The PTX architectures a device of ``capability`` may load a generated kernel for, newest first.
+
+    PTX of an architecture before 90 has no ``griddepcontrol.wait`` (``DSP_WAIT()`` is compiled out), so
+    where kernels launch as programmatic dependents (``dependent``) only PTX of 90 or later is safe.
+    """
+    return [f"compute_{a}" for a in reversed(PTX_ARCHS) if a <= capability and (a >= 90 or not dependent)]
+
+
+class NvrtcSource:
+    """Where NVRTC_JIT's kernels come from: the segment cache, else NVRTC now (and, with
+    ``DSP_NVRTC_EXPORT_PTX``, their PTX written to the bundle PTX_JIT reads)."""
+
+    backend_name = "NVRTC_JIT"
+
+    def __init__(self, cache: SegmentCache | None = None, bundle: PtxBundle | None = None) -> None:
+        self.cache = cache if cache is not None else SegmentCache()
+        self._bundle = bundle
+
+    def loaded(self, cp: Any, kernel: codegen.Kernel, spec: codegen.GroupSpec) -> tuple[Any, bool]:
+        """``kernel`` compiled for the current device (from the segment cache, or compiled and stored)
+        and loaded: (its function, whether the binary came from the cache)."""
+        target = device_target(cp)
+        binary, hit = compiled(kernel, spec, target, self.cache)
+        if config.get("nvrtc_export_ptx"):
+            self.export(kernel, f"compute_{cp.cuda.Device().compute_capability}")
+        return load(cp, kernel, binary, target), hit
+
+    def export(self, kernel: codegen.Kernel, arch: str) -> None:
+        """``kernel`` compiled to PTX for ``arch`` into the bundle, unless it is there already."""
+        bundle = self._bundle if self._bundle is not None else PtxBundle()
+        source = kernel.device_source()
+        if bundle.get(kernel.name, source, arch) is None:
+            bundle.put(kernel.name, source, arch, compiler.compile_source(source, kernel.name, compiler.Target(arch)))
+
+
+class PtxSource:
+    """Where PTX_JIT's kernels come from: the PTX bundle (no NVRTC); a kernel it lacks is Unfusable."""
+
+    backend_name = "PTX_JIT"
+
+    def __init__(self, bundle: PtxBundle | None = None) -> None:
+        self.bundle = bundle if bundle is not None else PtxBundle()
+
+    def loaded(self, cp: Any, kernel: codegen.Kernel, spec: codegen.GroupSpec) -> tuple[Any, bool]:
+        """``kernel``'s PTX from the bundle, loaded (the driver compiles it for the device): (its function, True)."""
+        ptx, arch = self.find(kernel, int(cp.cuda.Device().compute_capability), dependent_launch(cp))
+        return load(cp, kernel, ptx, compiler.Target(arch)), True
+
+    def find(self, kernel: codegen.Kernel, capability: int, dependent: bool) -> tuple[bytes, str]:
+        """``kernel``'s PTX for a device of ``capability`` and its architecture; Unfusable: the bundle has none."""
+        source = kernel.device_source()
+        archs = ptx_archs(capability, dependent)
+        for arch in archs:
+            ptx = self.bundle.get(kernel.name, source, arch)
+            if ptx is not None:
+                return ptx, arch
+        raise Unfusable(
+            f"no PTX of its kernel {kernel.name} for {' or '.join(archs) or 'this device'} in the PTX bundle "
+            f"{self.bundle.root}: export it with NVRTC_JIT on a machine with NVRTC (DSP_NVRTC_EXPORT_PTX=1, "
+            "docs/nvrtc.md)"
+        )
+
+
+KernelSource = NvrtcSource | PtxSource
 
 
 class NvrtcGroup(GroupStep):
@@ -128,13 +191,14 @@ class NvrtcGroup(GroupStep):
         cupy: Any,
         capturing: Any,
         tolerance: float,
-        cache: SegmentCache,
+        source: KernelSource,
         fixed: Callable[[int], bool] = lambda flat: False,
     ) -> None:
         super().__init__(report, steps, in_flats, out_flats, cupy, capturing, tolerance)
         self.nodes = nodes
         self.constants = constants  # (flat, value) -> host copy of a small input that never changes, or None
-        self.cache = cache
+        self.source = source  # the segment cache and NVRTC, or the PTX bundle
+        self.backend_name = source.backend_name
         self.fixed = fixed  # True for an input that never changes between steps (a weight)
 
     def spec(self, inputs: Sequence[Any], local: dict[int, Any], asked: set[int] | None = None) -> codegen.GroupSpec:
@@ -251,7 +315,7 @@ class NvrtcGroup(GroupStep):
         for v in kernel.args[: kernel.n_inputs]:
             if isinstance(local.get(v), np.ndarray | np.generic):
                 raise Unfusable(f"input {v} is a host array")
-        function, hit = loaded(self.cp, kernel, spec, self.cache)
+        function, hit = self.source.loaded(self.cp, kernel, spec)
         self.report.kernel = kernel.name
         self.report.cached = hit
         shapes = {v: (spec.values[v].shape, np.dtype(spec.values[v].dtype)) for v in spec.outputs}
@@ -275,8 +339,8 @@ class NvrtcGroup(GroupStep):
         partial, combine = codegen.attention_split_specs(spec, splits)
         kernel = codegen.generate(partial)
         last = codegen.attention_combine(combine)
-        function, hit = loaded(self.cp, kernel, partial, self.cache)
-        function2, hit2 = loaded(self.cp, last, combine, self.cache)
+        function, hit = self.source.loaded(self.cp, kernel, partial)
+        function2, hit2 = self.source.loaded(self.cp, last, combine)
         self.report.kernel = f"{kernel.name}+{last.name}"
         self.report.cached = hit and hit2
         self.report.reason = f"{partial.params['kv_splits']} ranges of KV positions a head, then their combine"
@@ -329,7 +393,7 @@ class NvrtcGroup(GroupStep):
         for v in kernel.args[: kernel.n_inputs]:
             if v in self.in_flats and isinstance(local.get(v), np.ndarray | np.generic):
                 raise Unfusable(f"input {v} is a host array")
-        function, hit = loaded(self.cp, kernel, part, self.cache)
+        function, hit = self.source.loaded(self.cp, kernel, part)
         self.report.kernel, self.report.cached = kernel.name, hit
         self.report.reason = f"{why}: {what}"
         shapes = {v: (part.values[v].shape, np.dtype(part.values[v].dtype)) for v in part.outputs}
@@ -426,11 +490,12 @@ class NvrtcKVStore(GroupStep):
         node: codegen.NodeSpec,
         cupy: Any,
         capturing: Any,
-        cache: SegmentCache,
+        source: KernelSource,
     ) -> None:
         super().__init__(report, steps, in_flats, out_flats, cupy, capturing, 0.0)
         self.node = node
-        self.cache = cache
+        self.source = source  # the segment cache and NVRTC, or the PTX bundle
+        self.backend_name = source.backend_name
 
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> BuiltStore:
         buffer, update, position = self.node.inputs[:3]
@@ -447,7 +512,7 @@ class NvrtcKVStore(GroupStep):
         except codegen.Unsupported as exc:
             raise Unfusable(str(exc)) from exc
         spec = codegen.GroupSpec("store", [self.node], values, [update, position], [buffer])
-        function, hit = loaded(self.cp, kernel, spec, self.cache)
+        function, hit = self.source.loaded(self.cp, kernel, spec)
         self.report.kernel, self.report.cached = kernel.name, hit
         where = {flat: k for k, flat in enumerate(self.in_flats)}
         return BuiltStore(function, kernel, where[update], where[position], where[buffer])
@@ -492,11 +557,12 @@ class NvrtcGreedyPick(GroupStep):
         layout: PickLayout,
         cupy: Any,
         capturing: Any,
-        cache: SegmentCache,
+        source: KernelSource,
     ) -> None:
         super().__init__(report, steps, in_flats, out_flats, cupy, capturing, 0.0)
         self.layout = layout
-        self.cache = cache
+        self.source = source  # the segment cache and NVRTC, or the PTX bundle
+        self.backend_name = source.backend_name
 
     def _build(self, inputs: Sequence[Any], local: dict[int, Any]) -> BuiltPick:
         logits = inputs[0]
@@ -510,7 +576,7 @@ class NvrtcGreedyPick(GroupStep):
             raise Unfusable(str(exc)) from exc
         functions, hits = [], []
         for kernel, kspec in zip((k1, k2), codegen.argmax_specs(spec, k1)):
-            function, hit = loaded(self.cp, kernel, kspec, self.cache)
+            function, hit = self.source.loaded(self.cp, kernel, kspec)
             functions.append(function)
             hits.append(hit)
         self.report.kernel = f"{k1.name}+{k2.name}"

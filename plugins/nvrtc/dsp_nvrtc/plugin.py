@@ -401,14 +401,16 @@ class NvrtcBackend(CudaGraphsBackend):
 
 
 class PtxBackend(CudaGraphsBackend):
-    """CUDA_GRAPHS with LayerNormalization and Softmax on PTX committed with the plugin (no NVRTC needed)."""
+    """NVRTC_JIT's fusion groups with their kernels' PTX from the PTX bundle (no NVRTC needed), and
+    LayerNormalization and Softmax on PTX committed with the plugin."""
 
     name = "ptx_jit"
     mode = GraphExecutionMode.PTX_JIT
     platform = "cuda"
     captures = True
-    contract = _contract(2e-3)
+    contract = _contract(TOLERANCE)
     profile = CaptureProfile(max_island_nodes=None, excluded_ops=HOST_READING_OPS)
+    _policy = NvrtcPolicy()
 
     def _availability_probe(self) -> Availability:
         from dsp_nvrtc import rowwise
@@ -418,13 +420,16 @@ class PtxBackend(CudaGraphsBackend):
             reason = f"the plugin's PTX is missing ({rowwise.PTX}): reinstall dsp-nvrtc"
         return Availability.yes() if reason is None else Availability.no(reason)
 
+    def fusion_policy(self) -> NvrtcPolicy:
+        return self._policy
+
     def cost(self, segment: Segment, plan: Plan) -> float:
-        return float(len(segment.slots)) * 0.9  # a few ops in one kernel each, the rest as CUDA_GRAPHS
+        return float(len(segment.slots)) * 0.9  # groups fused only where the bundle has their PTX
 
     def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
         from dsp_nvrtc.segment import PtxSegment
 
-        return PtxSegment(self, plan, segment, self.contract.tf32)
+        return PtxSegment(self, plan, segment, self.contract.tf32, self.contract.tolerance)
 
 
 @hookimpl

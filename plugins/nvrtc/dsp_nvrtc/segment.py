@@ -3,8 +3,10 @@
 Everything else is dsp-cuda-graphs' runtime layer, reused as it is: device buffers and
 staging, the owned cuBLAS binding for products, the traced and planned allocators, the
 capture lock and the replay. An NVRTC_JIT segment replaces each fusion group's slots with
-one ``NvrtcGroup`` step (built on the first eager run, outside any capture); a PTX_JIT
-segment keeps every slot and runs LayerNormalization and Softmax on the committed PTX.
+one ``NvrtcGroup`` step (built on the first eager run, outside any capture), its kernel from
+the segment cache or NVRTC. A PTX_JIT segment is the same, its kernels' PTX from the PTX
+bundle (a group whose PTX is not there runs its reference kernels), and runs the
+LayerNormalization and Softmax slots outside its groups on the committed PTX.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from dsp_core.plan.fusion import Group, propose_groups
 from dsp_core.plan.kernelspec import node_specs
 from dsp_core.plan.plan import Plan, Segment
 from dsp_nvrtc import codegen, rowwise
-from dsp_nvrtc.cache import SegmentCache
-from dsp_nvrtc.kernels import NvrtcGreedyPick, NvrtcGroup, NvrtcKVStore
+from dsp_nvrtc.kernels import KernelSource, NvrtcGreedyPick, NvrtcGroup, NvrtcKVStore, NvrtcSource, PtxSource
 
 # the templates with a CUDA C kernel
 FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product", "decode_attention"})
@@ -41,13 +42,21 @@ def unfused_reason(plan: Plan, group: Group) -> str | None:
 class NvrtcSegment(CudaGraphSegment):
     """One segment (or island) on the GPU with a generated CUDA C kernel per fusion group."""
 
-    def __init__(self, backend: Any, plan: Plan, segment: Segment, tf32: bool, tolerance: float) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        plan: Plan,
+        segment: Segment,
+        tf32: bool,
+        tolerance: float,
+        source: KernelSource | None = None,
+    ) -> None:
         super().__init__(backend, plan, segment, tf32)
         self._tolerance = tolerance
         self.groups: list[GroupStep] = []  # fusion groups (NvrtcGroup) and greedy picks (NvrtcGreedyPick)
         self.reports: list[GroupReport] = []
         self._step_slots: list[tuple[int, ...]] = []
-        self._cache = SegmentCache()
+        self._source: KernelSource = source if source is not None else NvrtcSource()
 
     def _fuse(self, st: dict[str, Any], bound: list[Any]) -> list[Any]:
         plan, seg = self._plan, self.segment
@@ -66,7 +75,7 @@ class NvrtcSegment(CudaGraphSegment):
             if pick is not None and tuple(mine[0][1]) == ins:
                 report.template = "greedy_pick"
                 greedy = NvrtcGreedyPick(
-                    report, mine, ins, outs, pick, st["cupy"], lambda: self._capturing, self._cache
+                    report, mine, ins, outs, pick, st["cupy"], lambda: self._capturing, self._source
                 )
                 self.groups.append(greedy)
                 return greedy
@@ -77,7 +86,9 @@ class NvrtcSegment(CudaGraphSegment):
             nodes = node_specs(plan, g.slots)
             step: GroupStep
             if g.template == "store":
-                step = NvrtcKVStore(report, mine, ins, outs, nodes[0], st["cupy"], lambda: self._capturing, self._cache)
+                step = NvrtcKVStore(
+                    report, mine, ins, outs, nodes[0], st["cupy"], lambda: self._capturing, self._source
+                )
             else:
                 step = NvrtcGroup(
                     report,
@@ -89,7 +100,7 @@ class NvrtcSegment(CudaGraphSegment):
                     st["cupy"],
                     lambda: self._capturing,
                     self._tolerance,
-                    self._cache,
+                    self._source,
                     fixed=lambda flat: flat not in self._tainted,
                 )
             self.groups.append(step)
@@ -113,7 +124,7 @@ class NvrtcSegment(CudaGraphSegment):
         what = f'{slot.op} node "{slot.name}" (slot {slot.index})'
         if len(slots) > 1:
             what = f"fusion group of slots {list(slots)} starting at {what}"
-        return KernelError(f"{what} failed on CUDA (NVRTC_JIT): {type(exc).__name__}: {exc}")
+        return KernelError(f"{what} failed on CUDA ({self._source.backend_name}): {type(exc).__name__}: {exc}")
 
     # -- the first runs compile: say so on stderr (dsp_core.progress) ---------------------
     def run(self, values: list[Any]) -> None:
@@ -129,15 +140,20 @@ class NvrtcSegment(CudaGraphSegment):
         pending = [g for g in self.groups if g.report.status == "pending"]
         if not pending:
             return contextlib.nullcontext()
-        return fusion.BuildProgress(pending, f"nvrtc: generate, compile and check {len(pending)} fused kernels")
+        name, verb = ("ptx", "load") if isinstance(self._source, PtxSource) else ("nvrtc", "compile")
+        return fusion.BuildProgress(pending, f"{name}: generate, {verb} and check {len(pending)} fused kernels")
 
     def fusion_report(self) -> list[dict[str, Any]]:
         """Per group: its CUDA C kernel, or why it runs its reference kernels."""
         return [r.as_dict() for r in self.reports]
 
 
-class PtxSegment(CudaGraphSegment):
-    """A CUDA_GRAPHS segment whose LayerNormalization and Softmax slots run the committed PTX kernels."""
+class PtxSegment(NvrtcSegment):
+    """An NVRTC_JIT segment whose kernels come from the PTX bundle; LayerNormalization and Softmax
+    slots outside its fused groups run the committed PTX kernels."""
+
+    def __init__(self, backend: Any, plan: Plan, segment: Segment, tf32: bool, tolerance: float) -> None:
+        super().__init__(backend, plan, segment, tf32, tolerance, PtxSource())
 
     def _slot_kernel(self, st: dict[str, Any], slot: Any, kernel: Any) -> Any:
         if slot.domain not in ("", "ai.onnx"):

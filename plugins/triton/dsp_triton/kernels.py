@@ -788,8 +788,7 @@ def nvrtc_step(group: FusedGroup) -> Any:
     if nvrtc_backend() is None:
         return None
     from dsp_cuda_graphs.fusion import GroupReport as NvrtcReport
-    from dsp_nvrtc.cache import SegmentCache
-    from dsp_nvrtc.kernels import NvrtcGroup
+    from dsp_nvrtc.kernels import NvrtcGroup, NvrtcSource
     from dsp_nvrtc.segment import FUSED_TEMPLATES
 
     r = group.report
@@ -805,7 +804,7 @@ def nvrtc_step(group: FusedGroup) -> Any:
         group.cp,
         group.capturing,
         group.tolerance,
-        SegmentCache(),
+        NvrtcSource(),
         fixed=group.fixed,
     )
 
