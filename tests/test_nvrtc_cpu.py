@@ -490,21 +490,26 @@ def test_cache_round_trip_and_every_key_field_misses(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
 
 
+def _damage(path: Path, how: str, header_at: int) -> None:
+    """A cache or bundle file damaged: a flipped byte, cut short, a broken header, or emptied."""
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[-3] ^= 0x55
+    elif how == "truncate":
+        data = data[:-4]
+    elif how == "header":
+        data[header_at : header_at + 2] = b"{{"
+    elif how == "empty":
+        data = bytearray()
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
 def test_a_damaged_entry_is_removed_and_missed(tmp_path: Path, damage: str) -> None:
     cache = SegmentCache(tmp_path)
     path = cache.put(_key(), Entry("k", "src", b"binary bytes here"))
     assert path is not None
-    data = bytearray(path.read_bytes())
-    if damage == "flip":
-        data[-3] ^= 0x55
-    elif damage == "truncate":
-        data = data[:-4]
-    elif damage == "header":
-        data[12:14] = b"{{"
-    else:
-        data = bytearray()
-    path.write_bytes(bytes(data))
+    _damage(path, damage, header_at=12)
     assert cache.get(_key()) is None
     assert cache.damaged == 1 and not path.exists()
     cache.put(_key(), Entry("k", "src", b"binary bytes here"))  # recompiled and stored again
@@ -566,14 +571,7 @@ def test_a_damaged_bundle_file_is_left_in_place_and_not_loaded(tmp_path: Path, d
     bundle = PtxBundle(tmp_path)
     path = bundle.put("dsp_k", "source", "compute_90", b".version 9.0\n.target sm_90\n\0")
     assert path is not None and bundle.get("dsp_k", "source", "compute_90") == b".version 9.0\n.target sm_90\n\0"
-    data = bytearray(path.read_bytes())
-    if damage == "flip":
-        data[-3] ^= 0x55
-    elif damage == "truncate":
-        data = data[:-4]
-    elif damage == "header":
-        data[10:12] = b"{{"
-    path.write_bytes(bytes(data))
+    _damage(path, damage, header_at=10)
     if damage == "renamed":  # a file copied under another kernel's name
         os.replace(path, bundle.path("dsp_k", "another source", "compute_90"))
         path = bundle.path("dsp_k", "another source", "compute_90")
