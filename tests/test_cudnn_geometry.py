@@ -73,3 +73,22 @@ def test_other_dtypes_and_ranks_are_refused() -> None:
 def test_packed_strides_are_row_major() -> None:
     for shape in itertools.product((1, 3), (2, 5), (4,)):
         assert packed_strides(shape) == tuple(s // 4 for s in np.empty(shape, np.float32).strides)
+
+
+def test_the_algorithm_is_the_best_over_every_round_of_the_search() -> None:
+    from dsp_cuda_graphs.cudnn import DETERMINISTIC, Timing, pick_algorithm
+
+    slow_first = [
+        Timing(0, 0, 0.04, 0, DETERMINISTIC),
+        Timing(1, 0, 0.90, 1 << 20, DETERMINISTIC),
+    ]  # 1's kernels loading
+    warm = [Timing(1, 0, 0.01, 1 << 20, DETERMINISTIC), Timing(0, 0, 0.05, 0, DETERMINISTIC)]
+    best, times = pick_algorithm([slow_first, warm], 256 << 20, deterministic=True)
+    assert best.algo == 1 and times == {0: 0.04, 1: 0.01}
+    # what did not run, needs more workspace than there is, or is not deterministic where asked is left out
+    failed = [Timing(2, 3, 0.001, 0, DETERMINISTIC), Timing(4, 0, 0.002, 1 << 30, DETERMINISTIC)]
+    loose = [Timing(5, 0, 0.003, 0, 0)]
+    assert pick_algorithm([warm, failed, loose], 256 << 20, deterministic=True)[0].algo == 1
+    assert pick_algorithm([warm, failed, loose], 256 << 20, deterministic=False)[0].algo == 5
+    with pytest.raises(Unsupported, match="is deterministic"):
+        pick_algorithm([failed, loose], 256 << 20, deterministic=True)
