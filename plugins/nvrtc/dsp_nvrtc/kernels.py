@@ -11,6 +11,7 @@ modules live as long as the process: a captured graph holds their functions.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from dsp_nvrtc.cache import Entry, JitSegmentCacheKey, PtxBundle, SegmentCache, 
 from dsp_nvrtc.launch import dependent_launch, launch
 
 # (source, target, device) -> loaded module, for the process: a graph holds the functions it launches.
+log = logging.getLogger("dsp.nvrtc")
 _MODULES: dict[tuple[str, str, int], Any] = {}
 _modules_lock = threading.Lock()
 OPTIONS: tuple[str, ...] = ()  # NVRTC options beyond compiler.OPTIONS (part of the cache key)
@@ -133,7 +135,11 @@ class NvrtcSource:
         target = device_target(cp)
         binary, hit = compiled(kernel, spec, target, self.cache)
         if config.get("nvrtc_export_ptx"):
-            self.export(kernel, f"compute_{cp.cuda.Device().compute_capability}")
+            arch = f"compute_{cp.cuda.Device().compute_capability}"
+            try:
+                self.export(kernel, arch)
+            except compiler.NvrtcError as exc:  # the kernel itself is fine (its CUBIN is built): say so, go on
+                log.warning("DSP NVRTC_JIT: %s not exported to the PTX bundle: %s", kernel.name, exc)
         return load(cp, kernel, binary, target), hit
 
     def export(self, kernel: codegen.Kernel, arch: str) -> None:
