@@ -366,3 +366,55 @@ def test_merged_products_are_written_in_the_models_opset(backend: str, cpu_runti
     got = dsp.compile(FIXTURES / "llama_eager.onnx", mode=backend).run(feeds)
     for name, w in want.items():
         np.testing.assert_allclose(np.asarray(got[name]), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+def _sealed_graph() -> dsp.Graph:
+    """x[2, 8] @ Transpose(w)[8, 16] -> Relu: the transpose reads a constant only (a frozen plan seals it)."""
+    rng = np.random.default_rng(3)
+    g = dsp.GraphBuilder("sealed")
+    x = g.placeholder("x", "float32", [2, 8])
+    w = g.constant(rng.standard_normal((16, 8)).astype(np.float32), name="w")
+    g.output(g.Relu(g.MatMul(x, g.Transpose(w))), "y")
+    return g.build()
+
+
+def _count_builds(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Every compile of a model by ``name``'s segments, counted (the real compile still runs)."""
+    from dsp_onnxruntime.segment import OnnxRuntimeSegment
+    from dsp_openvino.segment import OpenVinoSegment
+
+    cls = OpenVinoSegment if name == "openvino" else OnnxRuntimeSegment
+    real, builds = cls._build, []
+
+    def counted(self: Any, model: bytes, key: Any) -> Any:
+        builds.append(len(model))
+        return real(self, model, key)
+
+    monkeypatch.setattr(cls, "_build", counted)
+    return builds
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_freezing_finds_the_model_the_eager_runs_compiled(
+    name: str, cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eager runs compute the slots a frozen plan seals on the reference kernels and compile the
+    rest, the model the frozen unit needs: one compile from the first run to the replays, where a
+    big model used to be compiled again at freeze (GPT-2 124M's prompt plan: 5 s more on OpenVINO)."""
+    builds = _count_builds(monkeypatch, name)
+    graph = _sealed_graph()
+    model, reference = dsp.compile(graph, mode=name), dsp.compile(graph, mode="slot_by_slot")
+    rng = np.random.default_rng(4)
+    for _ in range(6):
+        x = rng.standard_normal((2, 8)).astype(np.float32)
+        np.testing.assert_allclose(model.run({"x": x})["y"], reference.run({"x": x})["y"], rtol=1e-5, atol=1e-5)
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    assert runtime.phase.name == "REPLAYING" and runtime.sealed, runtime.sealed
+    assert len(builds) == 1, builds
+    # a second model of the same graph shares the compiled model (its own bindings)
+    again = dsp.compile(graph, mode=name)
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    for _ in range(4):
+        np.testing.assert_allclose(again.run({"x": x})["y"], reference.run({"x": x})["y"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model.run({"x": x})["y"], reference.run({"x": x})["y"], rtol=1e-5, atol=1e-5)
+    assert len(builds) == 1, builds

@@ -53,6 +53,10 @@ class OpenVinoSegment(WholeSegment):
             raise BackendError(f"OpenVINO's CPU plugin does not take {', '.join(missing[:4])} (Core.query_model)")
         return Compiled(core().compile_model(ov_model, "CPU", compile_config()), self._in_names, self._out_names)
 
+    def _share(self, compiled: Any) -> Any:
+        # the compiled model is shared; its infer request (bound tensors) is this segment's own
+        return Compiled(compiled.model, self._in_names, self._out_names)
+
     def _infer(self, compiled: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
         results = compiled.request.infer(dict(zip(compiled.in_ports, inputs)), share_inputs=True)
         return [np.array(results[p]) for p in compiled.out_ports]
