@@ -418,3 +418,21 @@ def test_freezing_finds_the_model_the_eager_runs_compiled(
         np.testing.assert_allclose(again.run({"x": x})["y"], reference.run({"x": x})["y"], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(model.run({"x": x})["y"], reference.run({"x": x})["y"], rtol=1e-5, atol=1e-5)
     assert len(builds) == 1, builds
+
+
+def test_a_shared_model_is_offered_only_with_equal_sealed_values_and_while_held() -> None:
+    import gc
+
+    from dsp_core.backends import whole
+
+    class Model:  # a compiled model stands in as any object a segment holds
+        pass
+
+    key = ("test-shared-model",)
+    held = Model()
+    whole._keep_shared(key, {7: np.arange(4.0)}, held)
+    assert whole._find_shared(key, {7: np.arange(4.0)}) is held
+    assert whole._find_shared(key, {7: np.arange(4.0) + 1}) is None  # other sealed values: another model
+    del held
+    gc.collect()
+    assert whole._find_shared(key, {7: np.arange(4.0)}) is None and key not in whole._SHARED

@@ -37,7 +37,6 @@ the whole buffer into a new tensor every step (GPT-2 124M: 24 buffers, 11.8 MB a
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 from collections.abc import Callable
@@ -77,8 +76,9 @@ def _nothing() -> None:
     """The bound call of a segment with no model (its slots all sealed)."""
 
 
-# Compiled models by what decides them (WholeSegment._shared_key), while a segment holds one.
-_SHARED: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDictionary()
+# Compiled models by what decides them but the sealed values they embed (WholeSegment._shared_key),
+# each with those values, while a segment holds the model: see WholeSegment.compiled_for.
+_SHARED: dict[tuple[Any, ...], list[tuple[weakref.ref[Any], dict[int, np.ndarray]]]] = {}
 
 
 def segment_io(
@@ -183,8 +183,8 @@ class WholeSegment(CompiledSegment):
         compiled = self._models.get(key)
         if compiled is None:
             constants = {f: np.asarray(values[f]) for f in self.embedded}
-            shared = self._shared_key(key, constants)
-            base = _SHARED.get(shared) if shared is not None else None
+            shared, sealed = self._shared_key(key, constants)
+            base = _find_shared(shared, sealed) if shared is not None else None
             if base is not None:
                 compiled = self._share(base)
             else:
@@ -192,7 +192,7 @@ class WholeSegment(CompiledSegment):
                 model = self._subgraph.segment_model(self.plan, self._slots, self.io, feeds, constants)
                 compiled = self._build(self._subgraph.serialized(model), key)
                 if shared is not None:
-                    _SHARED[shared] = compiled
+                    _keep_shared(shared, sealed, compiled)
             self._models[key] = compiled
         return compiled
 
@@ -222,25 +222,31 @@ class WholeSegment(CompiledSegment):
             for f, x in got.items():
                 values[f] = x
 
-    def _shared_key(self, key: ShapeKey, constants: dict[int, np.ndarray]) -> tuple[Any, ...] | None:
+    def _shared_key(
+        self, key: ShapeKey, constants: dict[int, np.ndarray]
+    ) -> tuple[tuple[Any, ...] | None, dict[int, np.ndarray]]:
         """What decides the model this segment compiles for ``key``: the backend and DSP's options, the
-        plan's content, the slots and I/O, the embedded values (a plan constant by the plan's content
-        hash, a sealed slot's value by its own digest: a fraction of a second where a compile takes
-        seconds). None (not shared): a plan with no content hash."""
-        if not self.plan.content_hash:
-            return None
+        plan's content (its constants included), the slots and I/O, the shapes; and the embedded values
+        that are not plan constants (sealed slots' values), which a shared model must equal. The key is
+        None (nothing shared) for a plan with no content hash."""
         plan_constants = {self.plan.flat(self.plan.external_ref(k)): a for k, a in self.plan.constants.items()}
-        embedded: list[tuple[Any, ...]] = []
-        for f, a in constants.items():
-            if plan_constants.get(f) is a:
-                embedded.append((f, "constant"))  # the content hash covers it
-            else:
-                digest = hashlib.blake2b(np.ascontiguousarray(a).data, digest_size=16).hexdigest()
-                embedded.append((f, a.dtype.str, a.shape, digest))
+        sealed = {f: a for f, a in constants.items() if plan_constants.get(f) is not a}
+        if not self.plan.content_hash:
+            return None, sealed
         options = tuple((o.name, repr(config.get(o.name))) for o in config.OPTIONS)
         io = (tuple(self.io.inputs), tuple(self.io.outputs), tuple(sorted(self.in_place.items())), self.alone)
-        return (type(self).__name__, self.backend.name, self.plan.content_hash, self._slots, io, key,
-                tuple(embedded), options)  # fmt: skip
+        embedded = tuple((f, a.dtype.str, a.shape) for f, a in sorted(sealed.items()))
+        shared = (
+            type(self).__name__,
+            self.backend.name,
+            self.plan.content_hash,
+            self._slots,
+            io,
+            key,
+            embedded,
+            options,
+        )
+        return shared, sealed
 
     # -- lifecycle -----------------------------------------------------------------------
     def run(self, values: list[Any]) -> None:
@@ -463,3 +469,25 @@ def runtime_cache_dir(name: str) -> Path | None:
 def cpu_threads() -> int:
     """DSP_CPU_THREADS: threads per runtime call (0: the runtime's default)."""
     return int(config.get("cpu_threads"))
+
+
+def _find_shared(key: tuple[Any, ...], sealed: dict[int, np.ndarray]) -> Any:
+    """A live compiled model under ``key`` whose sealed values equal ``sealed`` (compared only when
+    there is a candidate: a first compile pays nothing), or None."""
+    for ref, values in _SHARED.get(key, ()):
+        model = ref()
+        if model is not None and all(np.array_equal(values[f], a) for f, a in sealed.items()):
+            return model
+    return None
+
+
+def _keep_shared(key: tuple[Any, ...], sealed: dict[int, np.ndarray], model: Any) -> None:
+    """Offer ``model`` to later segments of the same key, for as long as a segment holds it."""
+    entries = _SHARED.setdefault(key, [])
+
+    def gone(ref: weakref.ref[Any]) -> None:
+        entries[:] = [e for e in entries if e[0] is not ref]
+        if not entries and _SHARED.get(key) is entries:
+            del _SHARED[key]
+
+    entries.append((weakref.ref(model, gone), sealed))
