@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         cls._build = counted  # type: ignore[method-assign]
     pipe = GenerationPipeline(args.model, max_length=args.prompt + args.tokens + 8, mode="auto")
     prompt = np.arange(args.prompt, dtype=np.int64)[None] % 1000
-    rows = []
+    rows: list[dict[str, Any]] = []
     for call in range(1, args.calls + 1):
         before = len(builds)
         start = time.perf_counter()
