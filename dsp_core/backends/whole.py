@@ -123,9 +123,9 @@ class WholeSegment(CompiledSegment):
             inner, live = (), segment.slots  # a subgraph among them: one model, as before
         self._inner = inner
         self._slots = live  # the slots the runtime's model computes
-        self._inner_reads = tuple(
-            dict.fromkeys(plan.flat(r) for s in inner for r in plan.slots[s].inputs if r is not None)
-        )
+        made = {plan.flat(v) for s in inner for v in plan.slots[s].outputs if v is not None}
+        reads = (plan.flat(r) for s in inner for r in plan.slots[s].inputs if r is not None)
+        self._inner_reads = tuple(f for f in dict.fromkeys(reads) if f not in made)  # from outside them
         self._inner_values: dict[tuple[Any, ...], dict[int, Any]] = {}
         self.io, self.embedded = segment_io(plan, live, sealed)
         # KV stores: (buffer, rows, position, axis, output) flat indexes; the runtime returns each
