@@ -206,6 +206,20 @@ def test_ptx_jit_without_a_bundle_runs_each_group_on_its_reference_kernels_and_s
     assert any("no PTX of its kernel" in r["reason"] for r in reports), reports
 
 
+def _replays_like_the_reference(
+    graph: dsp.Graph, rng: np.random.Generator, shape: tuple[int, ...], dtype: Any, runs: int, what: str
+) -> dsp.CompiledModel:
+    """``graph`` on NVRTC_JIT, ``runs`` random ``x`` feeds each equal to the reference's, then replaying."""
+    want = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
+    tol = _tolerance("nvrtc_jit")
+    for run in range(runs):
+        feeds = {"x": rng.standard_normal(shape).astype(dtype)}
+        _close(model.run(feeds), want.run(feeds), tol, f"{what} run {run}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    return model
+
+
 def _kernels_per_replay(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -272,13 +286,7 @@ def test_products_by_big_constant_weights_are_warp_kernels_equal_to_the_referenc
         y = g.Gemm(x, w, bias, transB=1)
     g.output(g.Tanh(y), "y")
     graph = g.build()
-    want = dsp.compile(graph, mode="slot_by_slot")
-    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
-    tol = _tolerance("nvrtc_jit")
-    for run in range(8):
-        feeds = {"x": rng.standard_normal((rows, k)).astype(dtype)}
-        _close(model.run(feeds), want.run(feeds), tol, f"{form} rows {rows} run {run}")
-    assert model.dsp.phase is PlanPhase.REPLAYING
+    model = _replays_like_the_reference(graph, rng, (rows, k), dtype, 8, f"{form} rows {rows}")
     products = [r for r in _reports(model) if r["template"] == "product"]
     assert len(products) == 1 and products[0]["status"] == "fused", _reports(model)
     assert products[0]["kernel"].startswith("dsp_mm_")
@@ -318,13 +326,7 @@ def test_every_lanes_and_columns_setting_gives_the_reference(
         gate, up = (h @ g.constant((rng.standard_normal((k, 8192)) * 0.02).astype(np.float16)) for _ in range(2))
         g.output(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), "y")
     graph = g.build()
-    want = dsp.compile(graph, mode="slot_by_slot")
-    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
-    tol = _tolerance("nvrtc_jit")
-    for run in range(6):
-        feeds = {"x": rng.standard_normal((1, 1, k)).astype(np.float16)}
-        _close(model.run(feeds), want.run(feeds), tol, f"{case} lanes {lanes} columns {columns} run {run}")
-    assert model.dsp.phase is PlanPhase.REPLAYING
+    model = _replays_like_the_reference(graph, rng, (1, 1, k), np.float16, 6, f"{case} lanes {lanes} columns {columns}")
     products = [r for r in _reports(model) if r["template"] == "product"]
     assert len(products) == 1 and products[0]["status"] == "fused", _reports(model)
 
@@ -372,13 +374,7 @@ def test_merged_sibling_products_are_one_kernel_equal_to_the_reference(form: str
             y = g.Gemm(flat, w, g.constant((rng.standard_normal(n) * 0.1).astype(np.float16)), transB=1)
         g.output(g.Tanh(y), f"y{i}")
     graph = g.build()
-    want = dsp.compile(graph, mode="slot_by_slot")
-    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
-    tol = _tolerance("nvrtc_jit")
-    for run in range(8):
-        feeds = {"x": rng.standard_normal((1, 1, 2048)).astype(np.float16)}
-        _close(model.run(feeds), want.run(feeds), tol, f"merged {form} run {run}")
-    assert model.dsp.phase is PlanPhase.REPLAYING
+    model = _replays_like_the_reference(graph, rng, (1, 1, 2048), np.float16, 8, f"merged {form}")
     plan = model.plan()
     assert plan is not None
     merged = [r for r in _reports(model) if [plan.slots[s].op for s in r["slots"]] == ["MergedMatMul"]]
@@ -404,13 +400,7 @@ def test_a_norm_is_the_merged_products_prologue_and_silu_times_up_its_pairwise_e
     gate, up = h2 @ weight(8192), h2 @ weight(8192)
     g.output(g.Mul(g.Mul(gate, g.Sigmoid(gate)), up), "mlp")
     graph = g.build()
-    want = dsp.compile(graph, mode="slot_by_slot")
-    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
-    tol = _tolerance("nvrtc_jit")
-    for run in range(8):
-        feeds = {"x": rng.standard_normal((1, 1, k)).astype(dtype)}
-        _close(model.run(feeds), want.run(feeds), tol, f"merged with prologue {dtype} run {run}")
-    assert model.dsp.phase is PlanPhase.REPLAYING
+    model = _replays_like_the_reference(graph, rng, (1, 1, k), dtype, 8, f"merged with prologue {dtype}")
     plan = model.plan()
     assert plan is not None
     merged = [r for r in _reports(model) if "MergedMatMul" in [plan.slots[s].op for s in r["slots"]]]
@@ -436,13 +426,7 @@ def test_a_chain_of_dependent_launches_keeps_the_graphs_order_while_replaying() 
 
     rng = np.random.default_rng(5)
     graph = product_chain(rng)
-    want = dsp.compile(graph, mode="slot_by_slot")
-    model = dsp.compile(graph, mode="nvrtc_jit", strict=True)
-    tol = _tolerance("nvrtc_jit")
-    for run in range(10):
-        feeds = {"x": rng.standard_normal((1, 1, 768)).astype(np.float16)}
-        _close(model.run(feeds), want.run(feeds), tol, f"chain run {run}")
-    assert model.dsp.phase is PlanPhase.REPLAYING
+    model = _replays_like_the_reference(graph, rng, (1, 1, 768), np.float16, 10, "chain")
     products = [r for r in _reports(model) if r["template"] == "product"]
     assert len(products) == 48 and all(r["status"] == "fused" for r in products), products
 
