@@ -319,6 +319,17 @@ OPTIONS: tuple[Option, ...] = (
         "Allow TF32 in float32 cuBLAS products of GPU backends (faster, not deterministic); read at plugin load.",
     ),
     Option(
+        "cudnn_algo",
+        "DSP_CUDNN_ALGO",
+        "choice",
+        "timed",
+        "How GPU backends choose a convolution's cuDNN algorithm, once per layout before capture: timed "
+        "(cuDNN's search and heuristics shortlist a few, DSP times each over repeated calls and keeps the "
+        "fastest), find (what cuDNN's own search, best of three, timed fastest), heuristic (cuDNN's "
+        "heuristic first choice, untimed). Read when the backend first runs a convolution.",
+        choices=("timed", "find", "heuristic"),
+    ),
+    Option(
         "oom_retries",
         "DSP_OOM_RETRIES",
         "int",

@@ -92,3 +92,65 @@ def test_the_algorithm_is_the_best_over_every_round_of_the_search() -> None:
     assert pick_algorithm([warm, failed, loose], 256 << 20, deterministic=False)[0].algo == 5
     with pytest.raises(Unsupported, match="is deterministic"):
         pick_algorithm([failed, loose], 256 << 20, deterministic=True)
+
+
+def test_the_shortlist_is_the_searchs_best_then_the_heuristics_first_choices() -> None:
+    from dsp_cuda_graphs.cudnn import DETERMINISTIC, Timing, shortlist
+
+    searched = [
+        [Timing(0, 0, 0.30, 0, DETERMINISTIC), Timing(1, 0, 0.05, 1 << 20, DETERMINISTIC)],
+        [Timing(0, 0, 0.02, 0, DETERMINISTIC), Timing(6, 0, 0.40, 0, DETERMINISTIC)],
+        [Timing(7, 0, 0.01, 1 << 30, DETERMINISTIC), Timing(5, 0, 0.001, 0, 0), Timing(2, 3, 0.0, 0, DETERMINISTIC)],
+    ]
+    heuristic = [Timing(1, 0, -1.0, 0, DETERMINISTIC), Timing(4, 0, -1.0, 0, DETERMINISTIC)]
+    # 0 at its best time first, then 1; 7 needs too much workspace, 5 is not deterministic, 2 failed;
+    # the heuristics add 4 (1 is there already)
+    assert [t.algo for t in shortlist(searched, heuristic, 256 << 20, True, 2)] == [0, 1, 4]
+    assert [t.algo for t in shortlist(searched, heuristic, 256 << 20, False, 2)] == [5, 0, 1, 4]
+    assert [t.algo for t in shortlist(searched, [], 256 << 20, True, 4)] == [0, 1, 6]
+
+
+def test_an_unknown_search_is_refused_before_cudnn_loads() -> None:
+    from dsp_cuda_graphs.cudnn import Cudnn
+
+    with pytest.raises(ValueError, match="DSP_CUDNN_ALGO 'fastest': one of timed, find, heuristic"):
+        Cudnn(None, False, True, search="fastest")
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "attrs"),
+    [
+        ((1, 64, 112, 112), {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}),  # ResNet's
+        ((2, 3, 8, 9), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+        ((2, 3, 10), {"kernel_shape": [3], "strides": [1]}),
+        ((1, 2, 5, 6, 7), {"kernel_shape": [2, 3, 2], "pads": [1, 1, 0, 1, 1, 0]}),
+        ((1, 2, 9, 9), {"kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [1, 1]}),
+    ],
+)
+def test_a_max_pool_cudnn_takes_has_the_reference_output_shape(x_shape, attrs) -> None:  # type: ignore[no-untyped-def]
+    from dsp_cuda_graphs.cudnn import pool_geometry
+
+    from dsp_core.ops.conv import max_pool
+    from dsp_core.ops.registry import KernelContext
+
+    g = pool_geometry(x_shape, "float32", **attrs)
+    want = max_pool(KernelContext(np, 22, 1, 1, "p"), np.zeros(x_shape, np.float32), **attrs)[0].shape
+    assert (g.y_shape[:2] + g.y_shape[3:] if g.lifted else g.y_shape) == want
+    assert len(g.window) == len(g.pads) == len(g.strides) == len(g.x_shape) - 2
+
+
+@pytest.mark.parametrize(
+    ("attrs", "why"),
+    [
+        ({"kernel_shape": [3, 3], "dilations": [2, 2]}, "dilations"),
+        ({"kernel_shape": [2, 2], "pads": [2, 2, 2, 2]}, "as wide as the window"),
+        ({"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, "cuDNN's windows give"),
+        ({"kernel_shape": [3, 3], "auto_pad": "SAME_UPPER", "strides": [2, 2]}, "cuDNN.s windows give"),
+        ({"kernel_shape": [3, 3], "pads": [1, 1, 2, 2], "strides": [3, 3]}, "asymmetric padding"),
+    ],
+)
+def test_a_max_pool_cudnn_pools_differently_is_refused_with_its_reason(attrs, why) -> None:  # type: ignore[no-untyped-def]
+    from dsp_cuda_graphs.cudnn import pool_geometry
+
+    with pytest.raises(Unsupported, match=why):
+        pool_geometry((1, 2, 8, 8), "float32", **attrs)

@@ -8,6 +8,14 @@ candidates (``cudnnFindConvolutionForwardAlgorithmEx``) before any capture, and 
 workspace is allocated then, so ``cudnnConvolutionForward`` inside a capture allocates
 nothing. Where the contract is deterministic only deterministic algorithms are taken.
 
+How the algorithm is chosen (``DSP_CUDNN_ALGO``): ``timed`` (default) shortlists the best of
+cuDNN's own search and its heuristics' first choices, times each inside a captured CUDA graph
+(as the plan runs it) and keeps the fastest; ``find`` keeps what cuDNN's search timed fastest
+(best of ``FIND_ROUNDS``); ``heuristic`` takes cuDNN's heuristic first choice, untimed (what a
+framework does without benchmarking). cuDNN's search times calls eagerly, where its host work
+per call (tens of µs on cuDNN 9) hides the kernels' time: on ResNet-50 it chose slow algorithms
+for a third of the layers (benchmarks/results/gpu_2026-12-03e/, gpu_2026-12-03f/).
+
 ``conv_geometry`` (pure Python, unit-tested on the CPU) turns ONNX Conv attributes into what
 cuDNN takes, or says why cuDNN cannot run that convolution (asymmetric padding, an
 unsupported rank or dtype): the caller then runs the reference kernel.
@@ -24,14 +32,20 @@ from dsp_cuda_graphs.cublas import library_candidates
 
 # cudnnDataType_t, cudnnTensorFormat_t, cudnnConvolutionMode_t, cudnnMathType_t (cudnn_graph.h / cudnn_cnn.h)
 DATA_FLOAT, DATA_DOUBLE, DATA_HALF, DATA_BFLOAT16 = 0, 1, 2, 9
-FORMAT_NCHW = 0
+FORMAT_NCHW, FORMAT_NHWC = 0, 1
 CROSS_CORRELATION = 1
 DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 DETERMINISTIC = 1
+IMPLICIT_PRECOMP_GEMM = 1  # the one algorithm cuDNN fuses an identity-activation bias into
+ACTIVATION_IDENTITY, NOT_PROPAGATE_NAN, PROPAGATE_NAN = 5, 0, 1
+POOLING_MAX = 0
 DATA_TYPES = {"float32": DATA_FLOAT, "float64": DATA_DOUBLE, "float16": DATA_HALF, "bfloat16": DATA_BFLOAT16}
 FIND_WORKSPACE_BYTES = 256 << 20  # the most workspace an algorithm may take
 ALGO_COUNT = 10
 FIND_ROUNDS = 3  # searches per layout; each algorithm keeps its best time (Convolution.choose)
+SEARCHES = ("timed", "find", "heuristic")  # DSP_CUDNN_ALGO
+TIMED_CANDIDATES = 4  # algorithms timed by DSP itself under "timed", from the search and from the heuristics each
+TIMED_CALLS, TIMED_REPEATS = 8, 4  # calls per captured graph, replays timed per algorithm (best kept)
 
 
 class Unsupported(Exception):
@@ -157,6 +171,34 @@ class Timing:
     time: float  # ms
     memory: int  # workspace bytes
     determinism: int
+    math_type: int = TENSOR_OP_MATH
+
+
+def usable(timings: list[Timing], max_workspace: int, deterministic: bool) -> list[Timing]:
+    """The timings that ran, fit the workspace and are deterministic where asked, in their order."""
+    return [
+        t
+        for t in timings
+        if t.status == 0 and t.memory <= max_workspace and (t.determinism == DETERMINISTIC or not deterministic)
+    ]
+
+
+def shortlist(
+    rounds: list[list[Timing]], heuristic: list[Timing], max_workspace: int, deterministic: bool, count: int
+) -> list[Timing]:
+    """What DSP times itself: the ``count`` best of the search (each algorithm at its best time),
+    then the heuristics' first choices not among them, up to ``count`` more; no algorithm twice."""
+    best: dict[int, Timing] = {}
+    for t in usable([t for r in rounds for t in r], max_workspace, deterministic):
+        if t.algo not in best or t.time < best[t.algo].time:
+            best[t.algo] = t
+    out = sorted(best.values(), key=lambda t: t.time)[:count]
+    seen = {t.algo for t in out}
+    for t in usable(heuristic, max_workspace, deterministic)[:count]:
+        if t.algo not in seen:
+            out.append(t)
+            seen.add(t.algo)
+    return out
 
 
 def pick_algorithm(
@@ -168,19 +210,24 @@ def pick_algorithm(
     for timing in (t for r in rounds for t in r):
         if timing.status == 0 and (timing.algo not in best or timing.time < best[timing.algo].time):
             best[timing.algo] = timing
-    usable = [
-        t for t in best.values() if t.memory <= max_workspace and (t.determinism == DETERMINISTIC or not deterministic)
-    ]
-    if not usable:
-        raise Unsupported("no cuDNN algorithm for this convolution" + (" is deterministic" if deterministic else ""))
-    return min(usable, key=lambda t: t.time), {a: t.time for a, t in best.items()}
+    fits = usable(list(best.values()), max_workspace, deterministic)
+    if not fits:
+        raise Unsupported(_none_usable(deterministic))
+    return min(fits, key=lambda t: t.time), {a: t.time for a, t in best.items()}
+
+
+def _none_usable(deterministic: bool) -> str:
+    return "no cuDNN algorithm for this convolution" + (" is deterministic" if deterministic else "")
 
 
 class Convolution:
     """One convolution layout: its descriptors, chosen algorithm and fixed workspace."""
 
-    def __init__(self, lib: ctypes.CDLL, geometry: Geometry, dtype: str, tf32: bool, deterministic: bool) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, geometry: Geometry, dtype: str, tf32: bool, deterministic: bool, nhwc: bool = False
+    ) -> None:
         self.lib, self.geometry, self.dtype = lib, geometry, dtype
+        self.filter_nhwc = nhwc  # the weights read as [K, *spatial, C] (a copy made once), the data NCHW
         self.deterministic = deterministic
         dt = DATA_TYPES[dtype]
         g = geometry
@@ -189,7 +236,9 @@ class Convolution:
         self.w_desc = ctypes.c_void_p()
         _check(lib.cudnnCreateFilterDescriptor(ctypes.byref(self.w_desc)), "cudnnCreateFilterDescriptor")
         _check(
-            lib.cudnnSetFilterNdDescriptor(self.w_desc, dt, FORMAT_NCHW, len(g.w_shape), _ints(g.w_shape)),
+            lib.cudnnSetFilterNdDescriptor(
+                self.w_desc, dt, FORMAT_NHWC if nhwc else FORMAT_NCHW, len(g.w_shape), _ints(g.w_shape)
+            ),
             "cudnnSetFilterNdDescriptor",
         )
         self.conv_desc = ctypes.c_void_p()
@@ -210,51 +259,161 @@ class Convolution:
         scale = ctypes.c_double if dtype == "float64" else ctypes.c_float
         self.one, self.zero = scale(1.0), scale(0.0)
         self.algo: int | None = None
+        self.bias_desc: ctypes.c_void_p | None = None  # (1, C, 1, ...) for a bias added by cuDNN
+        self.act_desc: ctypes.c_void_p | None = None  # identity: the bias in the convolution's own call
+        self.fuse_bias = True
         self.workspace: Any = None
         self.workspace_bytes = 0
         self.timings_ms: dict[int, float] = {}
 
     def _tensor(self, dt: int, shape: tuple[int, ...]) -> ctypes.c_void_p:
-        desc = ctypes.c_void_p()
-        _check(self.lib.cudnnCreateTensorDescriptor(ctypes.byref(desc)), "cudnnCreateTensorDescriptor")
+        return tensor_descriptor(self.lib, dt, shape)
+
+    def _search(self, handle: ctypes.c_void_p, x: Any, w: Any, y: Any, scratch: Any) -> list[Timing]:
+        found = ctypes.c_int(0)
+        perf = (_AlgoPerf * ALGO_COUNT)()
         _check(
-            self.lib.cudnnSetTensorNdDescriptor(desc, dt, len(shape), _ints(shape), _ints(packed_strides(shape))),
-            "cudnnSetTensorNdDescriptor",
+            self.lib.cudnnFindConvolutionForwardAlgorithmEx(
+                handle, self.x_desc, _ptr(x), self.w_desc, _ptr(w), self.conv_desc, self.y_desc, _ptr(y),
+                ALGO_COUNT, ctypes.byref(found), perf, _ptr(scratch), ctypes.c_size_t(FIND_WORKSPACE_BYTES),
+            ),
+            "cudnnFindConvolutionForwardAlgorithmEx",
+        )  # fmt: skip
+        return _timings(perf, found.value)
+
+    def _heuristic(self, handle: ctypes.c_void_p) -> list[Timing]:
+        found = ctypes.c_int(0)
+        perf = (_AlgoPerf * ALGO_COUNT)()
+        _check(
+            self.lib.cudnnGetConvolutionForwardAlgorithm_v7(
+                handle, self.x_desc, self.w_desc, self.conv_desc, self.y_desc, ALGO_COUNT, ctypes.byref(found), perf
+            ),
+            "cudnnGetConvolutionForwardAlgorithm_v7",
         )
-        return desc
+        return _timings(perf, found.value)
 
-    def choose(self, handle: ctypes.c_void_p, cp: Any, x: Any, w: Any, y: Any) -> None:
-        """Time the algorithms on these buffers (outside any capture); keep the fastest that fits.
+    def _time(
+        self, handle: ctypes.c_void_p, cp: Any, stream: Any, t: Timing, x: Any, w: Any, y: Any, b: Any, ws: Any
+    ) -> float:
+        """Milliseconds a call of algorithm ``t`` (with the bias ``b``, if any, as ``forward`` adds
+        it) takes inside a CUDA graph, as the plan will run it:
+        ``TIMED_CALLS`` calls captured once (after one call that loads its kernels), the graph
+        replayed ``TIMED_REPEATS`` times, the best kept. Timed eagerly, cuDNN's host work per call
+        (tens of µs) hides the kernels' own time and every algorithm looks alike. ``math.inf``
+        where the algorithm cannot be captured (it is then never chosen)."""
+        self._set_math(t.math_type)
+        self.algo, self.workspace, self.workspace_bytes = t.algo, ws, t.memory
+        try:
+            self.forward(handle, x, w, y, b)
+            stream.begin_capture()
+            try:
+                for _ in range(TIMED_CALLS):
+                    self.forward(handle, x, w, y, b)
+            finally:
+                graph = stream.end_capture()
+        except Exception:  # noqa: BLE001 - any failure to capture rules the algorithm out
+            return math.inf
+        best = math.inf
+        for _ in range(TIMED_REPEATS):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, end) / TIMED_CALLS)
+        return best
 
-        The search runs ``FIND_ROUNDS`` times and each algorithm keeps its best time: an
-        algorithm's first timing can include loading its kernels (CUDA loads modules lazily) or
-        another process's work on a shared GPU, and one such timing made the slowest algorithm
+    def _set_math(self, math_type: int) -> None:
+        _check(self.lib.cudnnSetConvolutionMathType(self.conv_desc, math_type), "cudnnSetConvolutionMathType")
+
+    def choose(
+        self, handle: ctypes.c_void_p, cp: Any, stream: Any, x: Any, w: Any, y: Any, search: str, b: Any = None
+    ) -> None:
+        """Choose the algorithm on these buffers (outside any capture) as ``search`` says (``SEARCHES``);
+        keep it, its math type and its fixed workspace.
+
+        ``find`` runs cuDNN's search ``FIND_ROUNDS`` times and each algorithm keeps its best time:
+        an algorithm's first timing can include loading its kernels (CUDA loads modules lazily)
+        or another process's work on a shared GPU, and one such timing made the slowest algorithm
         look fastest for a third of ResNet-50's layers (benchmarks/results/gpu_2026-12-03e/).
+        ``timed`` then times the shortlist (``shortlist``) itself, each after a warm-up call.
         """
+        if search not in SEARCHES:
+            raise ValueError(f"DSP_CUDNN_ALGO {search!r}: one of {', '.join(SEARCHES)}")
         scratch = cp.empty(FIND_WORKSPACE_BYTES, dtype=cp.uint8)
-        rounds: list[list[Timing]] = []
-        for _ in range(FIND_ROUNDS):
-            found = ctypes.c_int(0)
-            perf = (_AlgoPerf * ALGO_COUNT)()
-            _check(
-                self.lib.cudnnFindConvolutionForwardAlgorithmEx(
-                    handle, self.x_desc, _ptr(x), self.w_desc, _ptr(w), self.conv_desc, self.y_desc, _ptr(y),
-                    ALGO_COUNT, ctypes.byref(found), perf, _ptr(scratch), ctypes.c_size_t(FIND_WORKSPACE_BYTES),
-                ),
-                "cudnnFindConvolutionForwardAlgorithmEx",
-            )  # fmt: skip
-            rounds.append(
-                [
-                    Timing(int(p.algo), int(p.status), float(p.time), int(p.memory), int(p.determinism))
-                    for p in perf[: found.value]
-                ]
-            )
-        best, self.timings_ms = pick_algorithm(rounds, FIND_WORKSPACE_BYTES, self.deterministic)
+        heuristic = self._heuristic(handle)
+        if search == "heuristic":
+            fits = usable(heuristic, FIND_WORKSPACE_BYTES, self.deterministic)
+            if not fits:
+                raise Unsupported(_none_usable(self.deterministic))
+            best, self.timings_ms = fits[0], {}
+        else:
+            rounds = [self._search(handle, x, w, y, scratch) for _ in range(FIND_ROUNDS if search == "find" else 1)]
+            best, self.timings_ms = pick_algorithm(rounds, FIND_WORKSPACE_BYTES, self.deterministic)
+            if search == "timed":
+                timed = {
+                    t: self._time(handle, cp, stream, t, x, w, y, b, scratch)
+                    for t in shortlist(rounds, heuristic, FIND_WORKSPACE_BYTES, self.deterministic, TIMED_CANDIDATES)
+                }
+                best = min(timed, key=timed.__getitem__)
+                if timed[best] == math.inf:
+                    raise Unsupported("no cuDNN algorithm for this convolution could be captured")
+                self.timings_ms = {t.algo: ms for t, ms in timed.items()}
+        self._set_math(best.math_type)
         self.algo, self.workspace_bytes = best.algo, best.memory
         self.workspace = cp.empty(max(self.workspace_bytes, 1), dtype=cp.uint8)
 
-    def forward(self, handle: ctypes.c_void_p, x: Any, w: Any, y: Any) -> None:
-        """y = conv(x, w): one cuDNN call on the handle's stream, nothing allocated."""
+    def forward(self, handle: ctypes.c_void_p, x: Any, w: Any, y: Any, b: Any = None) -> None:
+        """y = conv(x, w) (+ b over the channels): on the handle's stream, nothing allocated.
+
+        With a bias: one fused call (``cudnnConvolutionBiasActivationForward``, identity
+        activation) where the algorithm is the one cuDNN fuses it into, else the convolution
+        then ``cudnnAddTensor``.
+        """
+        assert self.algo is not None
+        if b is not None:
+            self._bias_descriptors(len(self.geometry.y_shape))
+            if self.algo == IMPLICIT_PRECOMP_GEMM and self.fuse_bias:
+                status = (
+                    self.lib.cudnnConvolutionBiasActivationForward(
+                        handle, ctypes.byref(self.one), self.x_desc, _ptr(x), self.w_desc, _ptr(w), self.conv_desc,
+                        self.algo, _ptr(self.workspace), ctypes.c_size_t(self.workspace_bytes),
+                        ctypes.byref(self.zero), self.y_desc, _ptr(y), self.bias_desc, _ptr(b), self.act_desc,
+                        self.y_desc, _ptr(y),
+                    )
+                )  # fmt: skip
+                if status == 0:
+                    return
+                self.fuse_bias = False  # refused for this layout (a status, nothing launched): two calls from now on
+        self._forward(handle, x, w, y)
+        if b is not None:
+            _check(
+                self.lib.cudnnAddTensor(
+                    handle,
+                    ctypes.byref(self.one),
+                    self.bias_desc,
+                    _ptr(b),
+                    ctypes.byref(self.one),
+                    self.y_desc,
+                    _ptr(y),
+                ),
+                "cudnnAddTensor",
+            )
+
+    def _bias_descriptors(self, rank: int) -> None:
+        if self.bias_desc is not None:
+            return
+        shape = (1, self.geometry.y_shape[1]) + (1,) * (rank - 2)
+        self.bias_desc = self._tensor(DATA_TYPES[self.dtype], shape)
+        act = ctypes.c_void_p()
+        _check(self.lib.cudnnCreateActivationDescriptor(ctypes.byref(act)), "cudnnCreateActivationDescriptor")
+        self.act_desc = act
+        _check(
+            self.lib.cudnnSetActivationDescriptor(act, ACTIVATION_IDENTITY, NOT_PROPAGATE_NAN, ctypes.c_double(0.0)),
+            "cudnnSetActivationDescriptor",
+        )
+
+    def _forward(self, handle: ctypes.c_void_p, x: Any, w: Any, y: Any) -> None:
         assert self.algo is not None
         _check(
             self.lib.cudnnConvolutionForward(
@@ -268,6 +427,8 @@ class Convolution:
     def close(self) -> None:
         """Destroy the descriptors."""
         for fn, desc in (
+            (self.lib.cudnnDestroyTensorDescriptor, self.bias_desc),
+            (self.lib.cudnnDestroyActivationDescriptor, self.act_desc),
             (self.lib.cudnnDestroyTensorDescriptor, self.x_desc),
             (self.lib.cudnnDestroyTensorDescriptor, self.y_desc),
             (self.lib.cudnnDestroyFilterDescriptor, self.w_desc),
@@ -277,34 +438,185 @@ class Convolution:
                 fn(desc)
 
 
+@dataclass(frozen=True)
+class PoolGeometry:
+    """A max pool as cuDNN takes it (2-D or 3-D windows; 1-D lifted to 2-D)."""
+
+    x_shape: tuple[int, ...]
+    y_shape: tuple[int, ...]
+    window: tuple[int, ...]
+    pads: tuple[int, ...]
+    strides: tuple[int, ...]
+    lifted: bool
+
+
+def pool_geometry(
+    x_shape: tuple[int, ...],
+    dtype: str,
+    *,
+    kernel_shape: Any,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: Any = None,
+    pads: Any = None,
+    storage_order: int = 0,
+    strides: Any = None,
+) -> PoolGeometry:
+    """ONNX MaxPool attributes (one output) as cuDNN arguments; ``Unsupported`` with the reason where
+    cuDNN's pooling differs: dilated or asymmetric windows, a padding as wide as the window, or
+    ``ceil_mode`` adding a window."""
+    from dsp_core.ops.conv import _geometry_from_attrs
+
+    if dtype not in DATA_TYPES:
+        raise Unsupported(f"dtype {dtype}")
+    nd = len(x_shape) - 2
+    if nd not in (1, 2, 3) or kernel_shape is None or len(kernel_shape) != nd:
+        raise Unsupported(f"{nd}-D pooling")
+    spatial = tuple(int(v) for v in x_shape[2:])
+    window = tuple(int(k) for k in kernel_shape)
+    attrs = dict(auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations, pads=pads, strides=strides)
+    try:
+        out, begin, end, st, dl = _geometry_from_attrs(spatial, window, attrs)
+    except ValueError as exc:
+        raise Unsupported(str(exc)) from None
+    if any(d != 1 for d in dl):
+        raise Unsupported(f"dilations {dl}")
+    floor = tuple((n + 2 * p - k) // s + 1 for n, p, k, s in zip(spatial, begin, window, st))
+    if tuple(out) != floor or any(o < 1 for o in out) or 0 in x_shape:
+        raise Unsupported(f"output {tuple(out)} (cuDNN's windows give {floor})")
+    if begin != end:
+        raise Unsupported(f"asymmetric padding {begin} / {end}")
+    if any(p >= k for p, k in zip(begin, window)):
+        raise Unsupported(f"padding {begin} as wide as the window {window}")
+    y_shape = (int(x_shape[0]), int(x_shape[1]), *out)
+    if nd == 1:
+        return PoolGeometry(
+            (*x_shape[:2], 1, spatial[0]), (*y_shape[:2], 1, out[0]), (1, window[0]), (0, begin[0]), (1, st[0]), True
+        )
+    return PoolGeometry(tuple(int(v) for v in x_shape), y_shape, window, tuple(begin), tuple(st), False)
+
+
+class Pooling:
+    """One max-pool layout's descriptors; ``forward`` is one cuDNN call, capturable, no workspace."""
+
+    def __init__(self, lib: ctypes.CDLL, geometry: PoolGeometry, dtype: str) -> None:
+        self.lib, self.geometry = lib, geometry
+        dt = DATA_TYPES[dtype]
+        self.x_desc = tensor_descriptor(lib, dt, geometry.x_shape)
+        self.y_desc = tensor_descriptor(lib, dt, geometry.y_shape)
+        self.desc = ctypes.c_void_p()
+        _check(lib.cudnnCreatePoolingDescriptor(ctypes.byref(self.desc)), "cudnnCreatePoolingDescriptor")
+        g = geometry
+        _check(
+            lib.cudnnSetPoolingNdDescriptor(
+                self.desc, POOLING_MAX, PROPAGATE_NAN, len(g.window), _ints(g.window), _ints(g.pads), _ints(g.strides)
+            ),
+            "cudnnSetPoolingNdDescriptor",
+        )
+        scale = ctypes.c_double if dtype == "float64" else ctypes.c_float
+        self.one, self.zero = scale(1.0), scale(0.0)
+
+    def forward(self, handle: ctypes.c_void_p, x: Any, y: Any) -> None:
+        """y = max_pool(x) on the handle's stream."""
+        _check(
+            self.lib.cudnnPoolingForward(
+                handle, self.desc, ctypes.byref(self.one), self.x_desc, _ptr(x), ctypes.byref(self.zero), self.y_desc,
+                _ptr(y),
+            ),
+            "cudnnPoolingForward",
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Destroy the descriptors."""
+        self.lib.cudnnDestroyPoolingDescriptor(self.desc)
+        self.lib.cudnnDestroyTensorDescriptor(self.x_desc)
+        self.lib.cudnnDestroyTensorDescriptor(self.y_desc)
+
+
 class Cudnn:
     """One cuDNN handle bound to one stream; convolution layouts made and tuned on first use."""
 
-    def __init__(self, stream_ptr: int, tf32: bool, deterministic: bool) -> None:
+    def __init__(self, stream: Any, tf32: bool, deterministic: bool, search: str = "timed") -> None:
+        if search not in SEARCHES:
+            raise ValueError(f"DSP_CUDNN_ALGO {search!r}: one of {', '.join(SEARCHES)}")
         self.lib = load_library()
+        self.stream, self.search = stream, search
         self.handle = ctypes.c_void_p()
         _check(self.lib.cudnnCreate(ctypes.byref(self.handle)), "cudnnCreate")
-        _check(self.lib.cudnnSetStream(self.handle, ctypes.c_void_p(stream_ptr)), "cudnnSetStream")
+        _check(self.lib.cudnnSetStream(self.handle, ctypes.c_void_p(stream.ptr)), "cudnnSetStream")
         self.tf32, self.deterministic = tf32, deterministic
         self.layouts: dict[tuple[Any, ...], Convolution | Unsupported] = {}
+        self.pools: dict[tuple[Any, ...], Pooling] = {}
 
     def layout(
-        self, key: tuple[Any, ...], geometry: Geometry, dtype: str, cp: Any, x: Any, w: Any, y: Any
+        self,
+        key: tuple[Any, ...],
+        geometry: Geometry,
+        dtype: str,
+        cp: Any,
+        x: Any,
+        w: Any,
+        y: Any,
+        b: Any = None,
+        w_nhwc: Any = None,
     ) -> Convolution:
-        """The tuned layout for ``key``, made now (outside a capture) the first time; Unsupported is remembered."""
+        """The tuned layout for ``key``, made now (outside a capture) the first time; Unsupported is remembered.
+
+        With ``w_nhwc`` (the weights as [K, *spatial, C], a copy of constant weights) and the
+        ``timed`` search, cuDNN is also given the weights in that layout and the faster of the two
+        is kept: tensor-core kernels read NHWC, and weights cuDNN must not convert on every call
+        save one conversion kernel per convolution.
+        """
         got = self.layouts.get(key)
         if got is None:
-            conv = Convolution(self.lib, geometry, dtype, self.tf32, self.deterministic)
-            try:
-                conv.choose(self.handle, cp, x, w, y)
-                got = conv
-            except (Unsupported, CudnnError) as exc:
-                conv.close()
-                got = exc if isinstance(exc, Unsupported) else Unsupported(str(exc))
+            tries = [(False, w)] + ([(True, w_nhwc)] if w_nhwc is not None and self.search == "timed" else [])
+            made: list[Convolution] = []
+            failure: Exception | None = None
+            for nhwc, weights in tries:
+                conv = Convolution(self.lib, geometry, dtype, self.tf32, self.deterministic, nhwc)
+                try:
+                    conv.choose(self.handle, cp, self.stream, x, weights, y, self.search, b)
+                    made.append(conv)
+                except (Unsupported, CudnnError) as exc:
+                    conv.close()
+                    failure = failure or exc
+            if made:
+                got = min(made, key=lambda c: c.timings_ms.get(c.algo, math.inf) if c.algo is not None else math.inf)
+                for other in made:
+                    if other is not got:
+                        other.close()
+            else:
+                got = failure if isinstance(failure, Unsupported) else Unsupported(str(failure))
             self.layouts[key] = got
         if isinstance(got, Unsupported):
             raise got
+        assert isinstance(got, Convolution)
         return got
+
+    def pooling(self, key: tuple[Any, ...], geometry: PoolGeometry, dtype: str) -> Pooling:
+        """The max-pool layout for ``key``, made the first time (descriptors only: capture-safe)."""
+        got = self.pools.get(key)
+        if got is None:
+            got = self.pools[key] = Pooling(self.lib, geometry, dtype)
+        return got
+
+
+def tensor_descriptor(lib: ctypes.CDLL, dt: int, shape: tuple[int, ...]) -> ctypes.c_void_p:
+    """A packed row-major tensor descriptor of ``shape``."""
+    desc = ctypes.c_void_p()
+    _check(lib.cudnnCreateTensorDescriptor(ctypes.byref(desc)), "cudnnCreateTensorDescriptor")
+    _check(
+        lib.cudnnSetTensorNdDescriptor(desc, dt, len(shape), _ints(shape), _ints(packed_strides(shape))),
+        "cudnnSetTensorNdDescriptor",
+    )
+    return desc
+
+
+def _timings(perf: Any, found: int) -> list[Timing]:
+    return [
+        Timing(int(p.algo), int(p.status), float(p.time), int(p.memory), int(p.determinism), int(p.mathType))
+        for p in perf[:found]
+    ]
 
 
 def _ptr(x: Any) -> ctypes.c_void_p:

@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core.backends.base import CaptureFailed
 from dsp_cuda_graphs.cublas import batch_stride, gemm_args
+from dsp_cuda_graphs.derived import Derived
 
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
 
@@ -150,35 +152,41 @@ def merged_matmul_kernel(
 def _cudnn(st: dict[str, Any]) -> Any:
     """The device's cuDNN handle, made on first use (outside a capture); None where cuDNN is missing."""
     if "cudnn" not in st:
+        from dsp_core import config
         from dsp_cuda_graphs.cudnn import Cudnn, CudnnError
 
         tf32 = bool(st["cublas"].tf32)
         try:
-            st["cudnn"] = Cudnn(st["stream"].ptr, tf32, deterministic=not tf32)
+            st["cudnn"] = Cudnn(st["stream"], tf32, deterministic=not tf32, search=str(config.get("cudnn_algo")))
         except (OSError, CudnnError) as exc:
             st["cudnn"], st["cudnn_error"] = None, f"{type(exc).__name__}: {exc}"
     return st["cudnn"]
 
 
-def conv_kernel(st: dict[str, Any], reference: Any, **attrs: Any) -> Any:
-    """The Conv slot kernel: one cuDNN convolution (algorithm chosen once per layout, before
-    capture) plus the bias added in place; the reference kernel where cuDNN does not take it
-    (asymmetric padding, mixed dtypes, no cuDNN here, a layout first met inside a capture)."""
+def conv_kernel(st: dict[str, Any], reference: Any, fixed_weights: bool = False, **attrs: Any) -> Any:
+    """The Conv slot kernel: one cuDNN convolution with its bias (algorithm chosen once per layout,
+    before capture, timed with the bias as it is added); the reference kernel where cuDNN does
+    not take it (asymmetric padding, mixed dtypes, no cuDNN here, a layout first met inside a
+    capture). ``fixed_weights``: the weights never change between steps (a constant), so cuDNN may
+    read a copy laid out [K, *spatial, C], made once (``Cudnn.layout`` keeps it where faster)."""
     from dsp_cuda_graphs.cudnn import Unsupported, conv_geometry
 
     cp = st["cupy"]
     geometries: dict[tuple[Any, ...], Any] = {}
+    nhwc: list[Derived] = []  # the weights' [K, *spatial, C] copy, remade if the weights move
 
     def kernel(x: Any, w: Any, b: Any = None) -> Any:
         dtype = str(x.dtype)
         args = (x, w) if b is None else (x, w, b)
         if str(w.dtype) != dtype or (b is not None and str(b.dtype) != dtype) or not hasattr(w, "data"):
             return reference(*args)
-        key = (tuple(x.shape), tuple(w.shape), dtype)
-        geometry = geometries.get(key)
+        key = (tuple(x.shape), tuple(w.shape), dtype, b is not None)
+        geometry = geometries.get(key)  # this slot's attributes: the same for every call
         if geometry is None:
             try:
                 geometry = conv_geometry(key[0], key[1], dtype, **attrs)
+                if b is not None and tuple(b.shape) != (geometry.w_shape[0],):
+                    raise Unsupported(f"bias of shape {tuple(b.shape)}")
             except Unsupported as exc:
                 geometry = exc
             geometries[key] = geometry
@@ -188,22 +196,67 @@ def conv_kernel(st: dict[str, Any], reference: Any, **attrs: Any) -> Any:
         if dnn is None:
             return reference(*args)
         capturing = bool(cp.cuda.runtime.streamIsCapturing(st["stream"].ptr))
-        if capturing and key not in dnn.layouts:
+        channels_last = fixed_weights and dtype in ("float16", "bfloat16") and w.ndim > 3
+        # the device's layouts are shared by every Conv slot: the key holds the whole geometry
+        layout_key = (*key, channels_last, geometry)
+        if capturing and layout_key not in dnn.layouts:
             return reference(*args)
         xc = cp.ascontiguousarray(x).reshape(geometry.x_shape)
         wc = cp.ascontiguousarray(w).reshape(geometry.w_shape)
+        bc = None if b is None else cp.ascontiguousarray(b)
         y = cp.empty(geometry.y_shape, dtype=x.dtype)
+        w_nhwc = None
+        if channels_last:
+            if not nhwc or nhwc[0].moved([wc]):
+                if capturing:
+                    raise CaptureFailed("a convolution's weights moved during capture")
+                nhwc[:] = [Derived.make(cp, (0,), [wc], weights_channels_last)]
+            w_nhwc = nhwc[0].array
         try:
             with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # never the plan's memory
-                conv = dnn.layout(key, geometry, dtype, cp, xc, wc, y)
+                conv = dnn.layout(layout_key, geometry, dtype, cp, xc, wc, y, bc, w_nhwc)
         except Unsupported:
             return reference(*args)
-        conv.forward(dnn.handle, xc, wc, y)
-        if b is not None:
-            y += b.reshape((1, -1) + (1,) * (y.ndim - 2))
+        conv.forward(dnn.handle, xc, w_nhwc if conv.filter_nhwc else wc, y, bc)
         return y.reshape(y.shape[:2] + y.shape[3:]) if geometry.lifted else y
 
     return kernel
+
+
+def max_pool_kernel(st: dict[str, Any], reference: Any, n_outputs: int, **attrs: Any) -> Any:
+    """The MaxPool slot kernel (no Indices output): one cuDNN pooling call; the reference kernel where
+    cuDNN's windows differ from ONNX's (``pool_geometry`` says why) or cuDNN is missing."""
+    from dsp_cuda_graphs.cudnn import Unsupported, pool_geometry
+
+    cp = st["cupy"]
+    geometries: dict[tuple[Any, ...], Any] = {}
+    rest = (None,) * (n_outputs - 1)
+
+    def kernel(x: Any) -> Any:
+        dtype = str(x.dtype)
+        key = (tuple(x.shape), dtype)
+        geometry = geometries.get(key)
+        if geometry is None:
+            try:
+                geometry = pool_geometry(key[0], dtype, **attrs)
+            except Unsupported as exc:
+                geometry = exc
+            geometries[key] = geometry
+        dnn = _cudnn(st) if hasattr(x, "data") else None
+        if isinstance(geometry, Unsupported) or dnn is None:
+            return reference(x)
+        xc = cp.ascontiguousarray(x).reshape(geometry.x_shape)
+        y = cp.empty(geometry.y_shape, dtype=x.dtype)
+        dnn.pooling((*key, geometry), geometry, dtype).forward(dnn.handle, xc, y)  # shared: keyed by the geometry
+        return (y.reshape(y.shape[:2] + y.shape[3:]) if geometry.lifted else y, *rest)
+
+    return kernel
+
+
+def weights_channels_last(cp: Any, weights: list[Any]) -> Any:
+    """A convolution's [K, C, *spatial] weights as a contiguous [K, *spatial, C] copy."""
+    w = weights[0]
+    return cp.ascontiguousarray(cp.moveaxis(w, 1, -1))
 
 
 class CublasXP:

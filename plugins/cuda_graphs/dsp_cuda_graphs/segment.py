@@ -47,7 +47,14 @@ from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_cuda_graphs import device
 from dsp_cuda_graphs.buffers import PlannedAllocator, TracingAllocator
-from dsp_cuda_graphs.kernels import CublasXP, conv_kernel, gemm_kernel, matmul_kernel, merged_matmul_kernel
+from dsp_cuda_graphs.kernels import (
+    CublasXP,
+    conv_kernel,
+    gemm_kernel,
+    matmul_kernel,
+    max_pool_kernel,
+    merged_matmul_kernel,
+)
 
 # Inputs (by position) that the reference kernels read as Python ints/floats on the host.
 HOST_INPUTS: dict[str, tuple[int, ...]] = {
@@ -219,7 +226,12 @@ class CudaGraphSegment(CompiledSegment):
                 elif is_merged(slot):  # sibling products merged by the core: each part through cuBLAS
                     kernel = merged_matmul_kernel(st, **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "Conv":
-                    kernel = conv_kernel(st, kernel, **slot.attrs)
+                    fixed = len(slot.inputs) > 1 and self._plan.flat(slot.inputs[1]) not in self._tainted
+                    kernel = conv_kernel(st, kernel, fixed, **slot.attrs)
+                elif (
+                    slot.domain in ("", "ai.onnx") and slot.op == "MaxPool" and all(o is None for o in slot.outputs[1:])
+                ):
+                    kernel = max_pool_kernel(st, kernel, len(slot.outputs), **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op in ("Shape", "Size"):
                     kernel = _ShapeOf(kernel, st["cupy"])
                 else:
