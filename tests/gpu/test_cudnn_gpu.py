@@ -157,7 +157,7 @@ def test_convolutions_of_equal_shapes_and_other_attributes_each_keep_their_own_l
 
 
 def test_weights_fed_each_step_are_read_as_given() -> None:
-    """Weights that are an input (not a constant) get no channels-last copy: each replay reads the new ones."""
+    """Weights that are an input (not a constant) change each step: each replay reads the new ones."""
     g = dsp.GraphBuilder("fed")
     x = g.placeholder("x", "float16", [2, 4, 10, 10])
     w = g.placeholder("w", "float16", [6, 4, 3, 3])

@@ -32,7 +32,7 @@ from dsp_cuda_graphs.cublas import library_candidates
 
 # cudnnDataType_t, cudnnTensorFormat_t, cudnnConvolutionMode_t, cudnnMathType_t (cudnn_graph.h / cudnn_cnn.h)
 DATA_FLOAT, DATA_DOUBLE, DATA_HALF, DATA_BFLOAT16 = 0, 1, 2, 9
-FORMAT_NCHW, FORMAT_NHWC = 0, 1
+FORMAT_NCHW = 0
 CROSS_CORRELATION = 1
 DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 DETERMINISTIC = 1
@@ -223,11 +223,8 @@ def _none_usable(deterministic: bool) -> str:
 class Convolution:
     """One convolution layout: its descriptors, chosen algorithm and fixed workspace."""
 
-    def __init__(
-        self, lib: ctypes.CDLL, geometry: Geometry, dtype: str, tf32: bool, deterministic: bool, nhwc: bool = False
-    ) -> None:
+    def __init__(self, lib: ctypes.CDLL, geometry: Geometry, dtype: str, tf32: bool, deterministic: bool) -> None:
         self.lib, self.geometry, self.dtype = lib, geometry, dtype
-        self.filter_nhwc = nhwc  # the weights read as [K, *spatial, C] (a copy made once), the data NCHW
         self.deterministic = deterministic
         dt = DATA_TYPES[dtype]
         g = geometry
@@ -236,9 +233,7 @@ class Convolution:
         self.w_desc = ctypes.c_void_p()
         _check(lib.cudnnCreateFilterDescriptor(ctypes.byref(self.w_desc)), "cudnnCreateFilterDescriptor")
         _check(
-            lib.cudnnSetFilterNdDescriptor(
-                self.w_desc, dt, FORMAT_NHWC if nhwc else FORMAT_NCHW, len(g.w_shape), _ints(g.w_shape)
-            ),
+            lib.cudnnSetFilterNdDescriptor(self.w_desc, dt, FORMAT_NCHW, len(g.w_shape), _ints(g.w_shape)),
             "cudnnSetFilterNdDescriptor",
         )
         self.conv_desc = ctypes.c_void_p()
@@ -549,44 +544,18 @@ class Cudnn:
         self.pools: dict[tuple[Any, ...], Pooling] = {}
 
     def layout(
-        self,
-        key: tuple[Any, ...],
-        geometry: Geometry,
-        dtype: str,
-        cp: Any,
-        x: Any,
-        w: Any,
-        y: Any,
-        b: Any = None,
-        w_nhwc: Any = None,
+        self, key: tuple[Any, ...], geometry: Geometry, dtype: str, cp: Any, x: Any, w: Any, y: Any, b: Any = None
     ) -> Convolution:
-        """The tuned layout for ``key``, made now (outside a capture) the first time; Unsupported is remembered.
-
-        With ``w_nhwc`` (the weights as [K, *spatial, C], a copy of constant weights) and the
-        ``timed`` search, cuDNN is also given the weights in that layout and the faster of the two
-        is kept: tensor-core kernels read NHWC, and weights cuDNN must not convert on every call
-        save one conversion kernel per convolution.
-        """
+        """The tuned layout for ``key``, made now (outside a capture) the first time; Unsupported is remembered."""
         got = self.layouts.get(key)
         if got is None:
-            tries = [(False, w)] + ([(True, w_nhwc)] if w_nhwc is not None and self.search == "timed" else [])
-            made: list[Convolution] = []
-            failure: Exception | None = None
-            for nhwc, weights in tries:
-                conv = Convolution(self.lib, geometry, dtype, self.tf32, self.deterministic, nhwc)
-                try:
-                    conv.choose(self.handle, cp, self.stream, x, weights, y, self.search, b)
-                    made.append(conv)
-                except (Unsupported, CudnnError) as exc:
-                    conv.close()
-                    failure = failure or exc
-            if made:
-                got = min(made, key=lambda c: c.timings_ms.get(c.algo, math.inf) if c.algo is not None else math.inf)
-                for other in made:
-                    if other is not got:
-                        other.close()
-            else:
-                got = failure if isinstance(failure, Unsupported) else Unsupported(str(failure))
+            conv = Convolution(self.lib, geometry, dtype, self.tf32, self.deterministic)
+            try:
+                conv.choose(self.handle, cp, self.stream, x, w, y, self.search, b)
+                got = conv
+            except (Unsupported, CudnnError) as exc:
+                conv.close()
+                got = exc if isinstance(exc, Unsupported) else Unsupported(str(exc))
             self.layouts[key] = got
         if isinstance(got, Unsupported):
             raise got

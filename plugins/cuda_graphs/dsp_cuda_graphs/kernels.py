@@ -14,9 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dsp_core.backends.base import CaptureFailed
 from dsp_cuda_graphs.cublas import batch_stride, gemm_args
-from dsp_cuda_graphs.derived import Derived
 
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
 
@@ -163,17 +161,15 @@ def _cudnn(st: dict[str, Any]) -> Any:
     return st["cudnn"]
 
 
-def conv_kernel(st: dict[str, Any], reference: Any, fixed_weights: bool = False, **attrs: Any) -> Any:
+def conv_kernel(st: dict[str, Any], reference: Any, **attrs: Any) -> Any:
     """The Conv slot kernel: one cuDNN convolution with its bias (algorithm chosen once per layout,
     before capture, timed with the bias as it is added); the reference kernel where cuDNN does
     not take it (asymmetric padding, mixed dtypes, no cuDNN here, a layout first met inside a
-    capture). ``fixed_weights``: the weights never change between steps (a constant), so cuDNN may
-    read a copy laid out [K, *spatial, C], made once (``Cudnn.layout`` keeps it where faster)."""
+    capture)."""
     from dsp_cuda_graphs.cudnn import Unsupported, conv_geometry
 
     cp = st["cupy"]
     geometries: dict[tuple[Any, ...], Any] = {}
-    nhwc: list[Derived] = []  # the weights' [K, *spatial, C] copy, remade if the weights move
 
     def kernel(x: Any, w: Any, b: Any = None) -> Any:
         dtype = str(x.dtype)
@@ -196,28 +192,20 @@ def conv_kernel(st: dict[str, Any], reference: Any, fixed_weights: bool = False,
         if dnn is None:
             return reference(*args)
         capturing = bool(cp.cuda.runtime.streamIsCapturing(st["stream"].ptr))
-        channels_last = fixed_weights and dtype in ("float16", "bfloat16") and w.ndim > 3
         # the device's layouts are shared by every Conv slot: the key holds the whole geometry
-        layout_key = (*key, channels_last, geometry)
+        layout_key = (*key, geometry)
         if capturing and layout_key not in dnn.layouts:
             return reference(*args)
         xc = cp.ascontiguousarray(x).reshape(geometry.x_shape)
         wc = cp.ascontiguousarray(w).reshape(geometry.w_shape)
         bc = None if b is None else cp.ascontiguousarray(b)
         y = cp.empty(geometry.y_shape, dtype=x.dtype)
-        w_nhwc = None
-        if channels_last:
-            if not nhwc or nhwc[0].moved([wc]):
-                if capturing:
-                    raise CaptureFailed("a convolution's weights moved during capture")
-                nhwc[:] = [Derived.make(cp, (0,), [wc], weights_channels_last)]
-            w_nhwc = nhwc[0].array
         try:
             with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):  # never the plan's memory
-                conv = dnn.layout(layout_key, geometry, dtype, cp, xc, wc, y, bc, w_nhwc)
+                conv = dnn.layout(layout_key, geometry, dtype, cp, xc, wc, y, bc)
         except Unsupported:
             return reference(*args)
-        conv.forward(dnn.handle, xc, w_nhwc if conv.filter_nhwc else wc, y, bc)
+        conv.forward(dnn.handle, xc, wc, y, bc)
         return y.reshape(y.shape[:2] + y.shape[3:]) if geometry.lifted else y
 
     return kernel
@@ -251,12 +239,6 @@ def max_pool_kernel(st: dict[str, Any], reference: Any, n_outputs: int, **attrs:
         return (y.reshape(y.shape[:2] + y.shape[3:]) if geometry.lifted else y, *rest)
 
     return kernel
-
-
-def weights_channels_last(cp: Any, weights: list[Any]) -> Any:
-    """A convolution's [K, C, *spatial] weights as a contiguous [K, *spatial, C] copy."""
-    w = weights[0]
-    return cp.ascontiguousarray(cp.moveaxis(w, 1, -1))
 
 
 class CublasXP:

@@ -226,8 +226,7 @@ class CudaGraphSegment(CompiledSegment):
                 elif is_merged(slot):  # sibling products merged by the core: each part through cuBLAS
                     kernel = merged_matmul_kernel(st, **slot.attrs)
                 elif slot.domain in ("", "ai.onnx") and slot.op == "Conv":
-                    fixed = len(slot.inputs) > 1 and self._plan.flat(slot.inputs[1]) not in self._tainted
-                    kernel = conv_kernel(st, kernel, fixed, **slot.attrs)
+                    kernel = conv_kernel(st, kernel, **slot.attrs)
                 elif (
                     slot.domain in ("", "ai.onnx") and slot.op == "MaxPool" and all(o is None for o in slot.outputs[1:])
                 ):
