@@ -36,8 +36,7 @@ FORMAT_NCHW = 0
 CROSS_CORRELATION = 1
 DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 DETERMINISTIC = 1
-IMPLICIT_PRECOMP_GEMM = 1  # the one algorithm cuDNN fuses an identity-activation bias into
-ACTIVATION_IDENTITY, NOT_PROPAGATE_NAN, PROPAGATE_NAN = 5, 0, 1
+PROPAGATE_NAN = 1
 POOLING_MAX = 0
 DATA_TYPES = {"float32": DATA_FLOAT, "float64": DATA_DOUBLE, "float16": DATA_HALF, "bfloat16": DATA_BFLOAT16}
 FIND_WORKSPACE_BYTES = 256 << 20  # the most workspace an algorithm may take
@@ -255,8 +254,6 @@ class Convolution:
         self.one, self.zero = scale(1.0), scale(0.0)
         self.algo: int | None = None
         self.bias_desc: ctypes.c_void_p | None = None  # (1, C, 1, ...) for a bias added by cuDNN
-        self.act_desc: ctypes.c_void_p | None = None  # identity: the bias in the convolution's own call
-        self.fuse_bias = True
         self.workspace: Any = None
         self.workspace_bytes = 0
         self.timings_ms: dict[int, float] = {}
@@ -359,29 +356,17 @@ class Convolution:
         self.workspace = cp.empty(max(self.workspace_bytes, 1), dtype=cp.uint8)
 
     def forward(self, handle: ctypes.c_void_p, x: Any, w: Any, y: Any, b: Any = None) -> None:
-        """y = conv(x, w) (+ b over the channels): on the handle's stream, nothing allocated.
+        """y = conv(x, w) (+ b over the channels, ``cudnnAddTensor``): on the handle's stream, nothing allocated.
 
-        With a bias: one fused call (``cudnnConvolutionBiasActivationForward``, identity
-        activation) where the algorithm is the one cuDNN fuses it into, else the convolution
-        then ``cudnnAddTensor``.
+        Not ``cudnnConvolutionBiasActivationForward``: on the H200 its engines converted the input
+        and the weights to NHWC on every call (112 conversion kernels a ResNet-50 call against 35),
+        slower at batch 1 than the convolution and a bias kernel (benchmarks/results/gpu_2026-12-03f/).
         """
-        assert self.algo is not None
-        if b is not None:
-            self._bias_descriptors(len(self.geometry.y_shape))
-            if self.algo == IMPLICIT_PRECOMP_GEMM and self.fuse_bias:
-                status = (
-                    self.lib.cudnnConvolutionBiasActivationForward(
-                        handle, ctypes.byref(self.one), self.x_desc, _ptr(x), self.w_desc, _ptr(w), self.conv_desc,
-                        self.algo, _ptr(self.workspace), ctypes.c_size_t(self.workspace_bytes),
-                        ctypes.byref(self.zero), self.y_desc, _ptr(y), self.bias_desc, _ptr(b), self.act_desc,
-                        self.y_desc, _ptr(y),
-                    )
-                )  # fmt: skip
-                if status == 0:
-                    return
-                self.fuse_bias = False  # refused for this layout (a status, nothing launched): two calls from now on
         self._forward(handle, x, w, y)
         if b is not None:
+            if self.bias_desc is None:
+                shape = (1, self.geometry.y_shape[1]) + (1,) * (len(self.geometry.y_shape) - 2)
+                self.bias_desc = self._tensor(DATA_TYPES[self.dtype], shape)
             _check(
                 self.lib.cudnnAddTensor(
                     handle,
@@ -391,22 +376,9 @@ class Convolution:
                     ctypes.byref(self.one),
                     self.y_desc,
                     _ptr(y),
-                ),
+                ),  # fmt: skip
                 "cudnnAddTensor",
             )
-
-    def _bias_descriptors(self, rank: int) -> None:
-        if self.bias_desc is not None:
-            return
-        shape = (1, self.geometry.y_shape[1]) + (1,) * (rank - 2)
-        self.bias_desc = self._tensor(DATA_TYPES[self.dtype], shape)
-        act = ctypes.c_void_p()
-        _check(self.lib.cudnnCreateActivationDescriptor(ctypes.byref(act)), "cudnnCreateActivationDescriptor")
-        self.act_desc = act
-        _check(
-            self.lib.cudnnSetActivationDescriptor(act, ACTIVATION_IDENTITY, NOT_PROPAGATE_NAN, ctypes.c_double(0.0)),
-            "cudnnSetActivationDescriptor",
-        )
 
     def _forward(self, handle: ctypes.c_void_p, x: Any, w: Any, y: Any) -> None:
         assert self.algo is not None
@@ -423,7 +395,6 @@ class Convolution:
         """Destroy the descriptors."""
         for fn, desc in (
             (self.lib.cudnnDestroyTensorDescriptor, self.bias_desc),
-            (self.lib.cudnnDestroyActivationDescriptor, self.act_desc),
             (self.lib.cudnnDestroyTensorDescriptor, self.x_desc),
             (self.lib.cudnnDestroyTensorDescriptor, self.y_desc),
             (self.lib.cudnnDestroyFilterDescriptor, self.w_desc),
