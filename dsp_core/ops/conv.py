@@ -229,7 +229,8 @@ def conv(ctx, x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kerne
 
 def _int_conv(xp: Any, x: Any, x_zp: Any, w: Any, w_zp: Any, attrs: dict[str, Any]) -> Any:
     """Exact integer convolution of zero-point-shifted operands, as float64."""
-    xs = x.astype(np.float64) - (0.0 if x_zp is None else float(x_zp.reshape(-1)[0]))
+    # the zero point stays an array (a device scalar on a GPU: no host read inside a capture)
+    xs = x.astype(np.float64) if x_zp is None else x.astype(np.float64) - x_zp.reshape(-1)[0].astype(np.float64)
     ws = w.astype(np.float64)
     if w_zp is not None:
         ws = ws - w_zp.astype(np.float64).reshape((-1,) + (1,) * (w.ndim - 1))
@@ -289,7 +290,7 @@ def qlinear_conv(
     if b is not None:
         acc = acc + _bias_shape(b.astype(np.float64), acc.ndim)
     scale = x_scale.astype(np.float64) * w_scale.astype(np.float64).reshape(-1) / y_scale.astype(np.float64)
-    y = acc * _bias_shape(scale, acc.ndim) + float(y_zero_point.reshape(-1)[0])
+    y = acc * _bias_shape(scale, acc.ndim) + y_zero_point.reshape(-1)[0].astype(np.float64)
     return _saturate(xp, y, y_zero_point.dtype)
 
 
@@ -530,7 +531,12 @@ def _max_indices(
     """Flat input indices (row- or column-major spatial) of each window's argmax."""
     nd = len(kernel)
     sp = x_shape[2:]
-    taps = xp.unravel_index(flat, tuple(kernel))
+    # unravel by arithmetic: CuPy's unravel_index checks its bounds on the host (a sync, no capture)
+    taps, rest = [], flat
+    for k in reversed(kernel):
+        taps.append(rest % k)
+        rest = rest // k
+    taps.reverse()
     pos = []
     for i in range(nd):
         o = xp.arange(out[i]).reshape((-1,) + (1,) * (nd - 1 - i))

@@ -254,5 +254,12 @@ class CublasXP:
             return self._cupy.matmul(a, b, *args, **kwargs)
         return matmul(self._st, a, b)
 
+    def einsum_by_matmul(self, equation: str, *operands: Any) -> Any:
+        """numpy.einsum with its products through cuBLAS (CuPy's einsum calls cuBLAS itself, which a
+        capture refuses)."""
+        from dsp_core.ops.linalg import einsum_by_matmul
+
+        return einsum_by_matmul(self, equation, *operands)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cupy, name)
