@@ -17,8 +17,11 @@ Each in fp16 and fp32, batch 1 and 8. Per configuration, the median latency over
 - ``torch_eager``; ``torch_graph``: the forward captured by hand in a ``torch.cuda.CUDAGraph``;
 - ``torch_compile``: ``torch.compile(mode="reduce-overhead")`` (``--no-compile`` skips it);
 
-and the max abs difference of DSP's output from torch eager's. A contender that fails is
-recorded with its error; the others still run.
+and the max abs difference of DSP's output from torch eager's. For DSP and the torch graph also
+the kernels a call and their busy time (torch.profiler) and the host time a call when calls are
+issued back to back (``host_us``): a wall time well above the kernels' busy time with a host time
+near it means the call, not the GPU work, is the cost. A contender that fails is recorded with its
+error; the others still run.
 
 Run on the GPU machine (python 3.12, torch, cupy; no network):
 
@@ -240,6 +243,23 @@ def median_ms(fn: Callable[[], Any], steps: int, warmup: int, sync: Callable[[],
     return statistics.median(times) * 1e3
 
 
+def host_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+    """Host microseconds a call of ``fn`` takes when calls are issued back to back and the GPU is
+    waited for once at the end: near the synchronised wall time, the host is what a call costs;
+    far below it, the GPU work is. (A launch queue that fills makes the host wait too.)"""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return elapsed / calls * 1e6
+
+
+HOST_CALLS = 100
+
+
 def export(module: Any, feeds: dict[str, Any], path: Path) -> str:
     """torch.onnx.export with the TorchScript exporter (as most deployed models were made), else dynamo."""
     torch = _torch()
@@ -276,6 +296,7 @@ def run_dsp(path: Path, feeds: dict[str, Any], steps: int, want: np.ndarray) -> 
     got = cp.asnumpy(out["out"]).astype(np.float32)
     result["max_abs_diff_vs_torch"] = float(np.abs(got - want).max())
     result["ms"] = median_ms(lambda: model.run(dev), steps, 3, sync)
+    result["host_us"] = round(host_us(lambda: model.run(dev), HOST_CALLS, sync), 1)
     result["kernels"] = _guard(lambda: kernels_of(lambda: model.run(dev)))
     runtime = model.dsp.runtime
     plan = runtime.plan
@@ -318,7 +339,8 @@ def _torch_graph(module: Any, args: tuple[Any, ...], steps: int) -> dict[str, An
     with torch.cuda.graph(graph):
         module(*static)
     ms = median_ms(graph.replay, steps, 3, torch.cuda.synchronize)
-    return {"ms": ms, "kernels": _guard(lambda: kernels_of(graph.replay))}
+    host = round(host_us(graph.replay, HOST_CALLS, torch.cuda.synchronize), 1)
+    return {"ms": ms, "host_us": host, "kernels": _guard(lambda: kernels_of(graph.replay))}
 
 
 def _torch_compile(module: Any, args: tuple[Any, ...], steps: int) -> dict[str, float]:
@@ -411,9 +433,9 @@ def _ms(value: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "model | dtype | batch | DSP ms | phase | gaps | torch eager | torch graph | torch.compile | max |diff| "
-        "| kernels/call DSP / torch graph"
+        "| kernels/call DSP / torch graph | kernels' busy µs DSP / torch graph | host µs/call DSP / torch graph"
     )
-    lines = [head, " | ".join("---" for _ in range(11))]
+    lines = [head, " | ".join("---" for _ in range(13))]
     for r in rows:
         d = r.get("dsp", {})
         gaps = str(d.get("units", {}).get("gap", "-"))
@@ -426,6 +448,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         ]
         cells = [r["model"], r["dtype"], str(r["batch"]), _ms(d), d.get("phase", "error"), gaps, *torch_cells, diff]
         cells.append(" / ".join(counts))
+        busy = [
+            f"{k['busy_us_per_call']:.0f}" if isinstance(k, dict) and "busy_us_per_call" in k else "-"
+            for k in (d.get("kernels"), graph.get("kernels") if isinstance(graph, dict) else None)
+        ]
+        cells.append(" / ".join(busy))
+        hosts = [str(x.get("host_us", "-")) if isinstance(x, dict) else "-" for x in (d, graph)]
+        cells.append(" / ".join(hosts))
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
