@@ -247,11 +247,43 @@ def _det_rule(attrs: dict[str, Any], x: TensorInfo) -> list[TensorInfo]:
     return [TensorInfo(x.dtype, None if x.shape is None else x.shape[:-2])]
 
 
+MAX_ELIMINATION_ORDER = 64  # larger matrices take the library's det (n steps of a few kernels each)
+
+
+def det_by_elimination(xp: Any, a: Array) -> Array:
+    """Determinants of ``a`` [..., n, n] by Gaussian elimination with partial pivoting, in array ops
+    only: no factorisation library and no host read (a pivot is found with argmax on the device
+    and rows are swapped by masks), so a capturing device backend runs it inside its graph.
+    ``n`` steps of a few kernels each: for the small matrices models take determinants of."""
+    n = a.shape[-1]
+    batch = a.shape[:-2]
+    if n == 0:
+        return xp.ones(batch, dtype=a.dtype)
+    m = a.astype(a.dtype, copy=True)
+    det = xp.ones(batch, dtype=a.dtype)
+    rows = xp.arange(n).reshape(n, 1)
+    for k in range(n):
+        p = xp.argmax(xp.abs(m[..., k:, k]), axis=-1) + k  # [...]: the pivot row
+        pick = xp.expand_dims(p, -1)  # [..., 1]
+        row_k = m[..., k, :]
+        row_p = xp.take_along_axis(m, xp.expand_dims(pick, -1) * xp.ones((1, n), dtype=p.dtype), axis=-2)[..., 0, :]
+        is_p = rows == xp.expand_dims(pick, -1)  # [..., n, 1]
+        m = xp.where(rows == k, xp.expand_dims(row_p, -2), xp.where(is_p, xp.expand_dims(row_k, -2), m))
+        pivot = m[..., k, k]
+        det = det * xp.where(p == k, pivot, -pivot)
+        if k + 1 < n:
+            safe = xp.where(pivot == 0, 1, pivot)
+            factor = m[..., k + 1 :, k] / xp.expand_dims(safe, -1)  # a zero pivot: the column is zero below it
+            m[..., k + 1 :, :] = m[..., k + 1 :, :] - xp.expand_dims(factor, -1) * xp.expand_dims(m[..., k, :], -2)
+    return det
+
+
 @op("Det", traits=Trait.NONE, since=11, shape=_det_rule)
 def det(ctx: KernelContext, x: Array) -> Array:
     """Determinant of each square matrix in the last two dimensions."""
     xp = ctx.xp
-    return xp.asarray(xp.linalg.det(_up(x))).astype(x.dtype, copy=False)
+    run = getattr(xp, "det_by_elimination", None) or xp.linalg.det  # a device backend's capturable form
+    return xp.asarray(run(_up(x))).astype(x.dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ each is now captured whole, with the reference's outputs.
   transposes and batched products through DSP's own cuBLAS binding.
 - MaxPool's Indices: CuPy's unravel_index checked its bounds on the host.
 - ConvInteger, QLinearConv: their zero points were read with ``float()`` (a device-to-host copy).
+- Det: CuPy's det calls cuSOLVER and cuBLAS; it now runs as Gaussian elimination in array ops.
 
 Run on the GPU image: ``python -m pytest -q tests/gpu/test_device_paths_gpu.py``.
 """
@@ -27,6 +28,8 @@ CASES = [
     "test_convinteger_without_padding",
     "test_convinteger_with_padding",
     "test_qlinearconv",
+    "test_det_2d",
+    "test_det_nd",
 ]
 
 

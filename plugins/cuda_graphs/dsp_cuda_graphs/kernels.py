@@ -261,5 +261,13 @@ class CublasXP:
 
         return einsum_by_matmul(self, equation, *operands)
 
+    def det_by_elimination(self, a: Any) -> Any:
+        """numpy.linalg.det without cuSOLVER (CuPy's det calls it and cuBLAS, which a capture refuses)."""
+        from dsp_core.ops.linalg import MAX_ELIMINATION_ORDER, det_by_elimination
+
+        if a.shape[-1] > MAX_ELIMINATION_ORDER:
+            return self._cupy.linalg.det(a)
+        return det_by_elimination(self._cupy, a)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cupy, name)

@@ -1,4 +1,5 @@
-"""Einsum as sums, transposes and batched products (the form a capturing GPU backend runs) equals numpy's."""
+"""Einsum as sums, transposes and batched products, and Det as Gaussian elimination in array ops (the
+forms a capturing GPU backend runs), equal numpy's."""
 
 from __future__ import annotations
 
@@ -56,3 +57,31 @@ def test_products_go_through_the_backends_matmul() -> None:
     assert calls == ["matmul", "matmul"]
     einsum_by_matmul(XP(), "ii->i", np.eye(3))
     assert calls[-1] == "einsum"
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (3, 3), (5, 5), (2, 4, 4), (3, 2, 6, 6), (0, 0), (2, 0, 0)])
+def test_det_by_elimination_is_numpys_det(shape: tuple[int, ...]) -> None:
+    from dsp_core.ops.linalg import det_by_elimination
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(shape)
+    got = det_by_elimination(np, a)
+    want = np.linalg.det(a) if shape[-1] else np.ones(shape[:-2])
+    assert got.shape == np.shape(want)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    assert np.array_equal(a, rng.__class__(np.random.PCG64(1)).standard_normal(shape))  # the input is untouched
+
+
+def test_det_by_elimination_of_singular_and_pivoting_matrices() -> None:
+    from dsp_core.ops.linalg import det_by_elimination
+
+    singular = np.array([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 0.0, 1.0]])
+    zero_column = np.array([[0.0, 1.0], [0.0, 2.0]])
+    needs_swap = np.array([[0.0, 1.0], [1.0, 0.0]])  # det -1: a zero first pivot, rows swapped
+    got = det_by_elimination(np, np.stack([singular[:2, :2], zero_column, needs_swap]))
+    np.testing.assert_allclose(got, [0.0, 0.0, -1.0], atol=1e-12)
+    np.testing.assert_allclose(det_by_elimination(np, singular), 0.0, atol=1e-12)
+    f32 = np.random.default_rng(2).standard_normal((4, 7, 7)).astype(np.float32)
+    got32 = det_by_elimination(np, f32)
+    assert got32.dtype == np.float32
+    np.testing.assert_allclose(got32, np.linalg.det(f32.astype(np.float64)), rtol=1e-4)
