@@ -1,5 +1,5 @@
-"""Einsum as sums, transposes and batched products, and Det as Gaussian elimination in array ops (the
-forms a capturing GPU backend runs), equal numpy's."""
+"""The forms a capturing GPU backend runs, equal to numpy's: Einsum as sums, transposes and batched
+products, Det as Gaussian elimination in array ops, TreeEnsemble walking a depth found on the host."""
 
 from __future__ import annotations
 
@@ -85,3 +85,83 @@ def test_det_by_elimination_of_singular_and_pivoting_matrices() -> None:
     got32 = det_by_elimination(np, f32)
     assert got32.dtype == np.float32
     np.testing.assert_allclose(got32, np.linalg.det(f32.astype(np.float64)), rtol=1e-4)
+
+
+def _tree(true_id: list[int], false_id: list[int], true_leaf: list[int], false_leaf: list[int]) -> dict:
+    n = len(true_id)
+    return {
+        "roots": np.array([0], np.int64),
+        "mode": np.zeros(n, np.int64),
+        "true_id": np.array(true_id, np.int64),
+        "false_id": np.array(false_id, np.int64),
+        "true_is_leaf": np.array(true_leaf, bool),
+        "false_is_leaf": np.array(false_leaf, bool),
+    }
+
+
+def test_a_forests_depth_is_found_on_the_host_and_a_cycle_is_refused() -> None:
+    from dsp_core.ops.ml import _depth
+
+    # node 0 -> (node 1, leaf 0); node 1 -> (node 2, leaf 1); node 2 -> (leaf 2, leaf 3): three steps
+    assert _depth(_tree([1, 2, 2], [0, 1, 3], [0, 0, 1], [1, 1, 1])) == 3
+    assert _depth(_tree([0], [1], [1], [1])) == 1  # a root whose children are leaves
+    with pytest.raises(ValueError, match="has a cycle"):
+        _depth(_tree([1, 0], [0, 0], [0, 0], [1, 1]))  # 0 -> 1 -> 0
+    with pytest.raises(ValueError, match="not among the 2 nodes"):
+        _depth(_tree([5, 0], [0, 0], [0, 1], [1, 1]))
+
+
+def test_tree_ensemble_builds_its_forest_once_per_slot_and_dtype() -> None:
+    import dsp_core as dsp
+    from dsp_core.ops.ml import tree_ensemble
+    from dsp_core.ops.registry import KernelContext
+
+    g = dsp.GraphBuilder("trees")
+    x = g.placeholder("x", "float32", [None, 2])
+    attrs = dict(
+        aggregate_function=1,
+        leaf_targetids=[0, 0, 0],
+        leaf_weights=np.array([1.0, 2.0, 3.0], np.float32),
+        n_targets=1,
+        nodes_falseleafs=[1, 1],
+        nodes_falsenodeids=[1, 2],
+        nodes_featureids=[0, 1],
+        nodes_modes=np.array([0, 0], np.uint8),
+        nodes_splits=np.array([0.5, 0.0], np.float32),
+        nodes_trueleafs=[0, 1],
+        nodes_truenodeids=[1, 0],
+        post_transform=0,
+        tree_roots=[0],
+    )
+    g.output(g.op("TreeEnsemble", x, domain="ai.onnx.ml", **attrs), "y")
+    model = dsp.compile(g.build(), mode="slot_by_slot")
+    xs = np.array([[0.0, -1.0], [0.0, 1.0], [1.0, 0.0]], np.float32)
+    # x0 <= 0.5 goes true to node 1; there x1 <= 0 goes true to leaf 0 (1.0), else leaf 2 (3.0); x0 > 0.5: leaf 1 (2.0)
+    np.testing.assert_array_equal(model.run({"x": xs})["y"], [[1.0], [3.0], [2.0]])
+    np.testing.assert_array_equal(model.run({"x": xs[::-1].copy()})["y"], [[2.0], [3.0], [1.0]])
+    ctx = KernelContext(np, 5, 1, 1, "trees")
+    first = tree_ensemble(ctx, xs, **attrs)
+    forest = ctx.__dict__["tree_forests"]["float32"]
+    np.testing.assert_array_equal(tree_ensemble(ctx, xs, **attrs), first)
+    assert ctx.__dict__["tree_forests"]["float32"] is forest and forest.depth == 2
+
+
+def test_a_leaf_target_past_n_targets_is_refused() -> None:
+    from dsp_core.ops.ml import tree_ensemble
+    from dsp_core.ops.registry import KernelContext
+
+    attrs = dict(
+        leaf_targetids=[0, 3],
+        leaf_weights=np.array([1.0, 2.0], np.float32),
+        n_targets=2,
+        nodes_falseleafs=[1],
+        nodes_falsenodeids=[1],
+        nodes_featureids=[0],
+        nodes_modes=np.array([0], np.uint8),
+        nodes_splits=np.array([0.5], np.float32),
+        nodes_trueleafs=[1],
+        nodes_truenodeids=[0],
+        tree_roots=[0],
+    )
+    with pytest.raises(ValueError, match=r"leaf_targetids must lie in \[0, 2\)"):
+        tree_ensemble(KernelContext(np, 5, 1, 1, "t"), np.zeros((1, 1), np.float32), **attrs)

@@ -164,6 +164,7 @@ class _Forest:
     false_is_leaf: Array
     leaf_weight: Array
     leaf_target: Array
+    depth: int = 0  # steps from the roots until every walk has reached a leaf (found on the host)
 
 
 def _membership_sets(modes: np.ndarray, membership_values: np.ndarray | None, dtype: Any) -> np.ndarray:
@@ -209,7 +210,29 @@ def _forest(xp: Any, dtype: Any, a: dict[str, Any]) -> _Forest:
         "leaf_weight": np.asarray(a["leaf_weights"]).reshape(-1).astype(np.float64),
         "leaf_target": np.asarray(a["leaf_targetids"], np.int64),
     }
-    return _Forest(**{k: xp.asarray(v) for k, v in host.items()})
+    targets = _n_targets(a) or 0
+    if len(host["leaf_target"]) and (host["leaf_target"].min() < 0 or host["leaf_target"].max() >= targets):
+        raise ValueError(f"TreeEnsemble: leaf_targetids must lie in [0, {targets}) (n_targets)")
+    return _Forest(**{k: xp.asarray(v) for k, v in host.items()}, depth=_depth(host))
+
+
+def _depth(host: dict[str, np.ndarray]) -> int:
+    """How many steps every walk from a root needs to reach a leaf, from the node arrays on the host,
+    so the walk itself never asks the device whether it is done (a capturing backend keeps it in its
+    graph). Raises for a cycle and for a child id that is no node."""
+    n_nodes = len(host["mode"])
+    frontier = np.unique(host["roots"])
+    steps = 0
+    while frontier.size:
+        if frontier.min() < 0 or frontier.max() >= n_nodes:
+            raise ValueError(f"TreeEnsemble: node ids {frontier.tolist()[:8]} are not among the {n_nodes} nodes")
+        steps += 1
+        if steps > n_nodes:
+            raise ValueError("TreeEnsemble: a tree has a cycle (a walk visited more nodes than there are)")
+        children = [host["true_id"][frontier][~host["true_is_leaf"][frontier]]]
+        children.append(host["false_id"][frontier][~host["false_is_leaf"][frontier]])
+        frontier = np.unique(np.concatenate(children))
+    return steps
 
 
 def _goes_true(xp: Any, f: _Forest, node: Array, value: Array) -> Array:
@@ -232,24 +255,31 @@ def _leaves_reached(xp: Any, f: _Forest, x: Array) -> Array:
     node = xp.broadcast_to(f.roots, (n, f.roots.shape[0])).copy()
     at_leaf = xp.zeros(node.shape, bool)
     rows = xp.arange(n)[:, None]
-    for _ in range(f.mode.shape[0] + 1):
-        if bool(at_leaf.all()):
-            return node
+    for _ in range(f.depth):  # the forest's depth, known on the host: no device read per step
         here = xp.where(at_leaf, 0, node)  # finished pairs look at node 0; their result is discarded
         true = _goes_true(xp, f, here, x[rows, f.feature[here]])
         step = xp.where(true, f.true_id[here], f.false_id[here])
         step_is_leaf = xp.where(true, f.true_is_leaf[here], f.false_is_leaf[here])
         node = xp.where(at_leaf, node, step)
         at_leaf = at_leaf | step_is_leaf
-    raise ValueError("TreeEnsemble: a tree has a cycle (a walk visited more nodes than there are)")
+    return node
+
+
+ONE_HOT_LIMIT = 1 << 22  # samples x trees x targets summed one-hot; past it, bincount
 
 
 def _aggregate(xp: Any, weight: Array, target: Array, n_targets: int, function: int) -> Array:
     """Leaf weights [N, n_trees] combined per target: [N, n_targets]; a target no leaf hits is 0."""
     n, n_trees = weight.shape
     if function in (_SUM, _AVERAGE):
-        flat = (xp.arange(n)[:, None] * n_targets + target).reshape(-1)
-        total = xp.bincount(flat, weights=weight.reshape(-1), minlength=n * n_targets).reshape(n, n_targets)
+        if n * n_trees * n_targets <= ONE_HOT_LIMIT:
+            # a one-hot sum: array ops only (CuPy's bincount reads the largest index on the host,
+            # which a capture refuses)
+            hit = target[:, :, None] == xp.arange(n_targets)
+            total = xp.where(hit, weight[:, :, None], 0.0).sum(axis=1)
+        else:
+            flat = (xp.arange(n)[:, None] * n_targets + target).reshape(-1)
+            total = xp.bincount(flat, weights=weight.reshape(-1), minlength=n * n_targets).reshape(n, n_targets)
         return total / n_trees if function == _AVERAGE else total
     if function not in (_MIN, _MAX):
         raise ValueError(f"TreeEnsemble: aggregate_function must be 0..3 (AVERAGE, SUM, MIN, MAX), got {function}")
@@ -326,7 +356,12 @@ def tree_ensemble(
     """Scores [N, n_targets] of samples ``x`` [N, F]: each tree's leaf weight, aggregated per target."""
     xp = ctx.xp
     attrs = {k: v for k, v in locals().items() if k not in ("ctx", "x", "xp")}
-    forest = _forest(xp, x.dtype, attrs)
+    # made once per slot and dtype: the attributes never change, and building the device arrays
+    # anew each call would copy them from the host every step (a capture refuses that)
+    forests = ctx.__dict__.setdefault("tree_forests", {})
+    forest = forests.get(str(x.dtype))
+    if forest is None:
+        forest = forests[str(x.dtype)] = _forest(xp, x.dtype, attrs)
     leaf = _leaves_reached(xp, forest, x)
     scores = _aggregate(
         xp, forest.leaf_weight[leaf], forest.leaf_target[leaf], _n_targets(attrs) or 0, aggregate_function

@@ -6,6 +6,8 @@ each is now captured whole, with the reference's outputs.
 - MaxPool's Indices: CuPy's unravel_index checked its bounds on the host.
 - ConvInteger, QLinearConv: their zero points were read with ``float()`` (a device-to-host copy).
 - Det: CuPy's det calls cuSOLVER and cuBLAS; it now runs as Gaussian elimination in array ops.
+- TreeEnsemble: its forest was copied to the device every call and its walk asked the device
+  after each step whether it was done; the forest is now made once, its depth found on the host.
 
 Run on the GPU image: ``python -m pytest -q tests/gpu/test_device_paths_gpu.py``.
 """
@@ -30,6 +32,8 @@ CASES = [
     "test_qlinearconv",
     "test_det_2d",
     "test_det_nd",
+    "test_ai_onnx_ml_tree_ensemble_single_tree",
+    "test_ai_onnx_ml_tree_ensemble_set_membership",
 ]
 
 
