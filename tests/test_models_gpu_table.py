@@ -1,0 +1,30 @@
+"""benchmarks/models_gpu.py's pure parts on the CPU: the table of a committed GPU run, the host-time measure."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import models_gpu  # noqa: E402
+
+
+def test_the_table_of_a_committed_run_has_every_column() -> None:
+    results = json.loads((ROOT / "benchmarks/results/gpu_2026-12-03g/matrix/models_gpu.json").read_text())["results"]
+    lines = models_gpu.table(results).splitlines()
+    assert len(lines) == 2 + len(results)
+    assert all(line.count(" | ") == 12 for line in lines)
+    minilm = next(line for line in lines if line.startswith("minilm | fp16 | 1 |"))
+    cells = minilm.split(" | ")
+    assert cells[3] == "0.469" and cells[10] == "82 / 131" and cells[11] == "186 / 282"
+    assert cells[12] == "- / -"  # that run predates the host-time measure
+
+
+def test_host_time_is_the_mean_of_calls_issued_back_to_back() -> None:
+    calls: list[str] = []
+    us = models_gpu.host_us(lambda: calls.append("call"), 10, lambda: calls.append("sync"))
+    assert calls == ["call", "sync", *["call"] * 10, "sync"]
+    assert 0 < us < 1e5
