@@ -1,12 +1,14 @@
-"""A small owned cuDNN binding (ctypes) for convolutions inside captured CUDA graphs.
+"""A small owned cuDNN binding (ctypes) for convolutions and max pooling inside captured CUDA graphs.
 
 CuPy no longer ships cuDNN bindings, and convolutions as im2col plus a product move far more
 bytes than cuDNN's kernels. This binding is the one way DSP calls cuDNN: one handle per
 device, bound to the backend's stream (``cudnnSetStream``); per convolution layout (shapes,
-dtype, attributes) the descriptors are made and an algorithm is chosen once, by timing the
-candidates (``cudnnFindConvolutionForwardAlgorithmEx``) before any capture, and its fixed
-workspace is allocated then, so ``cudnnConvolutionForward`` inside a capture allocates
-nothing. Where the contract is deterministic only deterministic algorithms are taken.
+dtype, attributes) the descriptors are made and an algorithm is chosen once, before any
+capture, and its fixed workspace is allocated then, so ``cudnnConvolutionForward`` (and the
+bias's ``cudnnAddTensor``) inside a capture allocates nothing. Where the contract is
+deterministic only deterministic algorithms are taken. A max pool is one
+``cudnnPoolingForward`` on descriptors made once (``pool_geometry`` says which ONNX MaxPools
+cuDNN pools the same way).
 
 How the algorithm is chosen (``DSP_CUDNN_ALGO``): ``timed`` (default) shortlists the best of
 cuDNN's own search and its heuristics' first choices, times each inside a captured CUDA graph
