@@ -229,8 +229,8 @@ class Convolution:
         self.deterministic = deterministic
         dt = DATA_TYPES[dtype]
         g = geometry
-        self.x_desc = self._tensor(dt, g.x_shape)
-        self.y_desc = self._tensor(dt, g.y_shape)
+        self.x_desc = tensor_descriptor(lib, dt, g.x_shape)
+        self.y_desc = tensor_descriptor(lib, dt, g.y_shape)
         self.w_desc = ctypes.c_void_p()
         _check(lib.cudnnCreateFilterDescriptor(ctypes.byref(self.w_desc)), "cudnnCreateFilterDescriptor")
         _check(
@@ -259,9 +259,6 @@ class Convolution:
         self.workspace: Any = None
         self.workspace_bytes = 0
         self.timings_ms: dict[int, float] = {}
-
-    def _tensor(self, dt: int, shape: tuple[int, ...]) -> ctypes.c_void_p:
-        return tensor_descriptor(self.lib, dt, shape)
 
     def _search(self, handle: ctypes.c_void_p, x: Any, w: Any, y: Any, scratch: Any) -> list[Timing]:
         found = ctypes.c_int(0)
@@ -332,23 +329,19 @@ class Convolution:
         look fastest for a third of ResNet-50's layers (benchmarks/results/gpu_2026-12-03e/).
         ``timed`` then times the shortlist (``shortlist``) itself, each after a warm-up call.
         """
-        if search not in SEARCHES:
-            raise ValueError(f"DSP_CUDNN_ALGO {search!r}: one of {', '.join(SEARCHES)}")
-        scratch = cp.empty(FIND_WORKSPACE_BYTES, dtype=cp.uint8)
-        heuristic = self._heuristic(handle)
         if search == "heuristic":
-            fits = usable(heuristic, FIND_WORKSPACE_BYTES, self.deterministic)
+            fits = usable(self._heuristic(handle), FIND_WORKSPACE_BYTES, self.deterministic)
             if not fits:
                 raise Unsupported(_none_usable(self.deterministic))
             best, self.timings_ms = fits[0], {}
         else:
+            scratch = cp.empty(FIND_WORKSPACE_BYTES, dtype=cp.uint8)
             rounds = [self._search(handle, x, w, y, scratch) for _ in range(FIND_ROUNDS if search == "find" else 1)]
             best, self.timings_ms = pick_algorithm(rounds, FIND_WORKSPACE_BYTES, self.deterministic)
             if search == "timed":
-                timed = {
-                    t: self._time(handle, cp, stream, t, x, w, y, b, scratch)
-                    for t in shortlist(rounds, heuristic, FIND_WORKSPACE_BYTES, self.deterministic, TIMED_CANDIDATES)
-                }
+                heuristic = self._heuristic(handle)
+                candidates = shortlist(rounds, heuristic, FIND_WORKSPACE_BYTES, self.deterministic, TIMED_CANDIDATES)
+                timed = {t: self._time(handle, cp, stream, t, x, w, y, b, scratch) for t in candidates}
                 best = min(timed, key=timed.__getitem__)
                 if timed[best] == math.inf:
                     raise Unsupported("no cuDNN algorithm for this convolution could be captured")
@@ -368,7 +361,7 @@ class Convolution:
         if b is not None:
             if self.bias_desc is None:
                 shape = (1, self.geometry.y_shape[1]) + (1,) * (len(self.geometry.y_shape) - 2)
-                self.bias_desc = self._tensor(DATA_TYPES[self.dtype], shape)
+                self.bias_desc = tensor_descriptor(self.lib, DATA_TYPES[self.dtype], shape)
             _check(
                 self.lib.cudnnAddTensor(
                     handle,

@@ -230,7 +230,7 @@ def max_pool_kernel(st: dict[str, Any], reference: Any, n_outputs: int, **attrs:
             except Unsupported as exc:
                 geometry = exc
             geometries[key] = geometry
-        dnn = _cudnn(st) if hasattr(x, "data") else None
+        dnn = _cudnn(st)
         if isinstance(geometry, Unsupported) or dnn is None:
             return reference(x)
         xc = cp.ascontiguousarray(x).reshape(geometry.x_shape)
