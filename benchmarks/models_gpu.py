@@ -18,9 +18,9 @@ Each in fp16 and fp32, batch 1 and 8. Per configuration, the median latency over
 - ``torch_compile``: ``torch.compile(mode="reduce-overhead")`` (``--no-compile`` skips it);
 
 and the max abs difference of DSP's output from torch eager's. For DSP and the torch graph also
-the kernels a call and their busy time (torch.profiler) and the host time a call when calls are
-issued back to back (``host_us``): a wall time well above the kernels' busy time with a host time
-near it means the call, not the GPU work, is the cost. A contender that fails is recorded with its
+the kernels a call and their busy time (torch.profiler) and the host time of one call from an
+idle GPU to its return (``host_us``, median): a wall time near the host time plus the kernels'
+busy time means the host work and the GPU work do not overlap, and the host time is what to cut. A contender that fails is recorded with its
 error; the others still run.
 
 Run on the GPU machine (python 3.12, torch, cupy; no network):
@@ -244,17 +244,17 @@ def median_ms(fn: Callable[[], Any], steps: int, warmup: int, sync: Callable[[],
 
 
 def host_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
-    """Host microseconds a call of ``fn`` takes when calls are issued back to back and the GPU is
-    waited for once at the end: near the synchronised wall time, the host is what a call costs;
-    far below it, the GPU work is. (A launch queue that fills makes the host wait too.)"""
-    fn()
-    sync()
-    t0 = time.perf_counter()
+    """Host microseconds one call of ``fn`` takes from an idle GPU to its return (the GPU waited
+    for before each call, not after it), the median of ``calls``: the time the caller's thread
+    spends in the call, without a launch queue that fills and makes the host wait for the GPU."""
+    times = []
     for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
         fn()
-    elapsed = time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
     sync()
-    return elapsed / calls * 1e6
+    return statistics.median(times) * 1e6
 
 
 HOST_CALLS = 100

@@ -14,15 +14,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from conftest import mlp_reference
+from dsp_cpu_ref.plugin import EmulatedReplayBackend, SlotBySlotBackend
 
 import dsp_core as dsp
+from dsp_core.backends.base import Registry
+from dsp_core.backends.modes import GraphExecutionMode as M
 from dsp_core.errors import DSPError, InputError
 from dsp_core.plan.plan import ConstantTable
 from dsp_core.runtime.lifecycle import PlanPhase, SegmentPhase
+from dsp_core.runtime.model import CompiledModel
 from dsp_core.runtime.plan_runtime import PlanRuntime
 
 # The two CPU runtimes (a runtime call bound once), and cpu_ref's capture (replay by the core).
@@ -111,7 +116,7 @@ def test_a_runtime_replay_is_its_bound_call(mode: str, mlp_graph: dsp.Graph) -> 
     ((unit, call),) = steady.units
     assert isinstance(call, functools.partial) and call is unit.compiled._bound
     # the bound inputs are the staging buffers: a feed is copied in, never re-bound
-    assert unit.compiled._bound_inputs[0] is steady.buffers[0]
+    assert unit.compiled._bound_inputs[0] is steady.buffers[0][0]
 
 
 @pytest.mark.parametrize("mode", ("onnxruntime", "openvino"))
@@ -277,3 +282,37 @@ def test_diagnostics_switched_on_take_the_full_path_and_off_the_steady_one(mode:
         diag.disable()
     assert runtime._steady is not None and np.array_equal(model.run({"x": x})["y"], want)
     assert runtime.staging.copies == copies + 2
+
+
+class _PlacingEmulated(EmulatedReplayBackend):
+    """cpu_ref's capture with a device's staging hook: it allocates its feeds' buffers and fills them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[np.ndarray] = []
+        self.fills = 0
+
+    def stage_buffer(self, value: Any) -> Any:
+        buf = np.empty(value.shape, dtype=value.dtype)
+        self.made.append(buf)
+        return buf
+
+    def stage_into(self, buffer: Any, value: Any) -> None:
+        self.fills += 1
+        buffer[...] = value
+
+
+def test_feeds_a_backend_stages_on_its_device_take_the_steady_path_through_its_fill(mlp_graph: dsp.Graph) -> None:
+    placing = _PlacingEmulated()
+    model = CompiledModel(mlp_graph, M.EMULATED_REPLAY, registry=Registry(backends=[placing, SlotBySlotBackend()]))
+    runtime = until_steady(model, {"x": x_of(2)})
+    steady = runtime._steady
+    assert steady is not None
+    ((buf, fill),) = steady.buffers
+    assert any(buf is made for made in placing.made)  # the backend's own buffer, filled by the backend
+    assert fill == placing.stage_into
+    fills = placing.fills
+    for _ in range(4):
+        x = x_of(2)
+        np.testing.assert_allclose(model.run({"x": x})["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    assert runtime._steady is steady and placing.fills == fills + 4

@@ -322,14 +322,15 @@ class CompiledModel:
             results = live.runtime.execute([(s.flat, a) for s, a in zip(self._feeds, staged)])
         finally:
             self.cache.release(live)
-        if names == self._default_outputs and all(a.__class__ is np.ndarray for a in staged):
-            checked = tuple((s.name, s.flat, a.shape, a.dtype) for s, a in zip(self._feeds, staged))
+        if names == self._default_outputs and all(a.__class__ is np.ndarray or _on_device(a) for a in staged):
+            checked = tuple((s.name, s.flat, a.__class__, a.shape, a.dtype) for s, a in zip(self._feeds, staged))
             self._repeat = _Repeat(live.signature, checked)
         return {name: _as_output(r, self.outputs_on_device) for name, r in zip(names, results)}
 
     # -- the repeat path: DSP's own per-call overhead --------------------------------------
     # A call with the default outputs whose feeds are a dict of exactly the previous such
-    # call's names, as plain numpy arrays of the same shapes and dtypes, passed every check
+    # call's names, as arrays of the same classes (numpy's, or a device's such as CuPy's),
+    # shapes and dtypes, passed every check
     # of ``_stage`` last time and passes them again: it skips them and reuses that call's
     # shape signature (looked up in the plan cache as usual, so pins, LRU order and hit
     # counts are unchanged). Anything else takes the full path.
@@ -338,9 +339,9 @@ class CompiledModel:
             return None
         staged: list[tuple[int, Any]] = []
         get = feeds.get
-        for name, flat, shape, dtype in repeat.feeds:
-            array = get(name)
-            if array.__class__ is not np.ndarray or array.dtype is not dtype or array.shape != shape:
+        for name, flat, cls, shape, dtype in repeat.feeds:
+            array: Any = get(name)
+            if array.__class__ is not cls or array.dtype is not dtype or array.shape != shape:
                 return None
             staged.append((flat, array))
         cache = self.cache
@@ -458,10 +459,10 @@ class CompiledModel:
 
 @dataclass(frozen=True)
 class _Repeat:
-    """A call's shape signature and its feeds as checked: (name, flat index, shape, dtype)."""
+    """A call's shape signature and its feeds as checked: (name, flat index, array class, shape, dtype)."""
 
     signature: ShapeSignature
-    feeds: tuple[tuple[str, int, tuple[int, ...], np.dtype[Any]], ...]
+    feeds: tuple[tuple[str, int, type, tuple[int, ...], np.dtype[Any]], ...]
     count: int = field(init=False)  # len(feeds)
 
     def __post_init__(self) -> None:

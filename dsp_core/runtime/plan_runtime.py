@@ -372,8 +372,11 @@ class PlanRuntime:
         ):
             self._steady = None
             return self._frozen_step(feeds)  # checks each constant: raises naming a replaced one
-        for (_, array), buf in zip(feeds, steady.buffers):
-            buf[...] = array
+        for (_, array), (buf, fill) in zip(feeds, steady.buffers):
+            if fill is None:
+                buf[...] = array
+            else:
+                fill(buf, array)  # a device buffer: the backend that reads it copies the feed there
         self.staging.copies += steady.n_buffers
         values = steady.values
         unit: Unit | None = None
@@ -839,9 +842,11 @@ class _Steady:
     reuse it. ``units``: each unit with its backend's ``replay_call`` (None: ``replay``).
     """
 
-    def __init__(self, runtime: PlanRuntime, buffers: list[np.ndarray], values: list[Any]) -> None:
-        self.buffers = buffers  # the staging buffer of each feed, in feed order
-        self.n_buffers = len(buffers)
+    def __init__(self, runtime: PlanRuntime, flats: list[int], values: list[Any]) -> None:
+        fills = runtime.staging.fills
+        # per feed, in feed order: its staging buffer and the fill of a device buffer (None: host)
+        self.buffers = [(values[f], fills.get(f)) for f in flats]
+        self.n_buffers = len(flats)
         self.values = values
         self.units = [(u, u.compiled.replay_call(values)) for u in runtime.units]
         self.outputs = runtime.executor.output_flat
@@ -856,11 +861,14 @@ class _Steady:
             return None
         if not isinstance(runtime.plan.constants, ConstantTable):
             return None  # a table that does not count its changes: every step checks each constant
-        staged = runtime._staged_flats
+        staged, staging = runtime._staged_flats, runtime.staging
         flats = [flat for flat, _, _ in runtime.feed_shapes]
-        if any(f not in staged or f in runtime.staging.placement for f in flats):
-            return None  # a variable (read in place), or a feed a device backend stages
-        buffers = [runtime.staging.buffers.get(f) for f in flats]
-        if any(not isinstance(b, np.ndarray) or values[f] is not b for f, b in zip(flats, buffers)):
-            return None
-        return cls(runtime, buffers, values)  # type: ignore[arg-type]
+        if any(f not in staged or f in staging.devices for f in flats):
+            return None  # a variable (read in place), or a feed placed on one of several devices
+        for f in flats:
+            buf = staging.buffers.get(f)
+            if buf is None or values[f] is not buf:
+                return None
+            if f not in staging.fills and not isinstance(buf, np.ndarray):
+                return None  # a host buffer that is not numpy's: the full path stages it
+        return cls(runtime, flats, values)

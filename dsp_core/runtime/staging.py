@@ -50,6 +50,9 @@ class Staging:
         # A plan placed over several devices: flat index -> the device context its buffer is
         # made and filled in (the device of its first reader: a feed goes straight there).
         self.devices: dict[int, Callable[[], AbstractContextManager[Any]]] = {}
+        # flat index -> how its buffer is filled: the placing backend's ``stage_into`` for a
+        # buffer that backend made, absent for a host buffer (filled with ``buf[...] = value``)
+        self.fills: dict[int, Callable[[Any, Any], None]] = {}
 
     def stage(self, flat: int, value: Any) -> Any:
         """Copy ``value`` into the stable buffer for ``flat`` (allocated on first use)."""
@@ -67,16 +70,18 @@ class Staging:
                 raise StagingError(f"staging buffer allocation failed for input at slot {flat} (injected fault)")
             placer = self.placement.get(flat)
             buf = placer.stage_buffer(value) if placer is not None else None
-            if buf is None:
-                placer = None
+            if placer is not None and buf is not None:
+                self.fills[flat] = placer.stage_into
+            else:
                 buf = _empty_like(value)
+                self.fills.pop(flat, None)
             self.buffers[flat] = buf
             self.allocations += 1
         if fault == "copy":
             raise StagingError(f"staging copy failed for input at slot {flat} (injected fault)")
-        placer = self.placement.get(flat)
-        if placer is not None and _namespace_name(buf) != "numpy":
-            placer.stage_into(buf, value)
+        fill = self.fills.get(flat)
+        if fill is not None:
+            fill(buf, value)
         else:
             buf[...] = value
         self.copies += 1
@@ -87,6 +92,7 @@ class Staging:
     def invalidate(self) -> None:
         """Forget every buffer (they are reallocated on the next step)."""
         self.buffers.clear()
+        self.fills.clear()
 
     @property
     def nbytes(self) -> int:
@@ -113,10 +119,6 @@ def placement(units: Any, flats: frozenset[int]) -> dict[int, Any]:
         for flat, owners in readers.items()
         if len(owners) == 1 and type(next(iter(owners))).stage_buffer is not Backend.stage_buffer
     }
-
-
-def _namespace_name(value: Any) -> str:
-    return "numpy" if isinstance(value, np.ndarray) else type(value).__module__.split(".")[0]
 
 
 def _empty_like(value: Any) -> Any:

@@ -115,3 +115,39 @@ def test_outputs_on_device() -> None:
     for _ in range(6):
         out = model.run(feeds)
     assert all(isinstance(v, cp.ndarray) for v in out.values())
+
+
+@pytest.mark.parametrize("fed", ["host", "device"])
+def test_a_replaying_plan_takes_the_steady_path_with_its_device_staged_feeds(fed: str) -> None:
+    """Once replaying, each call copies the feeds into their device buffers and launches the graph
+    (PlanRuntime._steady_step): every call's new feeds are read, outputs stay the caller's own."""
+    import cupy as cp
+
+    name = "llama_eager"
+    golden = np.load(FIXTURES / f"{name}.golden.npz")
+    ref = dsp.compile(FIXTURES / f"{name}.onnx", mode="slot_by_slot")
+    model = dsp.compile(FIXTURES / f"{name}.onnx", mode="cuda_graphs", strict=True, outputs_on_device=True)
+    steps = [{n: golden[f"step{s}.{n}"] for n in model.input_names} for s in (1, 1, 1)]
+    rng = np.random.default_rng(3)
+    for s in steps[1:]:  # same shapes, other values: the steady path must read each call's feeds
+        for n, v in s.items():
+            if v.dtype.kind == "f":
+                s[n] = (v + rng.standard_normal(v.shape).astype(v.dtype) * 0.1).astype(v.dtype)
+    wants = [ref.run(s) for s in steps]
+
+    def feed(s: dict[str, np.ndarray]) -> dict[str, Any]:
+        return s if fed == "host" else {n: cp.asarray(v) for n, v in s.items()}
+
+    for _ in range(8):
+        model.run(feed(steps[0]))
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    assert runtime._steady is not None, f"no steady path: {model.dsp.phase}"
+    assert model._repeat is not None  # the repeat path (feed checks skipped) takes CuPy feeds too
+    kept = []
+    for i in range(6):
+        out = model.run(feed(steps[i % 3]))
+        _close({k: cp.asnumpy(v) for k, v in out.items()}, wants[i % 3], f"steady call {i}")
+        kept.append(out)
+    assert runtime._steady is not None
+    for i, out in enumerate(kept):  # later calls did not write into what earlier calls returned
+        _close({k: cp.asnumpy(v) for k, v in out.items()}, wants[i % 3], f"kept output {i}")
