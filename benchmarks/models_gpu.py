@@ -20,8 +20,8 @@ Each in fp16 and fp32, batch 1 and 8. Per configuration, the median latency over
 and the max abs difference of DSP's output from torch eager's. For DSP and the torch graph also
 the kernels a call and their busy time (torch.profiler) and the host time of one call from an
 idle GPU to its return (``host_us``, median): a wall time near the host time plus the kernels'
-busy time means the host work and the GPU work do not overlap, and the host time is what to cut. A contender that fails is recorded with its
-error; the others still run.
+busy time means the host work and the GPU work do not overlap, and the host time is what to
+cut. A contender that fails is recorded with its error; the others still run.
 
 Run on the GPU machine (python 3.12, torch, cupy; no network):
 

@@ -127,9 +127,9 @@ def test_an_io_error_of_a_background_read_is_reported_not_taken_for_damage(
     events: list[dict[str, str]] = []
     real_emit = DiskCache._emit
     monkeypatch.setattr(
-        DiskCache, "_emit", lambda self, kind, path, reason, **x: events.append({"kind": kind}) or real_emit(
-            self, kind, path, reason, **x
-        )
+        DiskCache,
+        "_emit",
+        lambda self, kind, path, reason, **x: events.append({"kind": kind}) or real_emit(self, kind, path, reason, **x),
     )
     failed = _pipe()
     assert _tokens(failed) == GOLDEN  # the plan rebuilt from the model

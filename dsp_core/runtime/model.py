@@ -341,7 +341,8 @@ class CompiledModel:
         get = feeds.get
         for name, flat, cls, shape, dtype in repeat.feeds:
             array: Any = get(name)
-            if array.__class__ is not cls or array.dtype is not dtype or array.shape != shape:
+            same_class = array.__class__ is cls  # first: a missing feed (None) has no dtype
+            if not same_class or array.dtype is not dtype or array.shape != shape:
                 return None
             staged.append((flat, array))
         cache = self.cache
@@ -462,7 +463,7 @@ class _Repeat:
     """A call's shape signature and its feeds as checked: (name, flat index, array class, shape, dtype)."""
 
     signature: ShapeSignature
-    feeds: tuple[tuple[str, int, type, tuple[int, ...], np.dtype[Any]], ...]
+    feeds: tuple[tuple[str, int, Any, tuple[int, ...], np.dtype[Any]], ...]
     count: int = field(init=False)  # len(feeds)
 
     def __post_init__(self) -> None:
