@@ -171,6 +171,15 @@ OPTIONS: tuple[Option, ...] = (
         "skinny-product kernels with their epilogues fused; off: they run on cuBLAS.",
     ),
     Option(
+        "triton_conv_epilogue",
+        "DSP_TRITON_CONV_EPILOGUE",
+        "bool",
+        True,
+        "dsp-triton runs a biased convolution on cuDNN without its bias and adds the bias in the "
+        "generated kernel of the pointwise ops after it (activation, residual add); off: cuDNN adds "
+        "the bias and those ops are a kernel of their own.",
+    ),
+    Option(
         "triton_attention",
         "DSP_TRITON_ATTENTION",
         "bool",

@@ -35,6 +35,32 @@ def mlp(widths: Sequence[int], seed: int = 0, *, bias: bool = True, tied: bool =
     return g.build()
 
 
+def residual_conv_block(
+    dtype: str = "float32", *, bias: bool = True, channels: int = 4, size: int = 6, batch: int = 1, seed: int = 0
+) -> Graph:
+    """A residual block of 3x3 convolutions on ``x[batch, channels, size, size]``: Conv + Relu,
+    Conv + the residual Add + Relu, then a Conv whose output is both output ``raw`` and, through
+    a Sigmoid, output ``y`` (a convolution read outside the pointwise ops after it)."""
+    rng = np.random.default_rng(seed)
+    g = GraphBuilder("residual_conv_block")
+    x = g.placeholder("x", dtype, [batch, channels, size, size])
+    scale = 1.0 / np.sqrt(9 * channels)
+
+    def conv(v: Any, name: str) -> Any:
+        w = g.constant((rng.standard_normal((channels, channels, 3, 3)) * scale).astype(dtype), name=f"{name}_w")
+        if not bias:
+            return g.Conv(v, w, pads=[1, 1, 1, 1])
+        b = g.constant(rng.standard_normal(channels).astype(dtype), name=f"{name}_b")
+        return g.Conv(v, w, b, pads=[1, 1, 1, 1])
+
+    a = g.Relu(conv(x, "c1"))
+    r = g.Relu(conv(a, "c2") + x)
+    c = conv(r, "c3")
+    g.output(g.Sigmoid(c), "y")
+    g.output(c, "raw")
+    return g.build()
+
+
 def fixed_kv_step(
     path: str | os.PathLike[str], max_length: int = 16, position: int = 5, seed: int = 0
 ) -> tuple[Graph, dict[str, Any]]:

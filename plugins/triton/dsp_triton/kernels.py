@@ -49,6 +49,9 @@ Step = tuple[Any, tuple[int, ...], Any, tuple[int, ...]]
 Piece = tuple[codegen.GroupSpec, list[Step], dict[int, "Derived"], list[Step]]
 TUNE_RUNS = 5
 TUNE_LAUNCHES = 20  # launches per timed graph
+# Value ids of a convolution group's bias, viewed [C, 1, ...] to broadcast over the output, and of
+# the output with its bias added (the convolution itself, run without its bias, keeps its own id).
+CONV_BIAS, CONV_Y = -1101, -1102
 MIN_TRANSPOSED_WEIGHT = 1 << 16  # weights of at least this many elements get a [N, K] copy for one-row products
 MAX_KEYED_ELEMENTS = 4096  # host inputs up to this size are keyed by value
 # Loaded kernels by (source, warps, alignment, device), alive as long as the process: a captured graph holds
@@ -381,6 +384,10 @@ class FusedGroup:
         if compiled.parts:
             self.report.kernel = "+".join(part.kernel.name for part in compiled.parts)
             self.report.reason = f"{len(compiled.parts)} kernels for this layout: {kernels[0].template} rows"
+        elif compiled.head and self.report.template == "conv":
+            self.report.reason = (
+                "the convolution runs on cuDNN without its bias; the bias and its epilogue as this kernel"
+            )
         elif compiled.head:
             self.report.reason = "the product runs on cuBLAS, its epilogue as this kernel"
         elif compiled.tail:
@@ -408,7 +415,33 @@ class FusedGroup:
             return pieces
         if spec.template == "product":
             return self._product_pieces(spec, local, self.steps)
+        if spec.template == "conv":
+            return [self._conv_piece(spec, local)]
         return [(spec, [], {}, [])]
+
+    def _conv_piece(self, spec: codegen.GroupSpec, local: dict[int, Any]) -> Piece:
+        """A convolution group: cuDNN computes the Conv without its bias (the head step), one
+        pointwise kernel adds the bias and runs the epilogue (the activation, a residual add).
+
+        The group's check compares it with the reference steps, which add the bias on cuDNN.
+        """
+        node = spec.nodes[0]
+        if node.op != "Conv" or len(node.inputs) < 3 or None in node.inputs[:3] or node.outputs[0] is None:
+            raise codegen.Unsupported("a convolution group that does not start with a biased Conv")
+        y, b = node.outputs[0], node.inputs[2]
+        assert y is not None and b is not None
+        if y in spec.outputs:
+            raise codegen.Unsupported("the convolution's output is read outside its group: cuDNN adds its bias")
+        if not self.fixed(b):
+            raise codegen.Unsupported("a bias that may change between steps: cuDNN adds it")
+        kernel, ins, outs, releases = self.steps[0]
+        head: list[Step] = [(kernel, ins[:2], outs, releases)]  # the Conv kernel without its bias
+        epilogue = self._epilogue_spec(spec, local, 0)
+        ndim = len(epilogue.values[y].shape)
+        bias = Derived.make(self.cp, (b,), [local[b]], functools.partial(_bias_view, ndim))
+        local[CONV_BIAS] = bias.array
+        fused = conv_epilogue(epilogue, y, tuple(int(d) for d in bias.array.shape), str(bias.array.dtype), node.name)
+        return fused, head, {CONV_BIAS: bias}, []
 
     def _product_pieces(self, spec: codegen.GroupSpec, local: dict[int, Any], steps: list[Step]) -> list[Piece]:
         """A product group for this layout: one kernel, or (more than 16 rows) cuBLAS between kernels.
@@ -776,6 +809,26 @@ def nvrtc_backend() -> Any:
         return next((b for b in discover().backends if b.name == "nvrtc_jit" and b.availability().ok), None)
     except Exception:  # noqa: BLE001  (a broken plugin is no fallback)
         return None
+
+
+def conv_epilogue(
+    epilogue: codegen.GroupSpec, y: int, bias_shape: tuple[int, ...], bias_dtype: str, name: str
+) -> codegen.GroupSpec:
+    """A convolution's epilogue (``y`` its output without the bias) that first adds the bias
+    (``CONV_BIAS``, shaped ``bias_shape`` to broadcast over ``y``): every read of ``y`` reads
+    ``CONV_Y``, the sum."""
+    out = epilogue.values[y]
+    values = dict(epilogue.values)
+    values[CONV_BIAS] = codegen.TensorSpec(bias_shape, bias_dtype, (1,) * len(bias_shape))
+    values[CONV_Y] = codegen.TensorSpec(out.shape, out.dtype)
+    add = codegen.NodeSpec("Add", (y, CONV_BIAS), (CONV_Y,), {}, 14, "", f"{name}/bias")
+    tail = [dataclasses.replace(n, inputs=tuple(CONV_Y if i == y else i for i in n.inputs)) for n in epilogue.nodes]
+    return dataclasses.replace(epilogue, nodes=[add, *tail], values=values, inputs=[*epilogue.inputs, CONV_BIAS])
+
+
+def _bias_view(ndim: int, cp: Any, biases: list[Any]) -> Any:
+    """A convolution's bias [C] as a contiguous [C, 1, ...] that broadcasts over its [N, C, ...] output."""
+    return cp.ascontiguousarray(biases[0]).reshape((-1,) + (1,) * (ndim - 2))
 
 
 def nvrtc_step(group: FusedGroup) -> Any:

@@ -78,6 +78,8 @@ class TritonPolicy(ReferencePolicy):
             return "opaque"  # no template generates it: alone, on the reference kernels
         if template == "matmul" and product_declined(plan, s, pattern) is None:
             return "product"  # the skinny-product template, its epilogue fused
+        if template == "matmul" and conv_declined(plan, s) is None:
+            return "conv"  # cuDNN without the bias, then the bias and the epilogue as one kernel
         return template
 
     @property
@@ -96,6 +98,8 @@ class TritonPolicy(ReferencePolicy):
             return self._epilogue_ok(plan, group, s, pattern)
         if group.template == "decode_attention":
             return self._attention_ok(plan, group, s, pattern)
+        if group.template == "conv":
+            return self._conv_epilogue_ok(plan, group, s, pattern)
         if pattern.kind is PatternKind.MATMUL:
             return self._prologue_ok(plan, group, s, pattern)
         if not self._generated(plan, s, pattern):
@@ -229,6 +233,21 @@ class TritonPolicy(ReferencePolicy):
             )
         return None
 
+    def _conv_epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
+        """A convolution's epilogue: pointwise ops over every element of its output (activation, residual)."""
+        op = plan.slots[s].op
+        if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST):
+            return f"{op} is {pattern.kind.value}: a convolution's epilogue takes pointwise ops over its output"
+        if not self._generated(plan, s, pattern):
+            return f"{op} has no Triton template"
+        conv = group.patterns[group.slots[0]].shape
+        if pattern.shape is None or conv is None or tuple(pattern.shape) != tuple(conv):
+            return (
+                f"slot {s} iterates {list(pattern.shape) if pattern.shape else 'an unknown shape'}, "
+                f"not the convolution's output {list(conv) if conv else '(unknown)'}"
+            )
+        return None
+
     @staticmethod
     def _only_stores_after(plan: Plan, group: GroupView, product: int) -> bool:
         """True when a merged product's group holds, after it, only layout ops and KV stores."""
@@ -287,6 +306,26 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     rows = shape[0] if form == "Gemm" else shape[-2]
     if isinstance(rows, int) and rows > codegen.MAX_PRODUCT_ROWS:
         return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
+    return None
+
+
+def conv_declined(plan: Plan, s: int) -> str | None:
+    """Why slot ``s`` is not a convolution whose bias dsp-triton adds in its epilogue (None: it is).
+
+    A Conv with a bias of fp16, bf16 or fp32 operands: cuDNN computes it without the bias
+    and the kernel of the pointwise ops after it adds the bias first (kernels.CONV_BIAS), one
+    ``cudnnAddTensor`` call fewer a convolution.
+    """
+    slot = plan.slots[s]
+    if slot.op != "Conv" or slot.domain not in ("", "ai.onnx"):
+        return f"{slot.op} is not a Conv"
+    if not config.get("triton_conv_epilogue"):
+        return "DSP_TRITON_CONV_EPILOGUE is off: cuDNN adds the bias"
+    if len(slot.inputs) < 3 or slot.inputs[2] is None:
+        return "a convolution without a bias: its epilogue saves no kernel"
+    kinds = [plan.ref_info(r)[0] if r is not None else None for r in slot.inputs[:3]]
+    if any(dt not in ("float16", "bfloat16", "float32") for dt in kinds):
+        return "operands other than fp16, bf16 or fp32"
     return None
 
 

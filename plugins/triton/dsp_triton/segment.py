@@ -30,7 +30,7 @@ from dsp_triton.codegen import VIEW_ON_CUPY
 from dsp_triton.kernels import FusedGroup, GreedyPick, GroupReport, KVStore
 
 # Templates that have a Triton kernel; "view" groups cost no kernel, the rest run alone.
-FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product", "decode_attention"})
+FUSED_TEMPLATES = frozenset({"pointwise", "row_reduction", "copy", "product", "decode_attention", "conv"})
 MAX_CONSTANT_ELEMENTS = 4096  # constant inputs read on the host by the generator (slice bounds, exponents)
 
 
@@ -40,6 +40,8 @@ def unfused_reason(plan: Plan, group: Any) -> str | None:
         return f"a {group.template} group runs alone"
     if not group.outputs:
         return "nothing it computes is read"
+    if group.template == "conv" and len(group.slots) == 1:
+        return "a convolution with no pointwise op after it in its group: cuDNN adds its bias"
     if all(plan.slots[s].op in VIEW_ON_CUPY for s in group.slots):
         ops = "+".join(dict.fromkeys(plan.slots[s].op for s in group.slots))
         # Its readers (generated kernels, products, the KV store) read a view by its strides;

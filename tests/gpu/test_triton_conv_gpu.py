@@ -1,0 +1,73 @@
+"""dsp-triton's convolution groups on a GPU: cuDNN without the bias, the bias and the pointwise ops
+after it as one generated kernel; equal to the reference while replaying, fewer kernels a call.
+
+Run on the GPU image: ``python -m pytest -q tests/gpu/test_triton_conv_gpu.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dsp_core as dsp
+from dsp_core.runtime.lifecycle import PlanPhase
+from dsp_core.testing.models import residual_conv_block
+
+TOL = {"float16": 2e-2, "float32": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def _cold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSP_DISK_CACHE", "0")
+
+
+def _reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    return [r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_conv_group_adds_its_bias_in_its_epilogue_kernel_and_matches_the_reference(dtype: str, batch: int) -> None:
+    graph = residual_conv_block(dtype, channels=16, size=14, batch=batch, seed=batch)
+    ref = dsp.compile(graph, mode="slot_by_slot")
+    model = dsp.compile(graph, mode="triton", strict=True)
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((batch, 16, 14, 14)).astype(dtype)} for _ in range(3)]
+    wants = [ref.run(f) for f in feeds]
+    for i in range(10):  # eager (compile, check), freeze, warm, capture, replays
+        got = model.run(feeds[i % 3])
+        for name, want in wants[i % 3].items():
+            scale = max(1.0, float(np.abs(want.astype(np.float32)).max()))
+            np.testing.assert_allclose(
+                got[name].astype(np.float32),
+                want.astype(np.float32),
+                rtol=TOL[dtype],
+                atol=TOL[dtype] * scale,
+                err_msg=f"call {i} {name}",
+            )
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    convs = [r for r in _reports(model) if r["template"] == "conv"]
+    fused = [r for r in convs if r["status"] == "triton"]
+    assert len(fused) == 2, convs  # Conv+Relu and Conv+Add+Relu
+    assert all("cuDNN without its bias" in r["reason"] for r in fused)
+    # the third conv's output is also a graph output: cuDNN adds its bias, its group runs its steps
+    (kept,) = [r for r in convs if r["status"] != "triton"]
+    assert "read outside its group" in kept["reason"]
+
+
+def test_switched_off_the_same_outputs_and_no_conv_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    graph = residual_conv_block("float16", channels=16, size=14, batch=2)
+    x = {"x": np.random.default_rng(2).standard_normal((2, 16, 14, 14)).astype(np.float16)}
+    on = dsp.compile(graph, mode="triton", strict=True)
+    for _ in range(6):
+        fused = on.run(x)
+    monkeypatch.setenv("DSP_TRITON_CONV_EPILOGUE", "0")
+    off = dsp.compile(graph, mode="triton", strict=True)
+    for _ in range(6):
+        plain = off.run(x)
+    assert not [r for r in _reports(off) if r["template"] == "conv"]
+    for name in plain:
+        np.testing.assert_allclose(fused[name].astype(np.float32), plain[name].astype(np.float32), rtol=2e-2, atol=2e-2)
