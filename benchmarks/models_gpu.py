@@ -27,6 +27,10 @@ Run on the GPU machine (python 3.12, torch, cupy; no network):
 
     python3 benchmarks/models_gpu.py --out $OUT/models_gpu.json
     python3 benchmarks/models_gpu.py --models bert-128,resnet50 --dtypes fp16 --batches 1 --no-compile
+    python3 benchmarks/models_gpu.py --models resnet50 --dtypes fp32 --fp32-math tf32
+
+fp32 rows compare like with like: exact fp32 on both sides by default (torch's cuDNN runs TF32
+unless told not to; DSP's contract is exact), or TF32 on both with ``--fp32-math tf32``.
 """
 
 from __future__ import annotations
@@ -466,12 +470,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--steps", type=int, default=100, help="timed calls per contender (median)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compile takes minutes)")
+    parser.add_argument(
+        "--fp32-math",
+        choices=FP32_MATH,
+        default="exact",
+        help="fp32 products and convolutions of both DSP and torch: exact (the default: torch's cuDNN "
+        "would otherwise run TF32 while DSP's contract is exact fp32) or tf32 (both)",
+    )
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "models_gpu.json"))
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("models_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    set_fp32_math(args.fp32_math, torch.backends, os.environ)  # before DSP's plugins load (they read it once)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dsp-models-") as tmp:
         for name in args.models.split(","):
@@ -486,10 +498,25 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     log(json.dumps({k: v for k, v in row.items() if k != "dsp"}, default=str))
                     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                    Path(args.out).write_text(json.dumps({"meta": meta(), "results": rows}, indent=1, default=str))
+                    info = {**meta(), "fp32_math": args.fp32_math}
+                    Path(args.out).write_text(json.dumps({"meta": info, "results": rows}, indent=1, default=str))
     print(table(rows))
     print(f"wrote {args.out}")
     return 0
+
+
+FP32_MATH = ("exact", "tf32")
+
+
+def set_fp32_math(mode: str, backends: Any, environ: Any) -> None:
+    """fp32 math of both sides alike: torch's TF32 switches (``torch.backends``) and DSP's
+    ``DSP_CUBLAS_TF32``, both on for ``tf32``, both off for ``exact``."""
+    if mode not in FP32_MATH:
+        raise ValueError(f"fp32 math {mode!r}: one of {', '.join(FP32_MATH)}")
+    tf32 = mode == "tf32"
+    backends.cuda.matmul.allow_tf32 = tf32
+    backends.cudnn.allow_tf32 = tf32
+    environ["DSP_CUBLAS_TF32"] = "1" if tf32 else "0"
 
 
 def meta() -> dict[str, Any]:

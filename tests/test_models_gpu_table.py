@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -28,3 +30,18 @@ def test_host_time_is_the_median_of_calls_each_from_an_idle_gpu() -> None:
     us = models_gpu.host_us(lambda: calls.append("call"), 10, lambda: calls.append("sync"))
     assert calls == [*["sync", "call"] * 10, "sync"]
     assert 0 < us < 1e5
+
+
+def test_fp32_math_is_set_alike_on_both_sides() -> None:
+    from types import SimpleNamespace
+
+    backends = SimpleNamespace(cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=None)), cudnn=SimpleNamespace())
+    environ: dict[str, str] = {"DSP_CUBLAS_TF32": "1"}
+    models_gpu.set_fp32_math("exact", backends, environ)
+    assert backends.cuda.matmul.allow_tf32 is False and backends.cudnn.allow_tf32 is False
+    assert environ["DSP_CUBLAS_TF32"] == "0"
+    models_gpu.set_fp32_math("tf32", backends, environ)
+    assert backends.cuda.matmul.allow_tf32 is True and backends.cudnn.allow_tf32 is True
+    assert environ["DSP_CUBLAS_TF32"] == "1"
+    with pytest.raises(ValueError, match="one of exact, tf32"):
+        models_gpu.set_fp32_math("bf16", backends, environ)
