@@ -21,7 +21,9 @@ and the max abs difference of DSP's output from torch eager's. For DSP and the t
 the kernels a call and their busy time (torch.profiler) and the host time of one call from an
 idle GPU to its return (``host_us``, median): a wall time near the host time plus the kernels'
 busy time means the host work and the GPU work do not overlap, and the host time is what to
-cut. A contender that fails is recorded with its error; the others still run.
+cut. For DSP also its captured graphs launched alone (``graphs_alone_ms``: the call less this is
+what DSP adds around them) and where its host time goes (``host_profile``, cProfile's top
+functions in µs a call, in the JSON). A contender that fails is recorded with its error; the others still run.
 
 Run on the GPU machine (python 3.12, torch, cupy; no network):
 
@@ -262,6 +264,51 @@ def host_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> floa
 
 
 HOST_CALLS = 100
+PROFILE_TOP = 15
+
+
+def graphs_alone_ms(runtime: Any, steps: int, sync: Callable[[], None]) -> float | None:
+    """Median ms of launching each island's captured graph alone, on its stream (no staging, no
+    copies, no Python of DSP's): the call's time less this is what DSP adds around its graphs."""
+    graphs = [
+        (u.compiled._graph, u.compiled._st["stream"])
+        for u in runtime.units
+        if getattr(u.compiled, "_graph", None) is not None and getattr(u.compiled, "_st", None)
+    ]
+    if not graphs:
+        return None
+
+    def launch() -> None:
+        for graph, stream in graphs:
+            graph.launch(stream)
+
+    return median_ms(launch, steps, 3, sync)
+
+
+def host_profile(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+    """The functions ``fn`` spends its host time in (cProfile over ``calls`` calls, the GPU waited
+    for once at the end): the top ``PROFILE_TOP`` by own time, in µs a call."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    sync()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = [
+        {
+            "function": f"{Path(file).name}:{line}({func})",
+            "calls_per_call": round(nc / calls, 2),
+            "own_us_per_call": round(tt / calls * 1e6, 2),
+            "cum_us_per_call": round(ct / calls * 1e6, 2),
+        }
+        for (file, line, func), (_, nc, tt, ct, _) in stats.items()
+    ]
+    rows.sort(key=lambda r: -r["own_us_per_call"])
+    return rows[:PROFILE_TOP]
 
 
 def export(module: Any, feeds: dict[str, Any], path: Path) -> str:
@@ -303,6 +350,8 @@ def run_dsp(path: Path, feeds: dict[str, Any], steps: int, want: np.ndarray) -> 
     result["host_us"] = round(host_us(lambda: model.run(dev), HOST_CALLS, sync), 1)
     result["kernels"] = _guard(lambda: kernels_of(lambda: model.run(dev)))
     runtime = model.dsp.runtime
+    result["graphs_alone_ms"] = _guard(lambda: graphs_alone_ms(runtime, steps, sync))
+    result["host_profile"] = _guard(lambda: host_profile(lambda: model.run(dev), HOST_CALLS, sync))
     plan = runtime.plan
     result["phase"] = model.dsp.phase.name
     result["units"] = {k: sum(u.kind.value == k for u in runtime.units) for k in ("island", "gap", "eager")}
@@ -437,9 +486,10 @@ def _ms(value: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "model | dtype | batch | DSP ms | phase | gaps | torch eager | torch graph | torch.compile | max |diff| "
-        "| kernels/call DSP / torch graph | kernels' busy µs DSP / torch graph | host µs/call DSP / torch graph"
+        "| kernels/call DSP / torch graph | kernels' busy µs DSP / torch graph | host µs/call DSP / torch graph "
+        "| DSP's graphs alone ms"
     )
-    lines = [head, " | ".join("---" for _ in range(13))]
+    lines = [head, " | ".join("---" for _ in range(14))]
     for r in rows:
         d = r.get("dsp", {})
         gaps = str(d.get("units", {}).get("gap", "-"))
@@ -459,6 +509,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         cells.append(" / ".join(busy))
         hosts = [str(x.get("host_us", "-")) if isinstance(x, dict) else "-" for x in (d, graph)]
         cells.append(" / ".join(hosts))
+        alone = d.get("graphs_alone_ms")
+        cells.append(f"{alone:.3f}" if isinstance(alone, float) else "-")
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 

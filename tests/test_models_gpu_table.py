@@ -18,11 +18,11 @@ def test_the_table_of_a_committed_run_has_every_column() -> None:
     results = json.loads((ROOT / "benchmarks/results/gpu_2026-12-03g/matrix/models_gpu.json").read_text())["results"]
     lines = models_gpu.table(results).splitlines()
     assert len(lines) == 2 + len(results)
-    assert all(line.count(" | ") == 12 for line in lines)
+    assert all(line.count(" | ") == 13 for line in lines)
     minilm = next(line for line in lines if line.startswith("minilm | fp16 | 1 |"))
     cells = minilm.split(" | ")
     assert cells[3] == "0.469" and cells[10] == "82 / 131" and cells[11] == "186 / 282"
-    assert cells[12] == "- / -"  # that run predates the host-time measure
+    assert cells[12] == "- / -" and cells[13] == "-"  # that run predates the host-time measures
 
 
 def test_host_time_is_the_median_of_calls_each_from_an_idle_gpu() -> None:
@@ -45,3 +45,19 @@ def test_fp32_math_is_set_alike_on_both_sides() -> None:
     assert environ["DSP_CUBLAS_TF32"] == "1"
     with pytest.raises(ValueError, match="one of exact, tf32"):
         models_gpu.set_fp32_math("bf16", backends, environ)
+
+
+def test_the_host_profile_names_where_a_call_spends_its_time() -> None:
+    def inner() -> int:
+        return sum(range(2000))
+
+    def call() -> int:
+        return inner() + inner()
+
+    syncs: list[int] = []
+    rows = models_gpu.host_profile(call, 50, lambda: syncs.append(1))
+    assert syncs == [1] and 0 < len(rows) <= models_gpu.PROFILE_TOP
+    top = {r["function"].split("(")[-1].rstrip(")"): r for r in rows}
+    assert top["inner"]["calls_per_call"] == 2.0 and top["call"]["calls_per_call"] == 1.0
+    assert top["call"]["cum_us_per_call"] >= top["inner"]["own_us_per_call"] > 0
+    assert [r["own_us_per_call"] for r in rows] == sorted((r["own_us_per_call"] for r in rows), reverse=True)
