@@ -74,6 +74,12 @@ def check_model(
                 return None if v in tainted or x is None or np.asarray(x).size > 4096 else np.asarray(x)
 
             spec = codegen.GroupSpec(g.template, nodes, specs, list(dict.fromkeys(ins)), outs, constant)
+            if g.template == "conv":  # as kernels.py does: the Conv without its bias, then its epilogue
+                try:
+                    spec = _conv(codegen, plan, g.slots[0], spec, values, passed)
+                except codegen.Unsupported as exc:
+                    results.append(GroupCheck(seg.index, g.index, g.template, ops, "unsupported", str(exc)))
+                    continue
             pieces = [spec]
             if codegen.merged_index(spec) >= 0:  # as kernels.py does: joined weights
                 spec = _merged(codegen, spec, values, passed)
@@ -105,6 +111,32 @@ def decode_model(path: str) -> tuple[Any, dict[str, Any]]:
 
     graph, feeds = fixed_kv_step(path)
     return dsp_core.compile(graph, mode="slot_by_slot"), feeds
+
+
+def _conv(codegen: Any, plan: Any, slot: int, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:
+    """A conv group's one kernel (``kernels.FusedGroup._conv_piece``): its epilogue with the bias added
+    first, fed the convolution without its bias (numpy's reference kernel) and the bias as [C, 1, ...]."""
+    from dsp_triton.kernels import CONV_BIAS, _bias_view, conv_epilogue
+
+    from dsp_core.ops.registry import KernelContext, lookup
+
+    node = spec.nodes[0]
+    if node.op != "Conv" or len(node.inputs) < 3 or None in node.inputs[:3] or node.outputs[0] is None:
+        raise codegen.Unsupported("a convolution group that does not start with a biased Conv")
+    x, w, b = node.inputs[:3]
+    y = node.outputs[0]
+    if y in spec.outputs:
+        raise codegen.Unsupported("the convolution's output is read outside its group: cuDNN adds its bias")
+    conv = plan.slots[slot]
+    ctx = KernelContext(np, conv.opset, 2, 1, conv.name)
+    raw = np.ascontiguousarray(lookup("Conv").kernel(ctx, np.asarray(values[x]), np.asarray(values[w]), **conv.attrs))
+    passed[y] = raw
+    specs = dict(spec.values)
+    specs[y] = codegen.TensorSpec(tuple(raw.shape), str(raw.dtype), tuple(codegen.row_major(raw.shape)))
+    tail = codegen.GroupSpec("pointwise", spec.nodes[1:], specs, [*spec.inputs, y], list(spec.outputs), spec.constants)
+    bias = _bias_view(raw.ndim, np, [np.asarray(values[b])])
+    passed[CONV_BIAS] = bias
+    return conv_epilogue(tail, y, tuple(int(d) for d in bias.shape), str(bias.dtype), node.name)
 
 
 def _merged(codegen: Any, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:

@@ -352,7 +352,34 @@ class _Gen:
             return self._gather(node, v, idx)
         if op == "GatherND":
             return self._gather_nd(node, idx)
+        if op == "BatchNormalization":
+            return self._batch_norm(node, v, idx)
         return self._elementwise(node, v, idx)
+
+    def _batch_norm(self, node: NodeSpec, v: int, idx: Idx) -> tuple[str, bool]:
+        """Inference batch norm, per channel (axis 1) and in the reference's order and precision:
+        (x - mean) / sqrt(var + epsilon) * scale + B, in fp32 (fp64 where an operand is)."""
+        if int(node.attrs.get("training_mode", 0)) or not int(node.attrs.get("spatial", 1)):
+            raise Unsupported("BatchNormalization in training mode or per activation (spatial=0)")
+        if sum(o is not None for o in node.outputs) != 1 or len(node.inputs) < 5 or None in node.inputs[:5]:
+            raise Unsupported("BatchNormalization with its running statistics as outputs")
+        out = self.spec.values[v]
+        if len(out.shape) < 2:
+            raise Unsupported("BatchNormalization of rank below 2")
+        channel = Idx((idx.dims[1],), (idx.lane[1],))
+        args: list[tuple[str, str, bool]] = []
+        for k, r in enumerate(node.inputs[:5]):
+            assert r is not None
+            spec = self.spec.values[r]
+            if k and tuple(spec.shape) != (out.shape[1],):
+                raise Unsupported(f"BatchNormalization's input {k} of shape {list(spec.shape)}, not [C]")
+            name, varies = self.value(r, idx if k == 0 else channel)
+            args.append((name, spec.dtype, varies))
+        x, scale, b, mean, var = (self._up(a) for a in args)
+        eps = float(node.attrs.get("epsilon", 1e-5))
+        expr = f"((({x} - {mean}) / tl.sqrt_rn({var} + {eps!r})) * {scale} + {b}).to({_tl(out.dtype)})"
+        varies = any(a[2] for a in args)
+        return self.em.let(expr, varies, "v"), varies
 
     # -- injective ops ---------------------------------------------------------------------
     def _slice(self, node: NodeSpec, v: int, idx: Idx) -> tuple[str, bool]:
@@ -890,7 +917,9 @@ _OTHER = frozenset(
         "Pow",
     }
 )
-SUPPORTED_OPS = frozenset(_UNARY) | frozenset(_BINARY) - {"Mod"} | _OTHER | _ROW_VALUED | INDEX_OPS
+SUPPORTED_OPS = (
+    frozenset(_UNARY) | frozenset(_BINARY) - {"Mod"} | _OTHER | _ROW_VALUED | INDEX_OPS | {"BatchNormalization"}
+)
 
 
 # -- the skinny-product template (T3) ------------------------------------------------------

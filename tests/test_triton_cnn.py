@@ -1,6 +1,7 @@
-"""dsp-triton's convolution groups on the CPU: a biased Conv and the pointwise ops after it form one
+"""dsp-triton's CNN kernels on the CPU: a biased Conv and the pointwise ops after it form one
 group (cuDNN runs the Conv without its bias, one generated kernel adds the bias and runs the rest),
-what the policy declines and why, and the kernel the generator makes of such a group.
+what the policy declines and why, and the kernel the generator makes of such a group; inference
+BatchNormalization as a generated per-channel op (under Triton's interpreter where it is installed).
 
 The kernel's numbers are checked on the GPU (tests/gpu/test_triton_gpu.py), where every group's
 kernel is also compared with its reference steps before it runs."""
@@ -14,6 +15,7 @@ import pytest
 from dsp_triton import codegen
 from dsp_triton.kernels import CONV_BIAS, CONV_Y, conv_epilogue
 from dsp_triton.plugin import TritonPolicy, conv_declined
+from test_triton_cpu import _interpreted, _interpreter_missing
 
 import dsp_core as dsp
 from dsp_core.plan.fusion import propose_groups
@@ -87,3 +89,64 @@ def test_the_epilogue_kernel_adds_the_bias_before_every_read_of_the_convolution(
     ast.parse(kernel.source)
     assert set(kernel.args[: kernel.n_inputs]) == {y, r, CONV_BIAS} and kernel.args[kernel.n_inputs :] == (out,)
     assert CONV_Y not in kernel.args  # computed in registers, never stored
+
+
+def _bn_spec(dtype: str, attrs: dict[str, object], stats_dtype: str = "float32") -> codegen.GroupSpec:
+    n = codegen.NodeSpec
+    shape = (2, 3, 4, 5)
+    values = {1: codegen.TensorSpec(shape, dtype, tuple(codegen.row_major(shape)))}
+    for k in (2, 3, 4, 5):
+        values[k] = codegen.TensorSpec((3,), stats_dtype, (1,))
+    values[6] = codegen.TensorSpec(shape, dtype)
+    values[7] = codegen.TensorSpec(shape, dtype)
+    nodes = [n("BatchNormalization", (1, 2, 3, 4, 5), (6,), attrs, 15), n("Relu", (6,), (7,))]
+    return codegen.GroupSpec("pointwise", nodes, values, [1, 2, 3, 4, 5], [7])
+
+
+def test_inference_batch_norm_is_a_per_channel_op_of_the_pointwise_kernel() -> None:
+    kernel = codegen.generate(_bn_spec("float16", {"epsilon": 1e-3}))
+    ast.parse(kernel.source)
+    assert set(kernel.args[: kernel.n_inputs]) == {1, 2, 3, 4, 5} and kernel.args[kernel.n_inputs :] == (7,)
+    assert "tl.sqrt_rn(" in kernel.source and "0.001" in kernel.source
+    for attrs, why in (({"training_mode": 1}, "training mode"), ({"spatial": 0}, "spatial=0")):
+        with pytest.raises(codegen.Unsupported, match=why):
+            codegen.generate(_bn_spec("float32", attrs))
+
+
+def test_the_fixture_cnn_runs_each_batch_norm_with_its_relu() -> None:
+    plan = dsp.compile(FIXTURES / "cnn.onnx", mode="slot_by_slot").plan()
+    assert plan is not None
+    groups = _groups(plan)
+    assert groups.count(("pointwise", ["BatchNormalization", "Relu"])) == 2
+    assert all("BatchNormalization" not in ops for t, ops in groups if t == "opaque")
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_conv_groups_and_batch_norms_match_the_reference_under_the_interpreter() -> None:
+    """Each conv group's kernel fed the convolution without its bias gives the reference's outputs
+    (with the bias cuDNN would have added); each batch norm group's too (the fixture CNN's)."""
+    results = _interpreted(
+        "import numpy as np\n"
+        "from dsp_core.testing.models import residual_conv_block\n"
+        "out = []\n"
+        "for dt in ('float32', 'float16'):\n"
+        "    m = dsp_core.compile(residual_conv_block(dt, channels=8, size=7, batch=2), mode='slot_by_slot')\n"
+        "    x = np.random.default_rng(0).standard_normal((2, 8, 7, 7)).astype(dt)\n"
+        "    out += [dict(r.__dict__, model=dt) for r in ic.check_model(m, {'x': x})]\n"
+        "z = np.load(sys.argv[3])\n"
+        "m = dsp_core.compile(sys.argv[4], mode='slot_by_slot')\n"
+        "out += [dict(r.__dict__, model='cnn') for r in ic.check_model(m, {n: z[n] for n in m.input_names})]\n"
+        "print(json.dumps(out))\n",
+        str(FIXTURES / "cnn.golden.npz"),
+        str(FIXTURES / "cnn.onnx"),
+    )
+    for dtype in ("float32", "float16"):
+        convs = [(r["ops"], r["status"]) for r in results if r["model"] == dtype and r["template"] == "conv"]
+        assert convs == [
+            (["Conv", "Relu"], "ok"),
+            (["Conv", "Add", "Relu"], "ok"),
+            (["Conv", "Sigmoid"], "unsupported"),  # its raw output is a graph output: cuDNN adds its bias
+        ], convs
+    cnn = [r for r in results if r["model"] == "cnn"]
+    assert all(r["status"] == "ok" for r in cnn), cnn
+    assert sum("BatchNormalization" in r["ops"] for r in cnn) == 3
