@@ -116,17 +116,11 @@ def decode_model(path: str) -> tuple[Any, dict[str, Any]]:
 def _conv(codegen: Any, plan: Any, slot: int, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:
     """A conv group's one kernel (``kernels.FusedGroup._conv_piece``): its epilogue with the bias added
     first, fed the convolution without its bias (numpy's reference kernel) and the bias as [C, 1, ...]."""
-    from dsp_triton.kernels import CONV_BIAS, _bias_view, conv_epilogue
+    from dsp_triton.kernels import CONV_BIAS, _bias_view, conv_epilogue, conv_operands
 
     from dsp_core.ops.registry import KernelContext, lookup
 
-    node = spec.nodes[0]
-    if node.op != "Conv" or len(node.inputs) < 3 or None in node.inputs[:3] or node.outputs[0] is None:
-        raise codegen.Unsupported("a convolution group that does not start with a biased Conv")
-    x, w, b = node.inputs[:3]
-    y = node.outputs[0]
-    if y in spec.outputs:
-        raise codegen.Unsupported("the convolution's output is read outside its group: cuDNN adds its bias")
+    x, w, b, y = conv_operands(spec)
     conv = plan.slots[slot]
     ctx = KernelContext(np, conv.opset, 2, 1, conv.name)
     raw = np.ascontiguousarray(lookup("Conv").kernel(ctx, np.asarray(values[x]), np.asarray(values[w]), **conv.attrs))
@@ -136,7 +130,7 @@ def _conv(codegen: Any, plan: Any, slot: int, spec: Any, values: list[Any], pass
     tail = codegen.GroupSpec("pointwise", spec.nodes[1:], specs, [*spec.inputs, y], list(spec.outputs), spec.constants)
     bias = _bias_view(raw.ndim, np, [np.asarray(values[b])])
     passed[CONV_BIAS] = bias
-    return conv_epilogue(tail, y, tuple(int(d) for d in bias.shape), str(bias.dtype), node.name)
+    return conv_epilogue(tail, y, tuple(int(d) for d in bias.shape), str(bias.dtype), conv.name)
 
 
 def _merged(codegen: Any, spec: Any, values: list[Any], passed: dict[int, np.ndarray]) -> Any:

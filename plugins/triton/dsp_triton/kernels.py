@@ -425,13 +425,7 @@ class FusedGroup:
 
         The group's check compares it with the reference steps, which add the bias on cuDNN.
         """
-        node = spec.nodes[0]
-        if node.op != "Conv" or len(node.inputs) < 3 or None in node.inputs[:3] or node.outputs[0] is None:
-            raise codegen.Unsupported("a convolution group that does not start with a biased Conv")
-        y, b = node.outputs[0], node.inputs[2]
-        assert y is not None and b is not None
-        if y in spec.outputs:
-            raise codegen.Unsupported("the convolution's output is read outside its group: cuDNN adds its bias")
+        _, _, b, y = conv_operands(spec)
         if not self.fixed(b):
             raise codegen.Unsupported("a bias that may change between steps: cuDNN adds it")
         kernel, ins, outs, releases = self.steps[0]
@@ -440,7 +434,8 @@ class FusedGroup:
         ndim = len(epilogue.values[y].shape)
         bias = Derived.make(self.cp, (b,), [local[b]], functools.partial(_bias_view, ndim))
         local[CONV_BIAS] = bias.array
-        fused = conv_epilogue(epilogue, y, tuple(int(d) for d in bias.array.shape), str(bias.array.dtype), node.name)
+        name = spec.nodes[0].name
+        fused = conv_epilogue(epilogue, y, tuple(int(d) for d in bias.array.shape), str(bias.array.dtype), name)
         return fused, head, {CONV_BIAS: bias}, []
 
     def _product_pieces(self, spec: codegen.GroupSpec, local: dict[int, Any], steps: list[Step]) -> list[Piece]:
@@ -809,6 +804,19 @@ def nvrtc_backend() -> Any:
         return next((b for b in discover().backends if b.name == "nvrtc_jit" and b.availability().ok), None)
     except Exception:  # noqa: BLE001  (a broken plugin is no fallback)
         return None
+
+
+def conv_operands(spec: codegen.GroupSpec) -> tuple[int, int, int, int]:
+    """A conv group's input, weight, bias and output ids; Unsupported where its kernel cannot add the
+    bias (no biased Conv first, or the convolution's own output read outside the group)."""
+    node = spec.nodes[0]
+    x, w, b = (*node.inputs[:3], None, None, None)[:3]
+    y = node.outputs[0] if node.outputs else None
+    if node.op != "Conv" or x is None or w is None or b is None or y is None:
+        raise codegen.Unsupported("a convolution group that does not start with a biased Conv")
+    if y in spec.outputs:
+        raise codegen.Unsupported("the convolution's output is read outside its group: cuDNN adds its bias")
+    return x, w, b, y
 
 
 def conv_epilogue(
