@@ -6,6 +6,7 @@ Run on the GPU image: ``python -m pytest -q tests/gpu/test_triton_conv_gpu.py``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ import dsp_core as dsp
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.testing.models import residual_conv_block
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TOL = {"float16": 2e-2, "float32": 1e-4}
 
 
@@ -71,3 +73,23 @@ def test_switched_off_the_same_outputs_and_no_conv_group(monkeypatch: pytest.Mon
     assert not [r for r in _reports(off) if r["template"] == "conv"]
     for name in plain:
         np.testing.assert_allclose(fused[name].astype(np.float32), plain[name].astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_the_fixture_cnn_runs_its_batch_norms_in_generated_kernels_and_matches_the_reference() -> None:
+    """The fixture CNN keeps its BatchNormalization nodes (not folded by its exporter): each is a
+    per-channel op of a generated kernel with the ops after it, replaying, equal to the reference."""
+    path = FIXTURES / "cnn.onnx"
+    ref = dsp.compile(path, mode="slot_by_slot")
+    model = dsp.compile(path, mode="triton", strict=True)
+    rng = np.random.default_rng(3)
+    feeds = [{"input": rng.standard_normal((b, 3, 32, 32)).astype(np.float32)} for b in (2, 2, 2)]
+    wants = [ref.run(f) for f in feeds]
+    for i in range(10):
+        got = model.run(feeds[i % 3])
+        for name, want in wants[i % 3].items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-4, err_msg=f"call {i} {name}")
+    assert model.dsp.phase is PlanPhase.REPLAYING
+    plan = model.plan()
+    assert plan is not None
+    bns = [r for r in _reports(model) if any(plan.slots[s].op == "BatchNormalization" for s in r["slots"])]
+    assert len(bns) == 3 and all(r["status"] == "triton" for r in bns), bns
