@@ -180,6 +180,16 @@ OPTIONS: tuple[Option, ...] = (
         "the bias and those ops are a kernel of their own.",
     ),
     Option(
+        "triton_flash_attention",
+        "DSP_TRITON_FLASH_ATTENTION",
+        "bool",
+        True,
+        "dsp-triton runs the attention of several query rows (an encoder's, a prefill's: scores with "
+        "scale and mask, softmax, the weighted sum, the heads' transpose and merge after it) as one "
+        "kernel with an online softmax per row, BLOCK_M rows a program; off: the scores product and the "
+        "weighted sum on cuBLAS, the softmax and the transpose as kernels of their own.",
+    ),
+    Option(
         "triton_attention",
         "DSP_TRITON_ATTENTION",
         "bool",

@@ -61,6 +61,60 @@ def residual_conv_block(
     return g.build()
 
 
+def encoder_attention(
+    dtype: str = "float32",
+    *,
+    batch: int = 1,
+    seq: int = 24,
+    heads: int = 2,
+    head_dim: int = 16,
+    seed: int = 0,
+) -> Graph:
+    """An encoder's self-attention as exporters write it: ``x[batch, seq, heads*head_dim]`` through one
+    QKV projection (+ bias), split into heads (Reshape, Transpose, Split, Squeeze), the scores
+    ``q @ k^T / sqrt(head_dim)`` plus the padding mask made from ``mask[batch, seq]`` (1 keep, 0 pad),
+    Softmax, the weighted sum with V, the heads transposed and merged back, the output projection:
+    output ``y``."""
+    rng = np.random.default_rng(seed)
+    hidden = heads * head_dim
+    g = GraphBuilder("encoder_attention")
+    x = g.placeholder("x", dtype, [batch, seq, hidden])
+    keep = g.placeholder("mask", "int64", [batch, seq])
+    # the additive padding mask first, as exporters place it (before the layers that read it)
+    m = g.Cast(g.Unsqueeze(keep, g.constant(np.array([1, 2], np.int64))), to=DTYPE_CODES[dtype])
+    bias = g.Mul(g.Sub(g.constant(np.array(1.0, dtype)), m), g.constant(np.array(-10000.0, dtype)))
+    scale = 1.0 / np.sqrt(hidden)
+    wqkv = g.constant((rng.standard_normal((hidden, 3 * hidden)) * scale).astype(dtype), name="wqkv")
+    bqkv = g.constant((rng.standard_normal(3 * hidden) * 0.1).astype(dtype), name="bqkv")
+    qkv = g.MatMul(x, wqkv) + bqkv
+    qkv = g.Reshape(qkv, g.constant(np.array([batch, seq, 3, heads, head_dim], np.int64)))
+    qkv = g.Transpose(qkv, perm=[2, 0, 3, 1, 4])
+    parts = g.Split(qkv, g.constant(np.array([1, 1, 1], np.int64)), axis=0, outputs=3)
+    axis0 = g.constant(np.array([0], np.int64))
+    q, k, v = (g.Squeeze(p, axis0) for p in parts)
+    kt = g.Transpose(k, perm=[0, 1, 3, 2])
+    scores = g.Div(g.MatMul(q, kt), g.constant(np.array(np.sqrt(head_dim), dtype)))
+    probs = g.Softmax(g.Add(scores, bias), axis=-1)
+    ctx = g.Transpose(g.MatMul(probs, v), perm=[0, 2, 1, 3])
+    ctx = g.Reshape(ctx, g.constant(np.array([batch, seq, hidden], np.int64)))
+    wo = g.constant((rng.standard_normal((hidden, hidden)) * scale).astype(dtype), name="wo")
+    g.output(g.MatMul(ctx, wo) + g.constant((rng.standard_normal(hidden) * 0.1).astype(dtype), name="bo"), "y")
+    return g.build()
+
+
+DTYPE_CODES = {"float32": 1, "float16": 10, "bfloat16": 16}
+
+
+def encoder_attention_feeds(
+    dtype: str = "float32", *, batch: int = 1, seq: int = 24, heads: int = 2, head_dim: int = 16, seed: int = 1
+) -> dict[str, np.ndarray]:
+    """Feeds for ``encoder_attention``: standard normal ``x`` and a mask whose last eighth is padding."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, seq), np.int64)
+    mask[:, seq - max(1, seq // 8) :] = 0
+    return {"x": rng.standard_normal((batch, seq, heads * head_dim)).astype(dtype), "mask": mask}
+
+
 def fixed_kv_step(
     path: str | os.PathLike[str], max_length: int = 16, position: int = 5, seed: int = 0
 ) -> tuple[Graph, dict[str, Any]]:

@@ -82,6 +82,8 @@ def spec_splits(spec: GroupSpec, cp: object, forced: int = 0) -> int:
     p1, _, p2 = attention_nodes(spec)
     scores, out = p1.outputs[0], p2.outputs[0]
     assert scores is not None and out is not None
+    if len(spec.values[scores].shape) >= 2 and spec.values[scores].shape[-2] != 1:
+        return 1  # several query rows (an encoder's, a prefill's): their blocks fill the GPU, no split
     length = spec.values[scores].shape[-1]
     heads = max(1, math.prod(spec.values[out].shape[:-2]))
     return kv_split_count(heads, length, sm_count(cp) or 1, forced=forced)

@@ -35,12 +35,15 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core import config
+from dsp_core.plan.fusion import VIEW_OPS
 from dsp_core.plan.kernelspec import ATT_ACC as ATT_ACC
 from dsp_core.plan.kernelspec import ATT_L as ATT_L
 from dsp_core.plan.kernelspec import ATT_M as ATT_M
 from dsp_core.plan.kernelspec import (  # the group spec's types, re-exported: codegen.GroupSpec, ...
     INDEX_OPS,
     ROW_VALUED_OPS,
+    AttentionValues,
     attention_values,
     gather_nd_layout,
     pick_rows,
@@ -839,6 +842,11 @@ class _Gen:
             self.rowvals[v] = self.em.let(f"({expr}).to({_tl(self.spec.values[v].dtype)})", True, "r")
 
 
+def flash_attention() -> bool:
+    """Attention of several query rows as one kernel (``_flash``): DSP_TRITON_FLASH_ATTENTION, on by default."""
+    return bool(config.get("triton_flash_attention"))
+
+
 def _square(x: str) -> str:
     return f"{x} * {x}"
 
@@ -1235,7 +1243,12 @@ def attention_configs(spec: GroupSpec) -> list[dict[str, int]]:
     """KV positions per loop step (BLOCK_L) and warps the tuner times; the first is the default."""
     p1, _, _ = attention_nodes(spec)
     out = p1.outputs[0]
-    length = spec.values[out].shape[-1] if out is not None and out in spec.values else 64
+    shape = spec.values[out].shape if out is not None and out in spec.values else (1, 64)
+    length, rows = shape[-1], shape[-2] if len(shape) >= 2 else 1
+    if rows > 1:  # _flash: query rows and KV positions per program
+        ms = [b for b in (64, 32, 128, 16) if b <= max(16, _pow2(rows))]
+        ls = [b for b in (64, 32, 128) if b <= max(32, _pow2(length))]
+        return [{"block_m": m, "block_l": b, "num_warps": w} for m in ms for b in ls for w in (4, 8) if m * b <= 8192]
     blocks = [b for b in (64, 32, 128) if b <= max(32, _pow2(length))]
     return [{"block_l": b, "num_warps": w} for b in blocks for w in (4, 2)]
 
@@ -1295,8 +1308,9 @@ def _attention(
     qv, kv, vv = spec.values[q], spec.values[k], spec.values[v]
     if min(len(qv.shape), len(kv.shape), len(vv.shape), len(spec.values[a].shape)) < 2:
         raise Unsupported("attention over operands of rank below 2")
-    if qv.shape[-2] != 1:
-        raise Unsupported(f"attention for {qv.shape[-2]} query rows (the decode template takes one)")
+    rows = qv.shape[-2]
+    if rows != 1 and not flash_attention():
+        raise Unsupported(f"attention for {rows} query rows (DSP_TRITON_FLASH_ATTENTION is off)")
     d, length, d2 = qv.shape[-1], kv.shape[-1], vv.shape[-1]
     if kv.shape[-2] != d or vv.shape[-2] != length or spec.values[a].shape[-1] != length:
         raise Unsupported("attention operands whose sizes do not chain")
@@ -1306,7 +1320,7 @@ def _attention(
     if tuple(spec.values[x_in].shape) != tuple(sv.shape) or not same:
         raise Unsupported("ops between the products and the softmax change the shape")
     batch = tuple(ov.shape[:-2])
-    if tuple(sv.shape[:-2]) != batch or ov.shape[-2] != 1:
+    if tuple(sv.shape[:-2]) != batch or ov.shape[-2] != rows:
         raise Unsupported("scores and output of different batch shapes")
     if any(spec.values[x].dtype not in FLOATS for x in (q, k, v)):
         raise Unsupported("attention over non-float operands")
@@ -1324,6 +1338,10 @@ def _attention(
     cfg = config or attention_configs(spec)[0]
     bl, warps = int(cfg["block_l"]), int(cfg.get("num_warps", 4))
     bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
+    if rows != 1:
+        if spec.params.get("kv_splits"):
+            raise Unsupported("a split attention of several query rows")
+        return _flash(gen, spec, at_, (rows, d, length, d2), batch, cfg)
     n_split = int(spec.params.get("kv_splits", 1))
     chunk = -(-length // n_split)
     bl = min(bl, max(16, _pow2(chunk)))
@@ -1399,6 +1417,108 @@ def _attention(
     gen.lane_values[out] = (em.let(f"(att_acc / att_l).to({_tl(ov.dtype)})", True, "p"), lane.dims)
     stores = gen.lane_stores(spec.outputs, lane, ov.shape, "an attention group")
     return stores, (max(1, math.prod(batch)), 1, 1), bl, warps
+
+
+def _flash(
+    gen: _Gen,
+    spec: GroupSpec,
+    at_: AttentionValues,
+    sizes: tuple[int, int, int, int],
+    batch: tuple[int, ...],
+    cfg: dict[str, int],
+) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
+    """Attention of several query rows (an encoder's, a prefill's): one program per (batch, head,
+    BLOCK_M query rows), the scores of a block of KV positions as ``tl.dot``, their scale and mask
+    (the epilogue ops between the product and the softmax, at each score's index), an online
+    softmax per row, the weighted sum with V as ``tl.dot``; the output stored through the layout
+    ops after it (the heads' transpose and merge), so neither scores nor probabilities are stored."""
+    rows, d, length, d2 = sizes
+    q, k, scores, a, v, out, x_in, probs = at_.q, at_.k, at_.scores, at_.a, at_.v, at_.out, at_.x_in, at_.probs
+    sv, ov, vv = spec.values[scores], spec.values[out], spec.values[v]
+    if spec.values[q].dtype not in _DOT_DTYPES or spec.values[k].dtype != spec.values[q].dtype:
+        raise Unsupported("attention of several query rows over operands tl.dot does not take")
+    bm, bl, warps = int(cfg.get("block_m", 64)), int(cfg["block_l"]), int(cfg.get("num_warps", 4))
+    bm = max(16, min(bm, _pow2(rows)))
+    bl = max(16, min(bl, _pow2(length)))
+    bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
+    n_mb = -(-rows // bm)
+    precision = ', input_precision="ieee"' if spec.values[q].dtype == "float32" else ""
+    em = gen.em
+    em.lines.append("    pid = tl.program_id(0)")
+    if n_mb > 1:
+        em.lines.append(f"    mb = pid % {n_mb}")
+        em.lines.append(f"    bh = pid // {n_mb}")
+    else:
+        em.lines += ["    mb = 0", "    bh = pid"]
+    bidx = gen.batch_index("bh", batch)
+
+    def at(x: int, pair: tuple[str, str]) -> Idx:
+        shape = spec.values[x].shape
+        head = gen.broadcast(bidx, batch, shape[:-2]) if batch else Idx((), ())
+        tail = tuple(e if shape[len(shape) - 2 + j] != 1 else "0" for j, e in enumerate(pair))
+        return Idx((*head.dims, *tail), (*head.lane, *(e != "0" for e in tail)))
+
+    em.lines += [
+        f"    rm = mb * {bm} + tl.arange(0, {bm})",
+        f"    rd = tl.arange(0, {bd})",
+        f"    rv = tl.arange(0, {bd2})",
+    ]
+    gen.mask = f"(rm[:, None] < {rows}) & (rd[None, :] < {d})"
+    xq, _ = gen.value(q, at(q, ("rm[:, None]", "rd[None, :]")))
+    em.lines += [
+        f"    att_m = tl.full([{bm}], float('-inf'), tl.float32)",
+        f"    att_l = tl.zeros([{bm}], dtype=tl.float32)",
+        f"    att_acc = tl.zeros([{bm}, {bd2}], dtype=tl.float32)",
+    ]
+    outer = (gen.em, gen.memo, gen.mask)
+    loop = _Emitter(tag="k", indent="        ")
+    gen.em, gen.memo = loop, {}
+    gen.mask = f"(rd[:, None] < {d}) & (rl[None, :] < {length})"
+    xk, _ = gen.value(k, at(k, ("rd[:, None]", "rl[None, :]")))
+    loop.lines.append(f"        att_s = tl.dot({xq}, {xk}{precision})")
+    lane_s = at(scores, ("rm[:, None]", "rl[None, :]"))
+    gen.lane_values[scores] = (loop.let(f"att_s.to({_tl(sv.dtype)})", True, "p"), lane_s.dims)
+    gen.mask = f"(rm[:, None] < {rows}) & (rl[None, :] < {length})"
+    xs, _ = gen.value(x_in, at(x_in, ("rm[:, None]", "rl[None, :]")))
+    loop.lines += [
+        f"        att_x = tl.where(rl[None, :] < {length}, {xs}.to(tl.float32), float('-inf'))",
+        "        att_mnew = tl.maximum(att_m, tl.max(att_x, axis=1))",
+        "        att_muse = tl.where(att_mnew == float('-inf'), 0.0, att_mnew)",
+        "        att_alpha = tl.exp(att_m - att_muse)",
+        "        att_p = tl.exp(att_x - att_muse[:, None])",
+        "        att_l = att_l * att_alpha + tl.sum(att_p, axis=1)",
+    ]
+    gen.lane_values[probs] = ("att_p", at(probs, ("rm[:, None]", "rl[None, :]")).dims)
+    xa, _ = gen.value(a, at(a, ("rm[:, None]", "rl[None, :]")))
+    gen.mask = f"(rl[:, None] < {length}) & (rv[None, :] < {d2})"
+    xv, _ = gen.value(v, at(v, ("rl[:, None]", "rv[None, :]")))
+    operand = _tl(vv.dtype)
+    loop.lines += [
+        f"        att_acc = att_acc * att_alpha[:, None] + tl.dot({xa}.to({operand}), {xv}.to({operand}){precision})",
+        "        att_m = att_mnew",
+    ]
+    gen.em, gen.memo, gen.mask = outer
+    em.lines.append(f"    for l0 in range(0, {length}, {bl}):")
+    em.lines.append(f"        rl = l0 + tl.arange(0, {bl})")
+    em.lines.extend(loop.lines)
+    em.lines.append(f"    mask = (rm[:, None] < {rows}) & (rv[None, :] < {d2})")
+    gen.lane_values.pop(scores, None)
+    gen.lane_values.pop(probs, None)
+    lane = at(out, ("rm[:, None]", "rv[None, :]"))
+    gen.lane_values[out] = (em.let(f"(att_acc / att_l[:, None]).to({_tl(ov.dtype)})", True, "p"), lane.dims)
+    held: dict[int, Idx] = {out: lane}  # the output and its layout ops (the heads' transpose and merge)
+    _forward_layout(gen, spec, gen.producer[out][0], held)
+    stores: list[tuple[int, Idx]] = []
+    for o in spec.outputs:
+        if o in held:
+            stores.append((o, held[o]))
+            continue
+        node = gen.producer.get(o)
+        if node is not None and node[0].op in LAYOUT_OPS - VIEW_OPS:
+            raise Unsupported(f"{node[0].op} of a value computed after the weighted sum (stored at its lanes only)")
+        stores += gen.lane_stores([o], lane, ov.shape, "an attention group")
+    grid = (max(1, math.prod(batch)) * n_mb, 1, 1)
+    return stores, grid, bl, warps
 
 
 def _attention_combine(gen: _Gen, spec: GroupSpec) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:

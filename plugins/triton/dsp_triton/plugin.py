@@ -78,6 +78,8 @@ class TritonPolicy(ReferencePolicy):
             return "opaque"  # no template generates it: alone, on the reference kernels
         if template == "matmul" and product_declined(plan, s, pattern) is None:
             return "product"  # the skinny-product template, its epilogue fused
+        if template == "matmul" and flash_declined(plan, s, pattern) is None:
+            return "product"  # a product of two activations: scores or weighted sum of a flash attention
         if template == "matmul" and conv_declined(plan, s) is None:
             return "conv"  # cuDNN without the bias, then the bias and the epilogue as one kernel
         return template
@@ -198,10 +200,17 @@ class TritonPolicy(ReferencePolicy):
         anchors = attention.products(group)
         if len(anchors) >= 2:
             return self._epilogue_ok(plan, group, s, pattern, anchor=anchors[-1])
-        return attention.weighted_sum_joins(plan, group, s, pattern, self.readers(plan), product_declined)
+        declined = flash_declined if _query_rows(group, anchors[0]) > 1 else product_declined
+        return attention.weighted_sum_joins(plan, group, s, pattern, self.readers(plan), declined)
 
     def _epilogue_ok(
-        self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
+        self,
+        plan: Plan,
+        group: GroupView,
+        s: int,
+        pattern: SlotPattern,
+        anchor: int | None = None,
+        flash: bool = True,
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
         op = plan.slots[s].op
@@ -212,6 +221,8 @@ class TritonPolicy(ReferencePolicy):
             why = paired_reason(plan, merged[0])
             if why is not None:
                 return why
+        if flash and anchor is not None and _query_rows(group, anchor) > 1:
+            return self._flash_epilogue_ok(plan, group, s, pattern, anchor)
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
@@ -232,6 +243,23 @@ class TritonPolicy(ReferencePolicy):
                 f"not the product's {list(product) if product else 'unknown'} lanes"
             )
         return None
+
+    def _flash_epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int) -> str | None:
+        """After the weighted sum of a flash attention: its output's layout ops (the heads' transpose
+        and merge back to the hidden size), which the kernel stores through; or pointwise ops over
+        its lanes before any of them."""
+        op = plan.slots[s].op
+        after = [m for m in group.slots if m > anchor]
+        if op in LAYOUT_OPS:
+            made = {plan.slots[anchor].outputs[0], *(plan.slots[m].outputs[0] for m in after)}
+            if after and any(plan.slots[m].op not in LAYOUT_OPS for m in after):
+                return f"{op} of a value computed after the weighted sum (the kernel stores through layout ops only)"
+            if plan.slots[s].inputs[0] not in made:
+                return f"{op} of a value the weighted sum does not make"
+            return None
+        if any(plan.slots[m].op in LAYOUT_OPS for m in after):
+            return f"{op} after the attention output's layout ops (the kernel stores through them)"
+        return self._epilogue_ok(plan, group, s, pattern, anchor=anchor, flash=False)
 
     def _conv_epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A convolution's epilogue: pointwise ops over every element of its output (activation, residual)."""
@@ -306,6 +334,38 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     rows = shape[0] if form == "Gemm" else shape[-2]
     if isinstance(rows, int) and rows > codegen.MAX_PRODUCT_ROWS:
         return f"{rows} rows: cuBLAS runs products of more than {codegen.MAX_PRODUCT_ROWS}"
+    return None
+
+
+def _query_rows(group: GroupView, product: int) -> int:
+    """The rows of product slot ``product``'s output where they are a known number, else 1."""
+    shape = group.patterns[product].shape
+    rows = shape[-2] if shape is not None and len(shape) >= 2 else 1
+    return rows if isinstance(rows, int) else 1
+
+
+def flash_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
+    """Why product slot ``s`` is not a product of a flash attention (None: it may be).
+
+    A MatMul of two activations (no constant operand) of more rows than the skinny template
+    takes, a known number: an encoder's scores or weighted sum. Seeded as a product, it
+    becomes one kernel with its softmax and weighted sum (codegen's ``_flash``) where the
+    attention groups whole, or stays cuBLAS with its epilogue as one kernel.
+    """
+    slot = plan.slots[s]
+    if slot.op != "MatMul" or slot.domain not in ("", "ai.onnx"):
+        return f"{slot.op} is not a MatMul"
+    if not (config.get("triton_flash_attention") and config.get("triton_attention")):
+        return "DSP_TRITON_FLASH_ATTENTION or DSP_TRITON_ATTENTION is off"
+    if any(r is None or r < 0 for r in slot.inputs[:2]):
+        return "a product with a constant operand (a projection, not attention)"
+    shape = pattern.shape
+    rows = shape[-2] if shape is not None and len(shape) >= 3 else None
+    if not isinstance(rows, int) or rows <= codegen.MAX_PRODUCT_ROWS:
+        return "not a batched product of more than 16 rows, a known number"
+    ins = [plan.ref_info(r)[0] for r in slot.inputs[:2] if r is not None]
+    if any(dt not in ("float16", "bfloat16", "float32") for dt in ins):
+        return "operands other than fp16, bf16 or fp32"
     return None
 
 
