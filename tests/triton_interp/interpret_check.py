@@ -32,10 +32,14 @@ class GroupCheck:
 
 
 def check_model(
-    model: Any, feeds: dict[str, np.ndarray], tolerance: float = 5e-3, device: str = "cpu"
+    model: Any,
+    feeds: dict[str, np.ndarray],
+    tolerance: float = 5e-3,
+    device: str = "cpu",
+    templates: set[str] | None = None,
 ) -> list[GroupCheck]:
     """Each fusion group's kernel against the reference's values: on ``device`` "cpu" under Triton's
-    interpreter, on "cuda" compiled and launched on the GPU."""
+    interpreter, on "cuda" compiled and launched on the GPU (``templates``: only groups of these)."""
     import torch
     from dsp_cuda_graphs.segment import tainted_flats
     from dsp_triton import codegen
@@ -52,7 +56,7 @@ def check_model(
     for seg in part.segments:
         fusion = propose_groups(plan, seg.slots, TritonPolicy())
         for g in fusion.groups:
-            if unfused_reason(plan, g) is not None:
+            if unfused_reason(plan, g) is not None or (templates is not None and g.template not in templates):
                 continue
             ops = [plan.slots[s].op for s in g.slots]
             nodes = node_specs(plan, g.slots)

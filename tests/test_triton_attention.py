@@ -1,0 +1,141 @@
+"""dsp-triton's flash attention on the CPU: an encoder's attention (scores of two activations with
+more than 16 rows, scale, padding mask, softmax, weighted sum, the heads' transpose and merge) is
+one group, the kernel the generator makes of it, what declines, and (under Triton's interpreter
+where it is installed) every tuning config of that kernel against the reference.
+
+The kernel's numbers on the GPU: tests/gpu/test_triton_attention_gpu.py."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from dsp_cpu_ref.slot_by_slot import plan_values
+from dsp_triton import codegen
+from dsp_triton.plugin import TritonPolicy, flash_declined
+from dsp_triton.segment import node_specs
+from test_triton_cpu import _interpreted, _interpreter_missing
+
+import dsp_core as dsp
+from dsp_core.ir.onnx_export import to_onnx
+from dsp_core.plan.fusion import classify, infer_shapes, propose_groups
+from dsp_core.testing.models import encoder_attention, encoder_attention_feeds
+
+ATTENTION = ["MatMul", "Div", "Add", "Softmax", "MatMul", "Transpose", "Reshape"]
+
+
+def _model(tmp_path: Path, dtype: str = "float16", **shape: int) -> dsp.CompiledModel:
+    path = tmp_path / "attention.onnx"  # through ONNX: its shape inference gives every value's shape
+    onnx.save(to_onnx(encoder_attention(dtype, **shape)), path)
+    return dsp.compile(path, mode="slot_by_slot")
+
+
+def _groups(model: dsp.CompiledModel) -> list[tuple[str, list[str]]]:
+    plan = model.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), TritonPolicy())
+    return [(g.template, [plan.slots[s].op for s in g.slots]) for g in result.groups]
+
+
+def _attention_spec(model: dsp.CompiledModel, feeds: dict[str, np.ndarray]) -> codegen.GroupSpec:
+    """The attention group's spec with the reference's values' shapes and strides (as kernels.py builds it)."""
+    plan, part, values = plan_values(model, feeds)
+    groups = propose_groups(plan, part.segments[0].slots, TritonPolicy()).groups
+    (g,) = [g for g in groups if g.template == "decode_attention"]
+    nodes = node_specs(plan, g.slots)
+    made = {o for n in nodes for o in n.outputs if o is not None}
+    ins = list(dict.fromkeys(i for n in nodes for i in n.inputs if i is not None and i not in made))
+    specs = {}
+    for flat in {*ins, *made}:
+        x = np.asarray(values[flat])
+        strides = tuple(s // x.itemsize for s in x.strides) if flat in ins else None
+        specs[flat] = codegen.TensorSpec(tuple(x.shape), str(x.dtype), strides)
+    return codegen.GroupSpec(g.template, nodes, specs, ins, [plan.flat(v) for v in g.outputs], lambda v: None)
+
+
+def test_an_encoder_attention_is_one_group_with_the_heads_merge(tmp_path: Path) -> None:
+    groups = _groups(_model(tmp_path, batch=2, seq=40))
+    assert ("decode_attention", ATTENTION) in groups
+    assert [t for t, _ in groups].count("matmul") == 2  # the QKV and output projections stay on cuBLAS
+    assert not [ops for t, ops in groups if t == "copy" and ops == ["Transpose", "Reshape"]]
+
+
+def test_up_to_16_rows_the_attention_also_reads_q_k_v_through_their_index_arithmetic(tmp_path: Path) -> None:
+    """Skinny products (the QKV projection's own kernel, bias fused) store Q, K and V unsplit: the
+    attention reads them through the reshape, transpose and split."""
+    groups = _groups(_model(tmp_path, batch=2, seq=12))
+    (att,) = [ops for t, ops in groups if t == "decode_attention"]
+    assert att[:7] == ["Reshape", "Transpose", "Split", "Squeeze", "Squeeze", "Squeeze", "Transpose"]
+    assert att[7:] == ATTENTION
+    assert ("product", ["MatMul", "Add"]) in groups
+
+
+def test_switched_off_no_flash_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(tmp_path, batch=2, seq=40)
+    plan = model.plan()
+    assert plan is not None
+    shapes = infer_shapes(plan)
+    products = [s for s in range(len(plan.slots)) if plan.slots[s].op == "MatMul"]
+    scores = products[1]  # after the QKV projection
+    assert flash_declined(plan, scores, classify(plan, scores, shapes)) is None
+    assert "constant operand" in str(flash_declined(plan, products[0], classify(plan, products[0], shapes)))
+    monkeypatch.setenv("DSP_TRITON_FLASH_ATTENTION", "0")
+    assert "is off" in str(flash_declined(plan, scores, classify(plan, scores, shapes)))
+    groups = _groups(model)
+    assert all(t != "decode_attention" for t, _ in groups)
+    assert [t for t, _ in groups].count("matmul") == 4
+
+
+def test_the_flash_kernel_reads_q_k_v_once_and_stores_only_the_merged_heads(tmp_path: Path) -> None:
+    shape = {"batch": 3, "seq": 40, "heads": 2, "head_dim": 16}
+    model = _model(tmp_path, **shape)
+    spec = _attention_spec(model, encoder_attention_feeds("float16", **shape))
+    configs = codegen.attention_configs(spec)
+    assert configs[0] == {"block_m": 64, "block_l": 64, "num_warps": 4}
+    assert all(set(c) == {"block_m", "block_l", "num_warps"} for c in configs)
+    kernel = codegen.generate(spec)
+    ast.parse(kernel.source)
+    assert kernel.source.count("tl.dot(") == 2  # the scores and the weighted sum
+    assert kernel.grid == (3 * 2 * 1, 1, 1)  # a program per (batch, head, 64 query rows)
+    (out,) = kernel.args[kernel.n_inputs :]
+    assert spec.values[out].shape == (3, 40, 32)  # the merged heads: no scores, no [b, h, s, d] copy
+    assert kernel.source.count("tl.store(") == 1
+    small = codegen.generate(spec, config={"block_m": 16, "block_l": 32, "num_warps": 4})
+    assert small.grid == (3 * 2 * 3, 1, 1)  # 40 rows in blocks of 16
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_every_flash_config_matches_the_reference_under_the_interpreter() -> None:
+    """The default and every config the tuner times, fp32 and fp16, rows not a multiple of the block
+    (the masked rows and KV positions), against the reference; a wrong normalisation is caught."""
+    results = _interpreted(
+        "import onnx, tempfile\n"
+        "from dsp_core.ir.onnx_export import to_onnx\n"
+        "from dsp_core.testing.models import encoder_attention, encoder_attention_feeds\n"
+        "from dsp_triton import codegen\n"
+        "default = codegen.attention_configs\n"
+        "out = []\n"
+        "for dt, seq in (('float32', 40), ('float16', 40), ('float16', 12)):\n"
+        "    shape = dict(batch=2, seq=seq, heads=2, head_dim=16)\n"
+        "    path = tempfile.mkdtemp() + '/a.onnx'\n"
+        "    onnx.save(to_onnx(encoder_attention(dt, **shape)), path)\n"
+        "    m = dsp_core.compile(path, mode='slot_by_slot')\n"
+        "    feeds = encoder_attention_feeds(dt, **shape)\n"
+        "    configs = []\n"
+        "    codegen.attention_configs = lambda spec: configs.extend(default(spec)) or default(spec)\n"
+        "    out += [dict(r.__dict__, dtype=dt, config=None) for r in ic.check_model(m, feeds)]\n"
+        "    for c in configs[: len(configs) // 2]:\n"
+        "        codegen.attention_configs = lambda spec, c=c: [c]\n"
+        "        got = ic.check_model(m, feeds, templates={'decode_attention'})\n"
+        "        out += [dict(r.__dict__, dtype=dt, config=c) for r in got]\n"
+        "    codegen.attention_configs = default\n"
+        "print(json.dumps(out))\n"
+    )
+    assert all(r["status"] == "ok" for r in results), [r for r in results if r["status"] != "ok"]
+    flash = [r for r in results if r["template"] == "decode_attention"]
+    assert {r["dtype"] for r in flash} == {"float32", "float16"}
+    assert len({str(r["config"]) for r in flash}) >= 6
+    assert all(r["ops"][-7:] == ATTENTION for r in flash)
