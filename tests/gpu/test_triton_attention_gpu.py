@@ -55,7 +55,9 @@ def _check(model: dsp.CompiledModel, ref: dsp.CompiledModel, feeds: list[dict[st
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize(("batch", "seq", "heads", "head_dim"), [(1, 128, 12, 32), (8, 128, 12, 32), (3, 40, 2, 64), (2, 200, 4, 16)])
+@pytest.mark.parametrize(
+    ("batch", "seq", "heads", "head_dim"), [(1, 128, 12, 32), (8, 128, 12, 32), (3, 40, 2, 64), (2, 200, 4, 16)]
+)
 def test_an_encoder_attention_is_one_kernel_and_matches_the_reference(
     tmp_path: Path, dtype: str, batch: int, seq: int, heads: int, head_dim: int
 ) -> None:
