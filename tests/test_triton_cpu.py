@@ -572,7 +572,7 @@ def _attention_group(rows: int = 1, relu: bool = False) -> tuple[list, dict]:
     return nodes, shapes
 
 
-def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() -> None:
+def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     nodes, shapes = _attention_group()
     spec = _spec("decode_attention", nodes, shapes, [1, 2, 6], [7])
     kernel = codegen.generate(spec)
@@ -580,6 +580,9 @@ def test_attention_generates_one_online_softmax_kernel_and_splits_for_prefill() 
     assert "for l0 in range(0, 300," in kernel.source and "att_alpha" in kernel.source
     assert kernel.source.count("tl.store(") == 1  # scores and probabilities never leave the kernel
     spec7 = _spec("decode_attention", *_attention_group(rows=7), [1, 2, 6], [7])
+    flash = codegen.generate(spec7)  # 7 query rows: the flash body, a block of rows a program
+    assert flash.source.count("tl.dot(") == 2 and "att_acc / att_l[:, None]" in flash.source
+    monkeypatch.setenv("DSP_TRITON_FLASH_ATTENTION", "0")
     with pytest.raises(codegen.Unsupported, match="query rows"):
         codegen.generate(spec7)
     parts = codegen.attention_parts(spec7)
