@@ -249,6 +249,11 @@ class TritonPolicy(ReferencePolicy):
         and merge back to the hidden size), which the kernel stores through; or pointwise ops over
         its lanes before any of them."""
         op = plan.slots[s].op
+        if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST, PatternKind.INJECTIVE):
+            return (
+                f"{op} is {pattern.kind.value}: after the weighted sum an attention takes its layout ops "
+                "or pointwise ops over its lanes"
+            )
         after = [m for m in group.slots if m > anchor]
         if op in LAYOUT_OPS:
             made = {plan.slots[anchor].outputs[0], *(plan.slots[m].outputs[0] for m in after)}
