@@ -10,7 +10,8 @@
 #   JSON under $OUT/decode, exports in /tmp/dsp_onnx; DECODE_ARGS passed on);
 #   products: dsp-nvrtc's product kernels by lanes and columns against dsp-triton's and cuBLAS
 #   (benchmarks/products_nvrtc.py, $OUT/products_nvrtc.json; PRODUCTS_ARGS passed on);
-#   cudnn: the cuDNN convolution / pooling tests, the node cases given device paths, dsp-triton's conv groups;
+#   cudnn: the cuDNN convolution / pooling tests, the node cases given device paths, dsp-triton's conv groups
+#   and flash attention (about 5 minutes);
 #   models: the non-decoder models against torch (benchmarks/models_gpu.py, $OUT/models_gpu.json;
 #   MODELS_ARGS passed on, e.g. "--models resnet50,minilm --dtypes fp16 --batches 1,8 --no-compile");
 #   graphnodes: ONNX's node cases with --mode cuda_graphs (captured / partly / eager with reason /
@@ -42,7 +43,7 @@ for stage in $STAGES; do
     tritoncpu) timeout 300 python3 -m pytest -q tests/test_triton_cpu.py -p no:cacheprovider 2>&1 | tee "$OUT/triton_cpu.log" | tail -5 ;;
     nodes) DSP_MODE=${NODE_MODE:-triton} timeout ${NODES_TIMEOUT:-400} python3 scripts/node_suite.py --json "$OUT/node_suite_${NODE_MODE:-triton}.json" ${NODE_ARGS:-} 2>&1 | tee "$OUT/node_suite.log" | tail -15 ;;
     products) timeout ${PRODUCTS_TIMEOUT:-120} python3 benchmarks/products_nvrtc.py --out "$OUT/products_nvrtc.json" ${PRODUCTS_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/products_nvrtc.log" | tail -16 ;;
-    cudnn) timeout ${CUDNN_TIMEOUT:-150} python3 -m pytest -q tests/gpu/test_cudnn_gpu.py tests/gpu/test_device_paths_gpu.py tests/gpu/test_triton_conv_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT/cudnn_gpu.log" | tail -15 ;;
+    cudnn) timeout ${CUDNN_TIMEOUT:-330} python3 -m pytest -q tests/gpu/test_cudnn_gpu.py tests/gpu/test_device_paths_gpu.py tests/gpu/test_triton_conv_gpu.py tests/gpu/test_triton_attention_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT/cudnn_gpu.log" | tail -15 ;;
     models) timeout ${MODELS_TIMEOUT:-400} python3 benchmarks/models_gpu.py --out "$OUT/models_gpu.json" ${MODELS_ARGS:-} 2>&1 | tee "$OUT/models_gpu.log" | grep -E "^(model|---|bert|minilm|resnet|vit)" ;;
     graphnodes) timeout ${GRAPHNODES_TIMEOUT:-200} python3 scripts/node_suite.py --mode cuda_graphs --jobs 14 --json "$OUT/node_suite_cuda_graphs.json" 2>&1 | tee "$OUT/node_suite_cuda_graphs.log" | tail -12 ;;
     bench) timeout 400 python3 benchmarks/step_gpu.py --out "$OUT/step_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\s" | tail -30 ;;
