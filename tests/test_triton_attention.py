@@ -139,3 +139,25 @@ def test_every_flash_config_matches_the_reference_under_the_interpreter() -> Non
     assert {r["dtype"] for r in flash} == {"float32", "float16"}
     assert len({str(r["config"]) for r in flash}) >= 6
     assert all(r["ops"][-7:] == ATTENTION for r in flash)
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_the_decoders_prefill_attention_runs_the_flash_body_under_the_interpreter() -> None:
+    """A prefill's attention (7 query rows: GPT-2's causal mask, Llama's GQA repeat of K and V read
+    through their index arithmetic) generates the flash body and matches the reference."""
+    results = _interpreted(
+        "import numpy as np\n"
+        "from dsp_triton import codegen\n"
+        "out = []\n"
+        "for name in ('gpt2_eager', 'llama_eager'):\n"
+        "    z = np.load(f'{sys.argv[3]}/{name}.golden.npz')\n"
+        "    m = dsp_core.compile(f'{sys.argv[3]}/{name}.onnx', mode='slot_by_slot')\n"
+        "    feeds = {n: z['step0.' + n] for n in m.input_names}\n"
+        "    got = ic.check_model(m, feeds, templates={'decode_attention'})\n"
+        "    out += [dict(r.__dict__, model=name) for r in got]\n"
+        "print(json.dumps(out))\n",
+        str(Path(__file__).parent / "fixtures"),
+    )
+    assert sorted(r["model"] for r in results) == ["gpt2_eager"] * 2 + ["llama_eager"] * 2
+    assert all(r["status"] == "ok" for r in results), results
+    assert all(r["ops"][-5:] == ["MatMul", "Mul", "Add", "Softmax", "MatMul"] for r in results)
