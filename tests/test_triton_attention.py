@@ -107,6 +107,14 @@ def test_the_flash_kernel_reads_q_k_v_once_and_stores_only_the_merged_heads(tmp_
     assert small.grid == (3 * 2 * 3, 1, 1)  # 40 rows in blocks of 16
 
 
+def test_a_head_larger_than_the_flash_kernel_holds_runs_as_three_parts(tmp_path: Path) -> None:
+    shape = {"batch": 1, "seq": 20, "heads": 1, "head_dim": 160}
+    spec = _attention_spec(_model(tmp_path, **shape), encoder_attention_feeds("float16", **shape))
+    with pytest.raises(codegen.Unsupported, match=r"flash kernel holds 128 \(parts\)"):
+        codegen.generate(spec)
+    assert [p.template for p, _ in codegen.attention_parts(spec)] == ["product", "row_reduction", "product"]
+
+
 @pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
 def test_every_flash_config_matches_the_reference_under_the_interpreter() -> None:
     """The default and every config the tuner times, fp32 and fp16, rows not a multiple of the block

@@ -91,6 +91,7 @@ VIEW_ON_CUPY = frozenset(
     {"Slice", "Transpose", "Expand", "Split", "Squeeze", "Unsqueeze", "Reshape", "Flatten", "Identity"}
 )
 MAX_SOURCE_LINES = 4000  # a group whose kernel would be larger runs unfused
+MAX_FLASH_HEAD = 128  # head size the flash kernel holds in registers (q's block, the accumulator)
 MAX_PRELOAD = 8192  # weight elements one program of a product may load before it waits
 WAIT_MARKER = "    # the loads above read constants only: a dependent launch waits here"
 
@@ -1450,6 +1451,9 @@ def _flash(
     bm = max(16, min(bm, _pow2(rows)))
     bl = max(16, min(bl, _pow2(length)))
     bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
+    if max(bd, bd2) > MAX_FLASH_HEAD:
+        held = f"the flash kernel holds {MAX_FLASH_HEAD} (parts)"
+        raise Unsupported(f"a head of {max(d, d2)} for {rows} query rows: {held}")
     n_mb = -(-rows // bm)
     precision = ', input_precision="ieee"' if spec.values[q].dtype == "float32" else ""
     em = gen.em
