@@ -1452,8 +1452,8 @@ def _flash(
     bl = max(16, min(bl, _pow2(length)))
     bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
     if max(bd, bd2) > MAX_FLASH_HEAD:
-        held = f"the flash kernel holds {MAX_FLASH_HEAD} (parts)"
-        raise Unsupported(f"a head of {max(d, d2)} for {rows} query rows: {held}")
+        limit = f"the flash kernel holds {MAX_FLASH_HEAD} (parts)"
+        raise Unsupported(f"a head of {max(d, d2)} for {rows} query rows: {limit}")
     n_mb = -(-rows // bm)
     precision = ', input_precision="ieee"' if spec.values[q].dtype == "float32" else ""
     em = gen.em
