@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import pytest
 from dsp_cpu_ref.slot_by_slot import plan_values
+from dsp_cuda_graphs import attention
 from dsp_triton import codegen
 from dsp_triton.plugin import TritonPolicy, flash_declined
 from dsp_triton.segment import node_specs
@@ -105,6 +106,15 @@ def test_the_flash_kernel_reads_q_k_v_once_and_stores_only_the_merged_heads(tmp_
     assert kernel.source.count("tl.store(") == 1
     small = codegen.generate(spec, config={"block_m": 16, "block_l": 32, "num_warps": 4})
     assert small.grid == (3 * 2 * 3, 1, 1)  # 40 rows in blocks of 16
+
+
+def test_several_query_rows_are_never_split_over_the_kv_positions(tmp_path: Path) -> None:
+    """The KV split is for one query row's latency-bound loop; blocks of rows fill the GPU."""
+    shape = {"batch": 1, "seq": 300, "heads": 2, "head_dim": 16}
+    spec = _attention_spec(_model(tmp_path, **shape), encoder_attention_feeds("float16", **shape))
+    assert attention.spec_splits(spec, None) == 1  # 300 positions: one query row would split in 4
+    assert attention.spec_splits(spec, None, forced=4) == 1
+    assert attention.kv_split_count(2, 300, None) == 4
 
 
 def test_a_head_larger_than_the_flash_kernel_holds_runs_as_three_parts(tmp_path: Path) -> None:
