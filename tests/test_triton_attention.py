@@ -179,3 +179,59 @@ def test_the_decoders_prefill_attention_runs_the_flash_body_under_the_interprete
     assert sorted(r["model"] for r in results) == ["gpt2_eager"] * 2 + ["llama_eager"] * 2
     assert all(r["status"] == "ok" for r in results), results
     assert all(r["ops"][-5:] == ["MatMul", "Mul", "Add", "Softmax", "MatMul"] for r in results)
+
+
+def _scaled_after_transpose(tmp_path: Path) -> dsp.CompiledModel:
+    """Attention of three inputs whose output is transposed, then scaled, then its heads merged."""
+    from dsp_core.ir.builder import GraphBuilder
+
+    g = GraphBuilder("scaled_after_transpose")
+    q = g.placeholder("q", "float32", [1, 2, 24, 16])
+    kt = g.placeholder("kt", "float32", [1, 2, 16, 24])
+    v = g.placeholder("v", "float32", [1, 2, 24, 16])
+    ctx = g.MatMul(g.Softmax(g.MatMul(q, kt), axis=-1), v)
+    scaled = g.Mul(g.Transpose(ctx, perm=[0, 2, 1, 3]), g.constant(np.array(2.0, np.float32)))
+    g.output(g.Reshape(scaled, g.constant(np.array([1, 24, 32], np.int64))), "y")
+    path = tmp_path / "scaled.onnx"
+    onnx.save(to_onnx(g.build()), path)
+    return dsp.compile(path, mode="slot_by_slot")
+
+
+def test_after_the_heads_transpose_only_layout_ops_join_and_the_kernel_stores_through_it(tmp_path: Path) -> None:
+    model = _scaled_after_transpose(tmp_path)
+    groups = _groups(model)
+    assert ("decode_attention", ["MatMul", "Softmax", "MatMul", "Transpose"]) in groups
+    plan = model.plan()
+    assert plan is not None
+    result = propose_groups(plan, range(len(plan.slots)), TritonPolicy())
+    reasons = [b.reason for b in result.boundaries]
+    assert "Mul after the attention output's layout ops (the kernel stores through them)" in reasons, reasons
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in (("q", (1, 2, 24, 16)), ("kt", (1, 2, 16, 24)))}
+    feeds["v"] = rng.standard_normal((1, 2, 24, 16)).astype(np.float32)
+    spec = _attention_spec(model, feeds)
+    kernel = codegen.generate(spec)
+    (out,) = kernel.args[kernel.n_inputs :]
+    assert spec.values[out].shape == (1, 24, 2, 16)  # the transposed output, stored through its index
+
+
+@pytest.mark.skipif(_interpreter_missing() is not None, reason=str(_interpreter_missing()))
+def test_an_output_stored_through_the_heads_transpose_matches_the_reference_under_the_interpreter(
+    tmp_path: Path,
+) -> None:
+    """The group's output is the transposed [1, 24, 2, 16] value (the scale after it is another
+    group's): the kernel stores each lane at its transposed index; the reference agrees."""
+    onnx_path = tmp_path / "scaled.onnx"
+    _scaled_after_transpose(tmp_path)  # writes scaled.onnx
+    results = _interpreted(
+        "import numpy as np\n"
+        "m = dsp_core.compile(sys.argv[3], mode='slot_by_slot')\n"
+        "rng = np.random.default_rng(0)\n"
+        "feeds = {n: rng.standard_normal(s).astype(np.float32)\n"
+        "         for n, s in (('q', (1, 2, 24, 16)), ('kt', (1, 2, 16, 24)), ('v', (1, 2, 24, 16)))}\n"
+        "print(json.dumps([r.__dict__ for r in ic.check_model(m, feeds)]))\n",
+        str(onnx_path),
+    )
+    flash = [r for r in results if r["template"] == "decode_attention"]
+    assert [r["ops"] for r in flash] == [["MatMul", "Softmax", "MatMul", "Transpose"]]
+    assert all(r["status"] == "ok" for r in results), results

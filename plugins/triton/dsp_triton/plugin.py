@@ -24,7 +24,7 @@ from dsp_core.plan.fusion import (
     norm_prologue,
 )
 from dsp_core.plan.merge import is_merged, paired_reason
-from dsp_core.plan.plan import Plan, Segment
+from dsp_core.plan.plan import ExternalClass, Plan, Segment
 from dsp_triton import codegen, kernels
 
 OFF = "DSP_TRITON_DECODE_FUSION is off"
@@ -362,7 +362,7 @@ def flash_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
         return f"{slot.op} is not a MatMul"
     if not (config.get("triton_flash_attention") and config.get("triton_attention")):
         return "DSP_TRITON_FLASH_ATTENTION or DSP_TRITON_ATTENTION is off"
-    if any(r is None or r < 0 for r in slot.inputs[:2]):
+    if any(r is None or (r < 0 and plan.externals[-r - 1].cls is ExternalClass.CONSTANT) for r in slot.inputs[:2]):
         return "a product with a constant operand (a projection, not attention)"
     shape = pattern.shape
     rows = shape[-2] if shape is not None and len(shape) >= 3 else None
