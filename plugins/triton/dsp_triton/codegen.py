@@ -1308,6 +1308,14 @@ def attention_parts(spec: GroupSpec) -> list[tuple[GroupSpec, list[int]]]:
     return out
 
 
+def _head_index(gen: _Gen, shape: Sequence[int], bidx: Idx, batch: tuple[int, ...], pair: tuple[str, str]) -> Idx:
+    """The index into a value of ``shape`` of an attention program's (batch, head) point ``bidx``
+    (broadcast to the value's leading dims) and ``pair`` in its last two dims ("0" where size 1)."""
+    head = gen.broadcast(bidx, batch, shape[:-2]) if batch else Idx((), ())
+    tail = tuple(e if shape[len(shape) - 2 + j] != 1 else "0" for j, e in enumerate(pair))
+    return Idx((*head.dims, *tail), (*head.lane, *(e != "0" for e in tail)))
+
+
 def _attention(
     gen: _Gen, spec: GroupSpec, config: dict[str, int] | None
 ) -> tuple[list[tuple[int, Idx]], tuple[int, int, int], int, int]:
@@ -1346,12 +1354,12 @@ def _attention(
         # an online softmax has the probabilities only up to a positive scale until the end
         raise Unsupported("ops other than casts between the softmax and the weighted sum")
     cfg = config or attention_configs(spec)[0]
-    bl, warps = int(cfg["block_l"]), int(cfg.get("num_warps", 4))
-    bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
     if rows != 1:
         if spec.params.get("kv_splits"):
             raise Unsupported("a split attention of several query rows")
         return _flash(gen, spec, at_, (rows, d, length, d2), batch, cfg)
+    bl, warps = int(cfg["block_l"]), int(cfg.get("num_warps", 4))
+    bd, bd2 = max(16, _pow2(d)), max(16, _pow2(d2))
     n_split = int(spec.params.get("kv_splits", 1))
     chunk = -(-length // n_split)
     bl = min(bl, max(16, _pow2(chunk)))
@@ -1367,10 +1375,7 @@ def _attention(
     hi = f"tl.minimum(sk * {chunk} + {chunk}, {length})" if n_split > 1 else str(length)
 
     def at(x: int, pair: tuple[str, str]) -> Idx:
-        shape = spec.values[x].shape
-        head = gen.broadcast(bidx, batch, shape[:-2]) if batch else Idx((), ())
-        tail = tuple(e if shape[len(shape) - 2 + j] != 1 else "0" for j, e in enumerate(pair))
-        return Idx((*head.dims, *tail), (*head.lane, *(e != "0" for e in tail)))
+        return _head_index(gen, spec.values[x].shape, bidx, batch, pair)
 
     em.lines.append(f"    rd = tl.arange(0, {bd})")
     em.lines.append(f"    rv = tl.arange(0, {bd2})")
@@ -1466,10 +1471,7 @@ def _flash(
     bidx = gen.batch_index("bh", batch)
 
     def at(x: int, pair: tuple[str, str]) -> Idx:
-        shape = spec.values[x].shape
-        head = gen.broadcast(bidx, batch, shape[:-2]) if batch else Idx((), ())
-        tail = tuple(e if shape[len(shape) - 2 + j] != 1 else "0" for j, e in enumerate(pair))
-        return Idx((*head.dims, *tail), (*head.lane, *(e != "0" for e in tail)))
+        return _head_index(gen, spec.values[x].shape, bidx, batch, pair)
 
     em.lines += [
         f"    rm = mb * {bm} + tl.arange(0, {bm})",
