@@ -22,6 +22,8 @@ from dsp_core.llm import GenerationPipeline
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.units import UnitKind
 
+from .fused_checks import fusion_reports as _reports
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
 MODES = ["nvrtc_jit", "ptx_jit"]
@@ -49,11 +51,6 @@ def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol: float, 
         assert out.shape == ref.shape and out.dtype == ref.dtype, f"{what} {name}"
         scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
         np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale, err_msg=f"{what} {name}")
-
-
-def _reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:
-    runtime = model.last_live.runtime  # type: ignore[union-attr]
-    return [r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()]
 
 
 def _feeds(name: str, step: int | None) -> dict[str, np.ndarray]:

@@ -8,7 +8,6 @@ Run on the GPU image: ``python -m pytest -q tests/gpu/test_triton_attention_gpu.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -16,8 +15,9 @@ import pytest
 
 import dsp_core as dsp
 from dsp_core.ir.onnx_export import to_onnx
-from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.testing.models import encoder_attention, encoder_attention_feeds
+
+from .fused_checks import fusion_reports, replays_match
 
 TOL = {"float16": 2e-2, "float32": 1e-4}
 
@@ -27,31 +27,10 @@ def _cold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSP_DISK_CACHE", "0")
 
 
-def _reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:
-    runtime = model.last_live.runtime  # type: ignore[union-attr]
-    return [r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()]
-
-
 def _model(tmp_path: Path, dtype: str, batch: int, seq: int, heads: int, head_dim: int) -> Path:
     path = tmp_path / f"attention_{dtype}_{batch}_{seq}.onnx"
     onnx.save(to_onnx(encoder_attention(dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim)), path)
     return path
-
-
-def _check(model: dsp.CompiledModel, ref: dsp.CompiledModel, feeds: list[dict[str, np.ndarray]], dtype: str) -> None:
-    wants = [ref.run(f) for f in feeds]
-    for i in range(10):  # eager (compile, check), freeze, warm, capture, replays
-        got = model.run(feeds[i % len(feeds)])
-        for name, want in wants[i % len(feeds)].items():
-            scale = max(1.0, float(np.abs(want.astype(np.float32)).max()))
-            np.testing.assert_allclose(
-                got[name].astype(np.float32),
-                want.astype(np.float32),
-                rtol=TOL[dtype],
-                atol=TOL[dtype] * scale,
-                err_msg=f"call {i} {name}",
-            )
-    assert model.dsp.phase is PlanPhase.REPLAYING
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -67,8 +46,8 @@ def test_an_encoder_attention_is_one_kernel_and_matches_the_reference(
     feeds = [
         encoder_attention_feeds(dtype, batch=batch, seq=seq, heads=heads, head_dim=head_dim, seed=s) for s in (1, 2, 3)
     ]
-    _check(model, ref, feeds, dtype)
-    (att,) = [r for r in _reports(model) if r["template"] == "decode_attention"]
+    replays_match(model, ref, feeds, TOL[dtype])
+    (att,) = [r for r in fusion_reports(model) if r["template"] == "decode_attention"]
     assert att["status"] == "triton", att
     assert att["kernel"].startswith("dsp_attn_"), att
     assert set(att["config"]) == {"block_m", "block_l", "num_warps"}, att  # the flash template's, tuned
@@ -82,7 +61,7 @@ def test_switched_off_the_same_outputs_and_no_attention_group(tmp_path: Path, mo
         fused = on.run(feeds[0])
     monkeypatch.setenv("DSP_TRITON_FLASH_ATTENTION", "0")
     off = dsp.compile(path, mode="triton", strict=True)
-    _check(off, dsp.compile(path, mode="slot_by_slot"), feeds, "float16")
-    assert not [r for r in _reports(off) if r["template"] == "decode_attention"]
+    replays_match(off, dsp.compile(path, mode="slot_by_slot"), feeds, TOL["float16"])
+    assert not [r for r in fusion_reports(off) if r["template"] == "decode_attention"]
     plain = off.run(feeds[0])
     np.testing.assert_allclose(fused["y"].astype(np.float32), plain["y"].astype(np.float32), rtol=2e-2, atol=2e-2)

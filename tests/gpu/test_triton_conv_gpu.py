@@ -7,7 +7,6 @@ Run on the GPU image: ``python -m pytest -q tests/gpu/test_triton_conv_gpu.py``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +14,8 @@ import pytest
 import dsp_core as dsp
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.testing.models import residual_conv_block
+
+from .fused_checks import fusion_reports, replays_match
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TOL = {"float16": 2e-2, "float32": 1e-4}
@@ -25,11 +26,6 @@ def _cold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSP_DISK_CACHE", "0")
 
 
-def _reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:
-    runtime = model.last_live.runtime  # type: ignore[union-attr]
-    return [r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()]
-
-
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_conv_group_adds_its_bias_in_its_epilogue_kernel_and_matches_the_reference(dtype: str, batch: int) -> None:
@@ -38,20 +34,8 @@ def test_a_conv_group_adds_its_bias_in_its_epilogue_kernel_and_matches_the_refer
     model = dsp.compile(graph, mode="triton", strict=True)
     rng = np.random.default_rng(1)
     feeds = [{"x": rng.standard_normal((batch, 16, 14, 14)).astype(dtype)} for _ in range(3)]
-    wants = [ref.run(f) for f in feeds]
-    for i in range(10):  # eager (compile, check), freeze, warm, capture, replays
-        got = model.run(feeds[i % 3])
-        for name, want in wants[i % 3].items():
-            scale = max(1.0, float(np.abs(want.astype(np.float32)).max()))
-            np.testing.assert_allclose(
-                got[name].astype(np.float32),
-                want.astype(np.float32),
-                rtol=TOL[dtype],
-                atol=TOL[dtype] * scale,
-                err_msg=f"call {i} {name}",
-            )
-    assert model.dsp.phase is PlanPhase.REPLAYING
-    convs = [r for r in _reports(model) if r["template"] == "conv"]
+    replays_match(model, ref, feeds, TOL[dtype])
+    convs = [r for r in fusion_reports(model) if r["template"] == "conv"]
     fused = [r for r in convs if r["status"] == "triton"]
     assert len(fused) == 2, convs  # Conv+Relu and Conv+Add+Relu
     assert all("cuDNN without its bias" in r["reason"] for r in fused)
@@ -70,7 +54,7 @@ def test_switched_off_the_same_outputs_and_no_conv_group(monkeypatch: pytest.Mon
     off = dsp.compile(graph, mode="triton", strict=True)
     for _ in range(6):
         plain = off.run(x)
-    assert not [r for r in _reports(off) if r["template"] == "conv"]
+    assert not [r for r in fusion_reports(off) if r["template"] == "conv"]
     for name in plain:
         np.testing.assert_allclose(fused[name].astype(np.float32), plain[name].astype(np.float32), rtol=2e-2, atol=2e-2)
 
@@ -91,5 +75,5 @@ def test_the_fixture_cnn_runs_its_batch_norms_in_generated_kernels_and_matches_t
     assert model.dsp.phase is PlanPhase.REPLAYING
     plan = model.plan()
     assert plan is not None
-    bns = [r for r in _reports(model) if any(plan.slots[s].op == "BatchNormalization" for s in r["slots"])]
+    bns = [r for r in fusion_reports(model) if any(plan.slots[s].op == "BatchNormalization" for s in r["slots"])]
     assert len(bns) == 3 and all(r["status"] == "triton" for r in bns), bns

@@ -1,0 +1,38 @@
+"""Checks the GPU tests of fused backends share: their fusion reports, and a model's calls equal to
+the reference through every phase until it replays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import dsp_core as dsp
+from dsp_core.runtime.lifecycle import PlanPhase
+
+
+def fusion_reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:
+    """Every fusion group's report of the model's live plan (units that fuse)."""
+    runtime = model.last_live.runtime  # type: ignore[union-attr]
+    return [r for u in runtime.units if hasattr(u.compiled, "fusion_report") for r in u.compiled.fusion_report()]
+
+
+def replays_match(
+    model: dsp.CompiledModel, ref: dsp.CompiledModel, feeds: list[dict[str, np.ndarray]], tol: float, calls: int = 10
+) -> None:
+    """``calls`` calls fed ``feeds`` in turn (eager with its compile and check, freeze, warm, capture,
+    replays) each equal to ``ref``'s within ``tol`` (relative, and absolute times the output's scale);
+    the plan replaying at the end."""
+    wants = [ref.run(f) for f in feeds]
+    for i in range(calls):
+        got = model.run(feeds[i % len(feeds)])
+        for name, want in wants[i % len(feeds)].items():
+            scale = max(1.0, float(np.abs(want.astype(np.float32)).max()))
+            np.testing.assert_allclose(
+                got[name].astype(np.float32),
+                want.astype(np.float32),
+                rtol=tol,
+                atol=tol * scale,
+                err_msg=f"call {i} {name}",
+            )
+    assert model.dsp.phase is PlanPhase.REPLAYING
