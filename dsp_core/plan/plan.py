@@ -212,6 +212,10 @@ class Plan:
         info = self.values[ref]
         return (info.dtype, info.shape)
 
+    def is_constant(self, ref: int | None) -> bool:
+        """True when ``ref`` is a CONSTANT external (a weight), not a fed, variable or computed value."""
+        return ref is not None and ref < 0 and self.externals[-ref - 1].cls is ExternalClass.CONSTANT
+
     def placeholders(self) -> list[int]:
         """Indexes of PLACEHOLDER and VARIABLE externals (what a caller feeds)."""
         return [k for k, e in enumerate(self.externals) if e.cls is not ExternalClass.CONSTANT]

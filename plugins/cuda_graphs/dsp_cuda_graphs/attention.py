@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 from dsp_core.plan.fusion import GroupView, PatternKind, SlotPattern
 from dsp_core.plan.kernelspec import GroupSpec, attention_nodes
-from dsp_core.plan.plan import ExternalClass, Plan
+from dsp_core.plan.plan import Plan
 from dsp_cuda_graphs.device import sm_count
 
 Readers = dict[int, list[int]]  # value id -> the slots that read it (ReferencePolicy.readers)
@@ -132,8 +132,7 @@ def softmax_joins(plan: Plan, group: GroupView, s: int, pattern: SlotPattern, re
     anchors = products(group)
     if len(anchors) != 1 or plan.slots[anchors[0]].op != "MatMul":
         return "a softmax joins only a MatMul's scores"
-    weights = plan.slots[anchors[0]].inputs[1]
-    if weights is not None and weights < 0 and plan.externals[-weights - 1].cls is ExternalClass.CONSTANT:
+    if plan.is_constant(plan.slots[anchors[0]].inputs[1]):
         return "the scores' second operand is a constant (a projection, not attention)"
     slot = plan.slots[s]
     rank = len(pattern.row) if pattern.row else 0

@@ -24,10 +24,11 @@ from dsp_core.plan.fusion import (
     norm_prologue,
 )
 from dsp_core.plan.merge import is_merged, paired_reason
-from dsp_core.plan.plan import ExternalClass, Plan, Segment
+from dsp_core.plan.plan import Plan, Segment
 from dsp_triton import codegen, kernels
 
 OFF = "DSP_TRITON_DECODE_FUSION is off"
+FLOAT_OPERANDS = ("float16", "bfloat16", "float32")  # operand dtypes of the product and conv templates
 
 
 def decode_fusion() -> bool:
@@ -198,19 +199,15 @@ class TritonPolicy(ReferencePolicy):
     def _attention_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """After the softmax: casts of the probabilities, their product with V, then its epilogue."""
         anchors = attention.products(group)
+        if len(anchors) >= 2 and _query_rows(group, anchors[-1]) > 1:
+            return self._flash_epilogue_ok(plan, group, s, pattern, anchors[-1])
         if len(anchors) >= 2:
             return self._epilogue_ok(plan, group, s, pattern, anchor=anchors[-1])
         declined = flash_declined if _query_rows(group, anchors[0]) > 1 else product_declined
         return attention.weighted_sum_joins(plan, group, s, pattern, self.readers(plan), declined)
 
     def _epilogue_ok(
-        self,
-        plan: Plan,
-        group: GroupView,
-        s: int,
-        pattern: SlotPattern,
-        anchor: int | None = None,
-        flash: bool = True,
+        self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern, anchor: int | None = None
     ) -> str | None:
         """A product's epilogue: pointwise ops over its output's lanes (bias, activation, residual, cast)."""
         op = plan.slots[s].op
@@ -221,8 +218,6 @@ class TritonPolicy(ReferencePolicy):
             why = paired_reason(plan, merged[0])
             if why is not None:
                 return why
-        if flash and anchor is not None and _query_rows(group, anchor) > 1:
-            return self._flash_epilogue_ok(plan, group, s, pattern, anchor)
         view = pattern.kind is PatternKind.INJECTIVE and op in VIEW_OPS
         if pattern.kind not in (PatternKind.ELEMENTWISE, PatternKind.BROADCAST) and not view:
             return f"{op} is {pattern.kind.value}: a product's epilogue takes pointwise ops over its lanes"
@@ -264,7 +259,7 @@ class TritonPolicy(ReferencePolicy):
             return None
         if any(plan.slots[m].op in LAYOUT_OPS for m in after):
             return f"{op} after the attention output's layout ops (the kernel stores through them)"
-        return self._epilogue_ok(plan, group, s, pattern, anchor=anchor, flash=False)
+        return self._epilogue_ok(plan, group, s, pattern, anchor=anchor)
 
     def _conv_epilogue_ok(self, plan: Plan, group: GroupView, s: int, pattern: SlotPattern) -> str | None:
         """A convolution's epilogue: pointwise ops over every element of its output (activation, residual)."""
@@ -333,7 +328,7 @@ def product_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
     ins = [plan.ref_info(r) if r is not None else (None, None) for r in slot.inputs[:2]]
     if len(ins) < 2 or any(sh is not None and len(sh) < 2 for _, sh in ins):
         return "an operand of rank below 2"
-    if any(dt is not None and dt not in ("float16", "bfloat16", "float32") for dt, _ in ins):
+    if any(dt is not None and dt not in FLOAT_OPERANDS for dt, _ in ins):
         return "operands other than fp16, bf16 or fp32"
     form = str(slot.attrs.get("form", "MatMul")) if merged else slot.op
     rows = shape[0] if form == "Gemm" else shape[-2]
@@ -362,14 +357,14 @@ def flash_declined(plan: Plan, s: int, pattern: SlotPattern) -> str | None:
         return f"{slot.op} is not a MatMul"
     if not (config.get("triton_flash_attention") and config.get("triton_attention")):
         return "DSP_TRITON_FLASH_ATTENTION or DSP_TRITON_ATTENTION is off"
-    if any(r is None or (r < 0 and plan.externals[-r - 1].cls is ExternalClass.CONSTANT) for r in slot.inputs[:2]):
+    if any(r is None or plan.is_constant(r) for r in slot.inputs[:2]):
         return "a product with a constant operand (a projection, not attention)"
     shape = pattern.shape
     rows = shape[-2] if shape is not None and len(shape) >= 3 else None
     if not isinstance(rows, int) or rows <= codegen.MAX_PRODUCT_ROWS:
         return "not a batched product of more than 16 rows, a known number"
     ins = [plan.ref_info(r)[0] for r in slot.inputs[:2] if r is not None]
-    if any(dt not in ("float16", "bfloat16", "float32") for dt in ins):
+    if any(dt not in FLOAT_OPERANDS for dt in ins):
         return "operands other than fp16, bf16 or fp32"
     return None
 
@@ -389,7 +384,7 @@ def conv_declined(plan: Plan, s: int) -> str | None:
     if len(slot.inputs) < 3 or slot.inputs[2] is None:
         return "a convolution without a bias: its epilogue saves no kernel"
     kinds = [plan.ref_info(r)[0] if r is not None else None for r in slot.inputs[:3]]
-    if any(dt not in ("float16", "bfloat16", "float32") for dt in kinds):
+    if any(dt not in FLOAT_OPERANDS for dt in kinds):
         return "operands other than fp16, bf16 or fp32"
     return None
 
