@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from dsp_core.ir import dtypes
 from dsp_core.ir.builder import GraphBuilder
 from dsp_core.ir.graph import Graph
 
@@ -81,7 +82,7 @@ def encoder_attention(
     x = g.placeholder("x", dtype, [batch, seq, hidden])
     keep = g.placeholder("mask", "int64", [batch, seq])
     # the additive padding mask first, as exporters place it (before the layers that read it)
-    m = g.Cast(g.Unsqueeze(keep, g.constant(np.array([1, 2], np.int64))), to=DTYPE_CODES[dtype])
+    m = g.Cast(g.Unsqueeze(keep, g.constant(np.array([1, 2], np.int64))), to=int(dtypes.to_onnx(dtype)))
     bias = g.Mul(g.Sub(g.constant(np.array(1.0, dtype)), m), g.constant(np.array(-10000.0, dtype)))
     scale = 1.0 / np.sqrt(hidden)
     wqkv = g.constant((rng.standard_normal((hidden, 3 * hidden)) * scale).astype(dtype), name="wqkv")
@@ -100,9 +101,6 @@ def encoder_attention(
     wo = g.constant((rng.standard_normal((hidden, hidden)) * scale).astype(dtype), name="wo")
     g.output(g.MatMul(ctx, wo) + g.constant((rng.standard_normal(hidden) * 0.1).astype(dtype), name="bo"), "y")
     return g.build()
-
-
-DTYPE_CODES = {"float32": 1, "float16": 10, "bfloat16": 16}
 
 
 def encoder_attention_feeds(
