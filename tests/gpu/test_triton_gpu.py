@@ -14,6 +14,7 @@ from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.units import UnitKind
 
 from .fused_checks import fusion_reports as _reports
+from .fused_checks import replays_match
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
@@ -155,6 +156,54 @@ def test_products_for_every_row_count(dtype: str) -> None:
         model = _product_model(m, 300, 200, dtype, "triton", residual=False)
         for i in range(4):
             _close(model.run(feeds), want, f"{dtype} rows {m} run {i}")
+
+
+def test_the_tuner_takes_the_fastest_config_that_agrees_with_the_reference(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The fastest tuned config computes zeros: the next fastest is checked and kept, the cache learns it."""
+    from dsp_triton import kernels
+
+    monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path))
+    timed: list[Any] = []
+
+    def fake_time(self: Any, compiled: Any, local: Any) -> float:
+        timed.append(compiled)  # each config timed faster than the one before: the last one wins
+        real_launch = compiled.launch
+
+        def launch(ptrs: Any, stream: int) -> None:
+            real_launch(ptrs, stream)
+            if compiled is timed[-1]:  # the fastest config writes zeros over its outputs
+                kernel = compiled.kernel
+                for ptr, v in zip(ptrs[kernel.n_inputs :], kernel.args[kernel.n_inputs :]):
+                    shape, dtype = compiled.shapes[v]
+                    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                    cupy.cuda.runtime.memsetAsync(int(ptr), 0, nbytes, stream)
+
+        compiled.launch = launch
+        return 100.0 - len(timed)
+
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(kernels.FusedGroup, "_time", fake_time)
+    rng = np.random.default_rng(11)
+    feeds = {
+        "x": rng.standard_normal((1, 5, 333)).astype("float32"),
+        "r": rng.standard_normal((1, 5, 70)).astype("float32"),
+    }
+    ref = _product_model(5, 333, 70, "float32", "slot_by_slot")
+    model = _product_model(5, 333, 70, "float32", "triton")
+    replays_match(model, ref, [feeds], 1e-3, calls=6)
+    (product,) = [r for r in _reports(model) if r["template"] == "product"]
+    assert len(timed) > 2 and product["status"] == "triton", product
+    assert "disagreed with the reference" in product["reason"], product
+    kept = product["config"]
+    # A new model of the same layout: the tune cache gives the config that agreed, nothing is timed.
+    n_timed = len(timed)
+    again = _product_model(5, 333, 70, "float32", "triton")
+    replays_match(again, ref, [feeds], 1e-3, calls=6)
+    (product,) = [r for r in _reports(again) if r["template"] == "product"]
+    assert product["status"] == "triton" and product["config"] == kept and len(timed) == n_timed, product
+    assert "disagreed" not in product["reason"]
 
 
 # -- decode attention (T4) ---------------------------------------------------------------------
