@@ -35,7 +35,8 @@ def _model(tmp_path: Path, dtype: str, batch: int, seq: int, heads: int, head_di
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize(
-    ("batch", "seq", "heads", "head_dim"), [(1, 128, 12, 32), (8, 128, 12, 32), (3, 40, 2, 64), (2, 200, 4, 16)]
+    ("batch", "seq", "heads", "head_dim"),
+    [(1, 128, 12, 32), (8, 128, 12, 32), (3, 40, 2, 64), (2, 200, 4, 16), (1, 512, 12, 64)],
 )
 def test_an_encoder_attention_is_one_kernel_and_matches_the_reference(
     tmp_path: Path, dtype: str, batch: int, seq: int, heads: int, head_dim: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -195,15 +196,22 @@ def test_the_tuner_takes_the_fastest_config_that_agrees_with_the_reference(
     replays_match(model, ref, [feeds], 1e-3, calls=6)
     (product,) = [r for r in _reports(model) if r["template"] == "product"]
     assert len(timed) > 2 and product["status"] == "triton", product
+    # The eager run's group timed the configs and checked them fastest first; the replayed plan's
+    # group read the winner that agreed from the tune cache, beside the one it rejected.
+    entries = [json.loads(p.read_text()) for p in (tmp_path / "triton" / "tune").glob("*.json")]
+    (entry,) = [e for e in entries if "rejected" in e]
+    times = entry["times_us"]
+    fastest = min(times, key=times.get)
+    assert [",".join(f"{a}={b}" for a, b in c.items()) for c in entry["rejected"]] == [fastest], entry
+    assert product["config"] == entry["config"] != entry["rejected"][0], (product, entry)
     assert "disagreed with the reference" in product["reason"], product
-    kept = product["config"]
     # A new model of the same layout: the tune cache gives the config that agreed, nothing is timed.
     n_timed = len(timed)
     again = _product_model(5, 333, 70, "float32", "triton")
     replays_match(again, ref, [feeds], 1e-3, calls=6)
     (product,) = [r for r in _reports(again) if r["template"] == "product"]
-    assert product["status"] == "triton" and product["config"] == kept and len(timed) == n_timed, product
-    assert "disagreed" not in product["reason"]
+    assert product["status"] == "triton" and product["config"] == entry["config"] and len(timed) == n_timed
+    assert "disagreed with the reference" in product["reason"], product
 
 
 # -- decode attention (T4) ---------------------------------------------------------------------

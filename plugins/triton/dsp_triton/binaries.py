@@ -135,6 +135,20 @@ class CubinCache:
             pass  # an unwritable cache only costs a compile next time
 
 
+_OPTIN: dict[int, int] = {}
+
+
+def _shared_optin(cp: Any) -> int:
+    """The most dynamic shared memory a block of the current device may opt in to (0: unknown)."""
+    dev = cp.cuda.Device()
+    if dev.id not in _OPTIN:
+        try:
+            _OPTIN[dev.id] = int(dev.attributes.get("MaxSharedMemoryPerBlockOptin", 0))
+        except Exception:  # noqa: BLE001
+            _OPTIN[dev.id] = 0
+    return _OPTIN[dev.id]
+
+
 class Loaded:
     """A cubin loaded on the current device (``cuModuleLoadData``), launched through ``cuLaunchKernelEx``."""
 
@@ -145,6 +159,9 @@ class Loaded:
         self.function = self.module.get_function(cubin.name)
         self.threads = 32 * cubin.num_warps
         driver = cp.cuda.driver
+        optin = _shared_optin(cp)
+        if optin and cubin.shared > optin:  # the driver would answer CUDA_ERROR_INVALID_VALUE
+            raise RuntimeError(f"{cubin.name}: {cubin.shared} bytes of shared memory, the device allows {optin}")
         if cubin.shared > DEFAULT_SHARED:
             driver.funcSetAttribute(self.function.ptr, MAX_DYNAMIC_SHARED_SIZE_BYTES, cubin.shared)
         most = int(driver.funcGetAttribute(MAX_THREADS_PER_BLOCK, self.function.ptr))

@@ -347,7 +347,6 @@ class FusedGroup:
         got = self._launch(compiled, inputs)
         kv_bad = _kv_rows_mismatch(poisoned, self.tolerance, self.cp)  # first: it restores wrong rows
         bad = _mismatch(got, ref_outs, self.tolerance, self.cp) or kv_bad
-        self._rejected: list[dict[str, int]] = []
         if bad is not None and len(built) == 1 and not poisoned:
             alt, bad = self._next_correct(compiled, inputs, ref_outs, bad)
             if alt is not None:
@@ -654,6 +653,7 @@ class FusedGroup:
         that a winner the group's check rejects gives way to the next fastest (``_next_correct``).
         """
         self._ranked: tuple[str, list[tuple[dict[str, int], float | None, _Compiled]]] | None = None
+        self._rejected: list[dict[str, int]] = []  # faster configs the group's check refused (tune cache)
         self._retime: Callable[[], Any] | None = None
         if spec.template in ("row_reduction", "decode_attention_combine"):
             return first
@@ -688,12 +688,24 @@ class FusedGroup:
             best_us = chosen.get("best_us")
             self.report.kernel_us = float(best_us) if isinstance(best_us, int | float) else None
             self._retime = lambda: self._tune(spec, first, local, shapes, cached=False)
+            rejected = chosen.get("rejected")
+            self._rejected = [dict(c) for c in rejected if isinstance(c, dict)] if isinstance(rejected, list) else []
             return first if is_first(chosen["config"]) else build(chosen["config"])
         times: list[float] = []
         built: list[_Compiled] = []
-        for config in configs:
-            built.append(first if is_first(config) else build(config))
-            times.append(self._time(built[-1], local))
+        tried = configs
+        configs = []
+        for config in tried:
+            try:
+                one = first if is_first(config) else build(config)
+                times.append(self._time(one, local))
+            except Exception as exc:  # noqa: BLE001  (a config the device refuses: more shared memory than it has)
+                if is_first(config):
+                    raise
+                log.info("DSP TRITON: group %d: config %s left out: %s", self.report.index, config, exc)
+                continue
+            configs.append(config)
+            built.append(one)
         order = sorted(range(len(configs)), key=lambda k: times[k])
         best = order[0]
         self.report.config, self.report.kernel_us = dict(configs[best]), times[best]
@@ -718,7 +730,7 @@ class FusedGroup:
         The config that passes replaces the cached winner; the ones that failed are named in
         the report's reason. (None, why) when none agrees.
         """
-        rejected = [dict(self.report.config)]
+        rejected = [*self._rejected, dict(self.report.config)]
         if self._ranked is None and self._retime is not None:
             self._retime()
         if self._ranked is None:
