@@ -674,9 +674,11 @@ class FusedGroup:
                 return self._build(codegen.generate(spec, config=config), local, shapes)
             return self._build(codegen.generate(spec, block=config["block"]), local, shapes)
 
+        default = configs[0]
+
         def is_first(config: dict[str, int]) -> bool:
             if spec.template in ("product", "decode_attention"):
-                return config == configs[0]  # generate's default
+                return config == default  # generate's default
             return config["block"] == first.kernel.block
 
         device = _device_name(self.cp)
@@ -693,8 +695,7 @@ class FusedGroup:
             return first if is_first(chosen["config"]) else build(chosen["config"])
         times: list[float] = []
         built: list[_Compiled] = []
-        tried = configs
-        configs = []
+        tried, configs = configs, []
         for config in tried:
             try:
                 one = first if is_first(config) else build(config)
