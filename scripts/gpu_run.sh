@@ -5,7 +5,8 @@
 #   gputests: every GPU test (tests/gpu); tritoncpu: dsp-triton's CPU tests, whose generated
 #   kernels run under Triton's interpreter where triton and torch are installed (the image);
 #   nvrtc: dsp-nvrtc's GPU tests (NVRTC_JIT and PTX_JIT; kernel counts in $OUT/nvrtc_kernel_counts.json);
-#   nodes: ONNX's node cases in TRITON mode (NODE_MODE), JSON under $OUT;
+#   nodes: ONNX's node cases with --mode triton (NODE_MODE): captured / partly / eager with reason / wrong
+#   per case, over 14 processes, JSON under $OUT;
 #   decode: the decode race (benchmarks/decode_gpu.py,
 #   JSON under $OUT/decode, exports in /tmp/dsp_onnx; DECODE_ARGS passed on);
 #   products: dsp-nvrtc's product kernels by lanes and columns against dsp-triton's and cuBLAS
@@ -41,7 +42,7 @@ for stage in $STAGES; do
          done ;;
     nvrtc) timeout ${NVRTC_TIMEOUT:-500} python3 -m pytest -q tests/gpu/test_nvrtc_gpu.py tests/gpu/test_ptx_rowwise_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT/nvrtc_gpu.log" | tail -40 ;;
     tritoncpu) timeout 300 python3 -m pytest -q tests/test_triton_cpu.py -p no:cacheprovider 2>&1 | tee "$OUT/triton_cpu.log" | tail -5 ;;
-    nodes) DSP_MODE=${NODE_MODE:-triton} timeout ${NODES_TIMEOUT:-400} python3 scripts/node_suite.py --json "$OUT/node_suite_${NODE_MODE:-triton}.json" ${NODE_ARGS:-} 2>&1 | tee "$OUT/node_suite.log" | tail -15 ;;
+    nodes) timeout ${NODES_TIMEOUT:-400} python3 scripts/node_suite.py --mode ${NODE_MODE:-triton} --jobs 14 --json "$OUT/node_suite_${NODE_MODE:-triton}.json" ${NODE_ARGS:-} 2>&1 | tee "$OUT/node_suite.log" | tail -15 ;;
     products) timeout ${PRODUCTS_TIMEOUT:-120} python3 benchmarks/products_nvrtc.py --out "$OUT/products_nvrtc.json" ${PRODUCTS_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/products_nvrtc.log" | tail -16 ;;
     cudnn) timeout ${CUDNN_TIMEOUT:-330} python3 -m pytest -q tests/gpu/test_cudnn_gpu.py tests/gpu/test_device_paths_gpu.py tests/gpu/test_triton_conv_gpu.py tests/gpu/test_triton_attention_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT/cudnn_gpu.log" | tail -15 ;;
     models) timeout ${MODELS_TIMEOUT:-400} python3 benchmarks/models_gpu.py --out "$OUT/models_gpu.json" ${MODELS_ARGS:-} 2>&1 | tee "$OUT/models_gpu.log" | grep -E "^(model|---|bert|minilm|resnet|vit)" ;;

@@ -18,6 +18,7 @@ binaries = pytest.importorskip("dsp_triton.binaries")
 from dsp_cuda_graphs import launch  # noqa: E402
 
 SOURCE = "@triton.jit\ndef k(x_ptr, y_ptr):\n    pass\n"
+F32 = ("float32", "float32")
 
 
 def _cubin(**kw: object) -> object:
@@ -28,7 +29,7 @@ def _cubin(**kw: object) -> object:
 
 def test_a_stored_cubin_reads_back_as_it_was(tmp_path: Path) -> None:
     store = binaries.CubinCache(tmp_path)
-    key = binaries.entry_key(SOURCE, 4, True, (True, True), "90")
+    key = binaries.entry_key(SOURCE, 4, True, (True, True), "90", F32)
     assert store.get(key) is None
     store.put(key, _cubin())
     assert store.get(key) == _cubin()
@@ -40,7 +41,7 @@ def test_a_stored_cubin_reads_back_as_it_was(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damaged", ["cubin", "json"])
 def test_a_damaged_entry_is_a_miss_and_is_removed(tmp_path: Path, damaged: str) -> None:
     store = binaries.CubinCache(tmp_path)
-    key = binaries.entry_key(SOURCE, 4, False, (True, True), "90")
+    key = binaries.entry_key(SOURCE, 4, False, (True, True), "90", F32)
     store.put(key, _cubin(pdl=False))
     path = tmp_path / "cubin" / f"{key}.{damaged}"
     path.write_bytes(path.read_bytes()[:-3])  # truncated, as a crash mid-write would leave it
@@ -60,16 +61,18 @@ def test_an_entry_of_another_format_is_a_miss(tmp_path: Path) -> None:
 
 
 def test_the_key_covers_what_changes_the_binary_or_its_launch() -> None:
-    base = binaries.entry_key(SOURCE, 4, True, (True, True), "90")
-    assert binaries.entry_key(SOURCE, 4, True, (True, True), "90") == base
+    base = binaries.entry_key(SOURCE, 4, True, (True, True), "90", F32)
+    assert binaries.entry_key(SOURCE, 4, True, (True, True), "90", F32) == base
     others = [
-        binaries.entry_key(SOURCE + "\n", 4, True, (True, True), "90"),
-        binaries.entry_key(SOURCE, 8, True, (True, True), "90"),
-        binaries.entry_key(SOURCE, 4, False, (True, True), "90"),
-        binaries.entry_key(SOURCE, 4, True, (False, True), "90"),  # an input not 16-byte aligned
-        binaries.entry_key(SOURCE, 4, True, (True, True), "100"),
+        binaries.entry_key(SOURCE + "\n", 4, True, (True, True), "90", F32),
+        binaries.entry_key(SOURCE, 8, True, (True, True), "90", F32),
+        binaries.entry_key(SOURCE, 4, False, (True, True), "90", F32),
+        binaries.entry_key(SOURCE, 4, True, (False, True), "90", F32),  # an input not 16-byte aligned
+        binaries.entry_key(SOURCE, 4, True, (True, True), "100", F32),
+        # the same source over int16 inputs: Triton compiles the pointers' types into the binary
+        binaries.entry_key(SOURCE, 4, True, (True, True), "90", ("int16", "int16")),
     ]
-    assert len({base, *others}) == 6
+    assert len({base, *others}) == 7
 
 
 def _compiled(**metadata: object) -> object:

@@ -214,6 +214,26 @@ def test_the_tuner_takes_the_fastest_config_that_agrees_with_the_reference(
     assert "disagreed with the reference" in product["reason"], product
 
 
+@pytest.mark.parametrize("dtypes", [("float32", "int16", "uint8"), ("int16", "float32", "uint64")])
+def test_one_source_over_other_dtypes_is_another_binary(dtypes: tuple[str, ...]) -> None:
+    """LessOrEqual expanded (Less, Equal, Or) generates the same source over any input dtype; each
+    dtype gets its own binary (a float32 binary reused for int16 inputs was demoted by its check)."""
+    for dtype in dtypes:
+        g = dsp.GraphBuilder()
+        x, y = g.placeholder("x", dtype, [3, 4, 5]), g.placeholder("y", dtype, [3, 4, 5])
+        g.output(g.Or(g.Less(x, y), g.Equal(x, y)), "z")
+        graph = g.build()
+        rng = np.random.default_rng(5)
+        feeds = {n: np.abs(rng.standard_normal((3, 4, 5)) * 4).astype(dtype) for n in ("x", "y")}
+        feeds["y"].reshape(-1)[:7] = feeds["x"].reshape(-1)[:7]  # some equal pairs
+        model = dsp.compile(graph, mode="triton", strict=True)
+        for _ in range(5):
+            np.testing.assert_array_equal(model.run(feeds)["z"], feeds["x"] <= feeds["y"], err_msg=dtype)
+        assert model.dsp.phase is PlanPhase.REPLAYING
+        (group,) = _reports(model)
+        assert group["status"] == "triton", (dtype, group)
+
+
 # -- decode attention (T4) ---------------------------------------------------------------------
 @pytest.mark.parametrize("splits", ["1", "4", "0"])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])

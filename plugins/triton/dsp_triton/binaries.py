@@ -83,10 +83,17 @@ class Cubin:
     image: bytes
 
 
-def entry_key(source: str, num_warps: int, pdl: bool, aligned: Sequence[bool], arch: str) -> str:
-    """The cache key of one kernel's cubin on a device of capability ``arch``."""
+def entry_key(source: str, num_warps: int, pdl: bool, aligned: Sequence[bool], arch: str, dtypes: Sequence[str]) -> str:
+    """The cache key of one kernel's cubin on a device of capability ``arch``.
+
+    ``dtypes`` are the arguments' element types, in order: a generated source does not always
+    name them (a comparison's loads read whatever its pointers point to), and Triton compiles
+    each pointer's type into the binary, so one source over float32 and over int16 inputs is
+    two binaries.
+    """
     mask = "".join("1" if a else "0" for a in aligned)
-    text = f"{FORMAT}\0{triton_version()}\0sm{arch}\0{num_warps}\0{int(pdl)}\0{mask}\0{source}"
+    sig = ",".join(dtypes)
+    text = f"{FORMAT}\0{triton_version()}\0sm{arch}\0{num_warps}\0{int(pdl)}\0{mask}\0{sig}\0{source}"
     return hashlib.blake2b(text.encode(), digest_size=20).hexdigest()
 
 

@@ -585,12 +585,16 @@ class FusedGroup:
             kernel = codegen.with_dependent_launch(kernel)
         # Triton specialises a pointer on its 16-byte alignment; outputs are fresh allocations
         aligned = tuple(int(x.data.ptr) % 16 == 0 for x in inputs) + (True,) * (len(kernel.args) - len(inputs))
+        # the arguments' element types: Triton compiles them in, the source may not name them
+        dtypes = tuple(str(x.dtype) for x in inputs) + tuple(
+            str(np.dtype(shapes[v][1])) for v in kernel.args[len(inputs) :]
+        )
         dev = cp.cuda.Device()
-        memo_key = (kernel.source, kernel.num_warps, aligned, dev.id)
+        memo_key = (kernel.source, kernel.num_warps, aligned, dtypes, dev.id)
         memo = _BINARIES.get(memo_key)
         if memo is not None:
             return _Compiled(memo, kernel, shapes)
-        key = binaries.entry_key(kernel.source, kernel.num_warps, pdl, aligned, str(dev.compute_capability))
+        key = binaries.entry_key(kernel.source, kernel.num_warps, pdl, aligned, str(dev.compute_capability), dtypes)
         store = binaries.CubinCache()
         cubin = store.get(key)
         loaded: binaries.Loaded | binaries.TritonLaunched
