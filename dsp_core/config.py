@@ -218,6 +218,15 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "triton_tune_flush",
+        "DSP_TRITON_TUNE_FLUSH",
+        "bool",
+        True,
+        "dsp-triton's tuner times each config's launch after a write that evicts the L2 cache (a decode "
+        "step's weights are read once, cold); off: launches back to back, inputs left in L2 (as an "
+        "encoder's attention reads what the kernel before it wrote). Tuning winners are cached per setting.",
+    ),
+    Option(
         "triton_pdl",
         "DSP_TRITON_PDL",
         "bool",

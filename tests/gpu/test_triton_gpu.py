@@ -214,6 +214,25 @@ def test_the_tuner_takes_the_fastest_config_that_agrees_with_the_reference(
     assert "disagreed with the reference" in product["reason"], product
 
 
+def test_tuning_without_the_l2_flush_has_its_own_winners(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """DSP_TRITON_TUNE_FLUSH=0: configs timed back to back, the model still right and replaying, and
+    the winner cached apart from the flushed timing's."""
+    monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(12)
+    feeds = {
+        "x": rng.standard_normal((1, 5, 333)).astype("float32"),
+        "r": rng.standard_normal((1, 5, 70)).astype("float32"),
+    }
+    ref = _product_model(5, 333, 70, "float32", "slot_by_slot")
+    tune = tmp_path / "triton" / "tune"
+    counts = []
+    for flush in ("1", "0"):
+        monkeypatch.setenv("DSP_TRITON_TUNE_FLUSH", flush)
+        replays_match(_product_model(5, 333, 70, "float32", "triton"), ref, [feeds], 1e-3, calls=6)
+        counts.append(len(list(tune.glob("*.json"))))
+    assert counts[0] >= 1 and counts[1] > counts[0], counts
+
+
 @pytest.mark.parametrize("dtypes", [("float32", "int16", "uint8"), ("int16", "float32", "uint64")])
 def test_one_source_over_other_dtypes_is_another_binary(dtypes: tuple[str, ...]) -> None:
     """LessOrEqual expanded (Less, Equal, Or) generates the same source over any input dtype; each
