@@ -286,16 +286,19 @@ def graphs_alone_ms(runtime: Any, steps: int, sync: Callable[[], None]) -> float
 
 
 def host_profile(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
-    """The functions ``fn`` spends its host time in (cProfile over ``calls`` calls, the GPU waited
-    for once at the end): the top ``PROFILE_TOP`` by own time, in µs a call."""
+    """The functions ``fn`` spends its host time in (cProfile over ``calls`` calls, each from an
+    idle GPU, the wait outside the profile, as ``host_us`` measures): the top ``PROFILE_TOP`` by own
+    time, in µs a call. Calls back to back would fill the launch queue, and the host's wait for
+    it would show as the time of whichever call blocked (a graph's launch)."""
     import cProfile
     import pstats
 
     profile = cProfile.Profile()
-    profile.enable()
     for _ in range(calls):
+        sync()
+        profile.enable()
         fn()
-    profile.disable()
+        profile.disable()
     sync()
     stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
     rows = [

@@ -54,9 +54,14 @@ def test_the_host_profile_names_where_a_call_spends_its_time() -> None:
     def call() -> int:
         return inner() + inner()
 
+    def sync() -> None:  # waited for before each call and at the end, never inside the profile
+        syncs.append(1)
+        sum(range(5000))
+
     syncs: list[int] = []
-    rows = models_gpu.host_profile(call, 50, lambda: syncs.append(1))
-    assert syncs == [1] and 0 < len(rows) <= models_gpu.PROFILE_TOP
+    rows = models_gpu.host_profile(call, 50, sync)
+    assert len(syncs) == 51 and 0 < len(rows) <= models_gpu.PROFILE_TOP
+    assert not [r for r in rows if "sync" in r["function"]], rows
     top = {r["function"].split("(")[-1].rstrip(")"): r for r in rows}
     assert top["inner"]["calls_per_call"] == 2.0 and top["call"]["calls_per_call"] == 1.0
     assert top["call"]["cum_us_per_call"] >= top["inner"]["own_us_per_call"] > 0
