@@ -1395,14 +1395,7 @@ def _attention(
     gen.lane_values[scores] = (loop.let(f"att_s.to({_tl(sv.dtype)})", True, "p"), lane_l.dims)
     gen.mask = "rl < att_hi"
     xs, _ = gen.value(x_in, lane_l)
-    loop.lines += [
-        f"        att_x = tl.where(rl < att_hi, {xs}.to(tl.float32), float('-inf'))",
-        "        att_mnew = tl.maximum(att_m, tl.max(att_x, axis=0))",
-        "        att_muse = tl.where(att_mnew == float('-inf'), 0.0, att_mnew)",
-        "        att_alpha = tl.exp(att_m - att_muse)",
-        "        att_p = tl.exp(att_x - att_muse)",
-        "        att_l = att_l * att_alpha + tl.sum(att_p, axis=0)",
-    ]
+    loop.lines += _online_softmax("rl < att_hi", xs, 0)
     gen.lane_values[probs] = ("att_p", at(probs, ("0", "rl")).dims)
     xa, _ = gen.value(a, at(a, ("0", "rl")))
     gen.mask = f"(rl[:, None] < att_hi) & (rv[None, :] < {d2})"
@@ -1432,6 +1425,21 @@ def _attention(
     gen.lane_values[out] = (em.let(f"(att_acc / att_l).to({_tl(ov.dtype)})", True, "p"), lane.dims)
     stores = gen.lane_stores(spec.outputs, lane, ov.shape, "an attention group")
     return stores, (max(1, math.prod(batch)), 1, 1), bl, warps
+
+
+def _online_softmax(valid: str, scores: str, axis: int) -> list[str]:
+    """One step of the online softmax over a block of scores (``valid`` where a position exists):
+    the running max ``att_m`` and sum ``att_l`` updated, ``att_p`` the block's exponentials and
+    ``att_alpha`` the rescale of what was accumulated; per row along ``axis`` (0: one query row)."""
+    row = "[:, None]" if axis == 1 else ""
+    return [
+        f"        att_x = tl.where({valid}, {scores}.to(tl.float32), float('-inf'))",
+        f"        att_mnew = tl.maximum(att_m, tl.max(att_x, axis={axis}))",
+        "        att_muse = tl.where(att_mnew == float('-inf'), 0.0, att_mnew)",
+        "        att_alpha = tl.exp(att_m - att_muse)",
+        f"        att_p = tl.exp(att_x - att_muse{row})",
+        f"        att_l = att_l * att_alpha + tl.sum(att_p, axis={axis})",
+    ]
 
 
 def _flash(
@@ -1495,14 +1503,7 @@ def _flash(
     gen.lane_values[scores] = (loop.let(f"att_s.to({_tl(sv.dtype)})", True, "p"), lane_s.dims)
     gen.mask = f"(rm[:, None] < {rows}) & (rl[None, :] < {length})"
     xs, _ = gen.value(x_in, at(x_in, ("rm[:, None]", "rl[None, :]")))
-    loop.lines += [
-        f"        att_x = tl.where(rl[None, :] < {length}, {xs}.to(tl.float32), float('-inf'))",
-        "        att_mnew = tl.maximum(att_m, tl.max(att_x, axis=1))",
-        "        att_muse = tl.where(att_mnew == float('-inf'), 0.0, att_mnew)",
-        "        att_alpha = tl.exp(att_m - att_muse)",
-        "        att_p = tl.exp(att_x - att_muse[:, None])",
-        "        att_l = att_l * att_alpha + tl.sum(att_p, axis=1)",
-    ]
+    loop.lines += _online_softmax(f"rl[None, :] < {length}", xs, 1)
     gen.lane_values[probs] = ("att_p", at(probs, ("rm[:, None]", "rl[None, :]")).dims)
     xa, _ = gen.value(a, at(a, ("rm[:, None]", "rl[None, :]")))
     gen.mask = f"(rl[:, None] < {length}) & (rv[None, :] < {d2})"
