@@ -749,8 +749,8 @@ class FusedGroup:
             if why is None:
                 self.report.config, self.report.kernel_us = dict(config), us
                 self._rejected = rejected
-                entry = TuneCache().get(key) or {}
-                TuneCache().put(key, {**entry, "config": config, "best_us": us, "rejected": rejected})
+                tunes = TuneCache()
+                tunes.put(key, {**(tunes.get(key) or {}), "config": config, "best_us": us, "rejected": rejected})
                 return alt, bad
             rejected.append(dict(config))
         return None, f"{bad} (and with every other config of the {len(ranked)} tuned)"
