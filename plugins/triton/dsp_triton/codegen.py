@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,8 @@ class Kernel:
     # KV stores the kernel makes (dsp::KVScatter as its last store): (output, buffer, update,
     # position, axis); the output *is* the buffer, written in place through an input pointer
     kv_stores: tuple[tuple[int, int, int, int, int], ...] = ()
+    # whether it may launch as a programmatic dependent (DSP_TRITON_PDL); the flash kernel may not
+    dependent: bool = True
 
 
 # Which inputs of an op are data (loaded); the rest are shape-like (read on the host or implied).
@@ -123,6 +126,11 @@ def data_inputs(node: NodeSpec) -> tuple[int, ...]:
     if op in ("ReduceLogSumExp", "Softmax", "LogSoftmax"):
         return (0,)
     return tuple(k for k, r in enumerate(node.inputs) if r is not None)
+
+
+# an index along one axis of a 2-D tile (``rl[None, :]``), and a mask term bounding one (``(rl[None, :] < 512)``)
+_TILE_AXIS = re.compile(r"^(r[a-z]+)\[(None, :|:, None)\]$")
+_TILE_BOUND = re.compile(r"^\(?(?P<name>r[a-z]+)\[(?P<where>None, :|:, None)\] < (?P<bound>\w+)\)?$")
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,8 @@ class _Gen:
         self.args: list[int] = []  # input value ids in argument order
         self.memo: dict[tuple[int, tuple[str, ...]], tuple[str, bool]] = {}
         self.mask = "mask"
+        self.narrow = False  # _narrow_load: a tile's value that varies along one axis loads as a vector
+        self.dependent = True  # Kernel.dependent
         self.row: tuple[int, ...] | None = None
         self.row_idx: Idx | None = None
         self.scalars: dict[int, str] = {}  # row template: reduction outputs per program
@@ -289,12 +299,35 @@ class _Gen:
             if d != "0" and strides[k] != 0 and spec.shape[k] != 1
         ]
         off = " + ".join(terms) if terms else "0"
-        if idx.varies and terms:
+        narrow = self._narrow_load(ptr, spec, idx, strides) if self.narrow and idx.varies and terms else None
+        if narrow is not None:
+            expr = narrow
+        elif idx.varies and terms:
             expr = f"tl.load({ptr} + ({off}), mask={self.mask}, other=0)"
         else:
             expr = f"tl.load({ptr} + ({off}))"
         varies = idx.varies and bool(terms)
         return self.em.let(expr, varies, "x"), varies
+
+    def _narrow_load(self, ptr: str, spec: TensorSpec, idx: Idx, strides: Sequence[int]) -> str | None:
+        """A value of a 2-D tile whose address varies along one of its axes only (an additive mask
+        ``[batch, 1, 1, L]`` under a block of query rows): loaded as that axis's vector with that
+        axis's bound, then broadcast (``[None, :]``), instead of a load per tile element. None when
+        the index or the mask is not of that form (then the load is the tile's)."""
+        used = [k for k, d in enumerate(idx.dims) if d != "0" and strides[k] != 0 and spec.shape[k] != 1]
+        axes = {_TILE_AXIS.match(idx.dims[k]) for k in used if idx.lane[k]}
+        if len(axes) != 1 or None in axes:
+            return None
+        name, where = next(iter(axes)).groups()  # type: ignore[union-attr]
+        bounds = [_TILE_BOUND.match(t.strip()) for t in self.mask.split(" & ")]
+        if any(b is None for b in bounds):
+            return None  # a mask term this does not read: keep the tile's load and mask
+        kept = [f"{b['name']} < {b['bound']}" for b in bounds if b and (b["name"], b["where"]) == (name, where)]
+        if not kept:
+            return None
+        terms = [name if idx.lane[k] else idx.dims[k] for k in used]
+        off = " + ".join(t if strides[k] == 1 else f"{t} * {strides[k]}" for t, k in zip(terms, used))
+        return f"tl.load({ptr} + ({off}), mask={' & '.join(kept)}, other=0)[{where}]"
 
     def _literal(self, v: int) -> str | None:
         """A one-element constant input as a literal of its dtype (no argument, no load)."""
@@ -1468,6 +1501,11 @@ def _flash(
         limit = f"the flash kernel holds {MAX_FLASH_HEAD} (parts)"
         raise Unsupported(f"a head of {max(d, d2)} for {rows} query rows: {limit}")
     n_mb = -(-rows // bm)
+    # Launched plainly, not as a programmatic dependent: launched early (while the product before
+    # it still runs) it took 27 us a layer in BERT-base seq 512, 15.5 us launched after it (H200,
+    # same binary, two runs each way); its few heavy programs are then placed on SMs the product
+    # still holds, the likely cause (docs/fusion.md, "Dependent launches").
+    gen.dependent = False
     precision = ', input_precision="ieee"' if spec.values[q].dtype == "float32" else ""
     em = gen.em
     em.lines.append("    pid = tl.program_id(0)")
@@ -1502,7 +1540,9 @@ def _flash(
     lane_s = at(scores, ("rm[:, None]", "rl[None, :]"))
     gen.lane_values[scores] = (loop.let(f"att_s.to({_tl(sv.dtype)})", True, "p"), lane_s.dims)
     gen.mask = f"(rm[:, None] < {rows}) & (rl[None, :] < {length})"
+    gen.narrow = True  # the scores' epilogue: a padding mask is one row of KV positions
     xs, _ = gen.value(x_in, at(x_in, ("rm[:, None]", "rl[None, :]")))
+    gen.narrow = False
     loop.lines += _online_softmax(f"rl[None, :] < {length}", xs, 1)
     gen.lane_values[probs] = ("att_p", at(probs, ("rm[:, None]", "rl[None, :]")).dims)
     xa, _ = gen.value(a, at(a, ("rm[:, None]", "rl[None, :]")))
@@ -1709,7 +1749,7 @@ def generate(
         (int(n.outputs[0]), int(n.inputs[0]), int(n.inputs[1]), int(n.inputs[2]), int(n.attrs.get("axis", -2)))  # type: ignore[arg-type]
         for n in kv_nodes
     )
-    return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template, kv)
+    return Kernel(source, name, tuple(args), n_in, grid, warps, block_size, spec.template, kv, gen.dependent)
 
 
 # Programmatic dependent launch (sm_90+): a kernel launched with it may start while the

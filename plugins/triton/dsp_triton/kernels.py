@@ -580,7 +580,7 @@ class FusedGroup:
         kernel: codegen.Kernel, inputs: Sequence[Any], cp: Any, shapes: dict[int, tuple[tuple[int, ...], Any]]
     ) -> _Compiled:
         """Load (or compile) ``kernel`` specialised for these inputs and outputs of ``shapes``."""
-        pdl = dependent_launch(cp)
+        pdl = dependent_launch(cp) and kernel.dependent
         if pdl:
             kernel = codegen.with_dependent_launch(kernel)
         # Triton specialises a pointer on its 16-byte alignment; outputs are fresh allocations
