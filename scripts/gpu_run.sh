@@ -19,10 +19,10 @@
 #   wrong per case, $OUT/node_suite_cuda_graphs.json; about 35 s with 14 jobs).
 # The issue-15 run (about 5 minutes on a fresh H200): STAGES="cudnn graphnodes models"
 #   MODELS_ARGS="--models resnet50,vit-s,minilm,bert-128 --dtypes fp16,fp32 --batches 1,8 --no-compile --steps 50"
-# What issue 15 still needs measured (each under the 10-minute limit of one device command):
-#   STAGES="nodes" NODES_TIMEOUT=500 bash scripts/gpu_run.sh      (TRITON node cases, per case)
-#   STAGES="models" MODELS_ARGS="--models minilm,bert-128,vit-s,bert-512 --dtypes fp16 --batches 1 --steps 30"
-#   STAGES="models" MODELS_ARGS="--models minilm,bert-128 --dtypes fp16,fp32 --batches 8 --steps 30"
+# What issue 15 still needs measured against torch.compile (each under the 10-minute limit of one command):
+#   STAGES="models" MODELS_ARGS="--models vit-s --dtypes fp16,fp32 --batches 1,8 --steps 30"
+#   STAGES="models" MODELS_ARGS="--models minilm,bert-128,bert-512 --dtypes fp32 --batches 8 --steps 30"
+#   STAGES="models" MODELS_ARGS="--models bert-512 --dtypes fp32 --batches 1 --steps 30"
 # The LLM decode run: STAGES="gputests decode" bash scripts/gpu_run.sh
 # dsp-nvrtc against dsp-triton (about 7 minutes on a fresh H200): STAGES="nvrtc products decode"
 #   NVRTC_TIMEOUT=120 DECODE_TIMEOUT=360 DECODE_ARGS="--models llama-1b,gpt2-124m --modes triton,nvrtc_jit --peers dsp_block
