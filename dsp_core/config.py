@@ -233,7 +233,8 @@ OPTIONS: tuple[Option, ...] = (
         True,
         "dsp-triton launches its kernels as programmatic dependents on sm_90+ GPUs (each waits for the "
         "kernel before it, then lets the next one launch, so launches overlap work inside a replayed "
-        "graph; docs/fusion.md); read once per process; off: plain launches.",
+        "graph; docs/fusion.md), all but the flash attention of several query rows, which loses time "
+        "launched early; read once per process; off: plain launches.",
     ),
     Option(
         "nvrtc_attention",
