@@ -18,9 +18,10 @@ Each in fp16 and fp32, batch 1 and 8. Per configuration, the median latency over
 - ``torch_compile``: ``torch.compile(mode="reduce-overhead")`` (``--no-compile`` skips it);
 
 and the max abs difference of DSP's output from torch eager's. For DSP and the torch graph also
-the kernels a call and their busy time (torch.profiler) and the host time of one call from an
-idle GPU to its return (``host_us``, median): a wall time near the host time plus the kernels'
-busy time means the host work and the GPU work do not overlap, and the host time is what to
+the kernels a call and their busy time (torch.profiler; the copies and memsets a call apart, in
+the JSON's ``other_per_call``: a graph node that is not a kernel may cost its launch more) and the
+host time of one call from an idle GPU to its return (``host_us``, median): a wall time near the
+host time plus the kernels' busy time means the host work and the GPU work do not overlap, and the host time is what to
 cut. For DSP also its captured graphs launched alone (``graphs_alone_ms``: the call less this is
 what DSP adds around them) and where its host time goes (``host_profile``, cProfile's top
 functions in µs a call, in the JSON). A contender that fails is recorded with its error; the others still run.
@@ -443,6 +444,8 @@ def kernels_of(fn: Callable[[], Any], calls: int = PROFILED_CALLS) -> dict[str, 
         "per_call": summary["per_token"],
         "us_per_call": round(summary["us_per_token"], 1),
         "busy_us_per_call": round(summary["busy_us_per_token"], 1),
+        # copies and memsets a call (graph nodes that are not kernels: each costs a graph's launch more)
+        "other_per_call": {k: round(v / calls, 2) for k, v in sorted(summary["other_events"].items())},
         "top_by_time": [
             {"name": k["name"][:60], "per_call": k["per_token"], "us_per_call": round(k["us_per_token"], 1)}
             for k in summary["every_kernel"][:15]
