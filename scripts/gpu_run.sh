@@ -19,10 +19,9 @@
 #   wrong per case, $OUT/node_suite_cuda_graphs.json; about 35 s with 14 jobs).
 # The issue-15 run (about 5 minutes on a fresh H200): STAGES="cudnn graphnodes models"
 #   MODELS_ARGS="--models resnet50,vit-s,minilm,bert-128 --dtypes fp16,fp32 --batches 1,8 --no-compile --steps 50"
-# What issue 15 still needs measured against torch.compile (each under the 10-minute limit of one command):
-#   STAGES="models" MODELS_ARGS="--models vit-s --dtypes fp16,fp32 --batches 1,8 --steps 30"
-#   STAGES="models" MODELS_ARGS="--models minilm,bert-128,bert-512 --dtypes fp32 --batches 8 --steps 30"
-#   STAGES="models" MODELS_ARGS="--models bert-512 --dtypes fp32 --batches 1 --steps 30"
+# What issue 15 still needs measured against torch.compile: STAGES="compilecells" (about 8 minutes:
+#   ViT-S fp16 batch 8 and fp32, MiniLM / BERT-128 / BERT-512 fp32 batch 8, BERT-512 fp32 batch 1;
+#   JSON and logs as $OUT/compile_cells_*.json)
 # The LLM decode run: STAGES="gputests decode" bash scripts/gpu_run.sh
 # dsp-nvrtc against dsp-triton (about 7 minutes on a fresh H200): STAGES="nvrtc products decode"
 #   NVRTC_TIMEOUT=120 DECODE_TIMEOUT=360 DECODE_ARGS="--models llama-1b,gpt2-124m --modes triton,nvrtc_jit --peers dsp_block
@@ -50,6 +49,13 @@ for stage in $STAGES; do
     products) timeout ${PRODUCTS_TIMEOUT:-120} python3 benchmarks/products_nvrtc.py --out "$OUT/products_nvrtc.json" ${PRODUCTS_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/products_nvrtc.log" | tail -16 ;;
     cudnn) timeout ${CUDNN_TIMEOUT:-330} python3 -m pytest -q tests/gpu/test_cudnn_gpu.py tests/gpu/test_device_paths_gpu.py tests/gpu/test_triton_conv_gpu.py tests/gpu/test_triton_attention_gpu.py -p no:cacheprovider -rs 2>&1 | tee "$OUT/cudnn_gpu.log" | tail -15 ;;
     models) timeout ${MODELS_TIMEOUT:-400} python3 benchmarks/models_gpu.py --out "$OUT/models_gpu.json" ${MODELS_ARGS:-} 2>&1 | tee "$OUT/models_gpu.log" | grep -E "^(model|---|bert|minilm|resnet|vit)" ;;
+    compilecells)
+      for cell in "vit-s:fp16:8" "vit-s:fp32:1,8" "minilm,bert-128:fp32:8" "bert-512:fp32:1,8"; do
+        IFS=: read -r m d b <<< "$cell"
+        timeout ${CELL_TIMEOUT:-200} python3 benchmarks/models_gpu.py --models "$m" --dtypes "$d" --batches "$b" --steps 30 \
+          --out "$OUT/compile_cells_${m//,/_}_${d}_${b//,/_}.json" 2>&1 | tee "$OUT/compile_cells_${m//,/_}_${d}.log" \
+          | grep -E "^(model|bert|minilm|vit)"
+      done ;;
     graphnodes) timeout ${GRAPHNODES_TIMEOUT:-200} python3 scripts/node_suite.py --mode cuda_graphs --jobs 14 --json "$OUT/node_suite_cuda_graphs.json" 2>&1 | tee "$OUT/node_suite_cuda_graphs.log" | tail -12 ;;
     bench) timeout 400 python3 benchmarks/step_gpu.py --out "$OUT/step_gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\s" | tail -30 ;;
   esac
