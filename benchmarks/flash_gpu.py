@@ -21,7 +21,6 @@ bandwidth.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "triton_interp"))
 from common import machine_meta, torch_flushed_us, write_results  # noqa: E402
 
 HEADS, HEAD_DIM = 12, 64
@@ -84,19 +84,10 @@ def kernel_inputs(spec: Any, kernel: Any, seq: int) -> list[Any]:
     return made
 
 
-def load(kernel: Any, folder: Path) -> Any:
-    path = folder / f"{kernel.name}.py"
-    path.write_text(kernel.source)
-    module_spec = importlib.util.spec_from_file_location(kernel.name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return getattr(module, kernel.name)
-
-
 def dsp_rows(batch: int, seq: int, folder: Path) -> list[dict[str, Any]]:
     import torch
     from dsp_triton import codegen
+    from interpret_check import load_kernel
 
     spec = attention_spec(batch, seq)
     default = codegen.generate(spec)
@@ -107,7 +98,7 @@ def dsp_rows(batch: int, seq: int, folder: Path) -> list[dict[str, Any]]:
         kernel = codegen.generate(spec, config=config)
         row: dict[str, Any] = {"batch": batch, "seq": seq, "who": "dsp", "config": config, "kernel": kernel.name}
         try:
-            fn = load(kernel, folder)
+            fn = load_kernel(folder, kernel, interpret=False)
             out = torch.empty(out_spec.shape, dtype=getattr(torch, out_spec.dtype), device="cuda")
 
             def launch(fn: Any = fn, kernel: Any = kernel, out: Any = out) -> None:
