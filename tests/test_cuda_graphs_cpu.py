@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dsp_cuda_graphs.buffers import AllocationTrace, Interval, align, overlaps, plan_intervals
+from dsp_cuda_graphs.buffers import AllocationTrace, Interval, TracingAllocator, align, overlaps, plan_intervals
 from dsp_cuda_graphs.cublas import OP_N, OP_T, batch_stride, gemm_args, operand
 from dsp_cuda_graphs.plugin import CudaGraphsBackend
 
@@ -102,6 +102,18 @@ def test_random_traces_never_alias_and_beat_no_reuse() -> None:
         offsets, total = plan_intervals(ivs)
         _check_layout(ivs, offsets, total)
         assert total <= sum(align(iv.size) for iv in ivs)
+
+
+def test_a_free_after_the_tracer_was_torn_down_is_silent() -> None:
+    """An array outliving the warm-up is freed after the tracer lost its attributes (a cleared
+    cycle, interpreter exit): the callback returns quietly; CuPy would print anything it raised."""
+    tracer = TracingAllocator.__new__(TracingAllocator)  # no attributes: as after the collector's clear
+    assert tracer._free(0x1000) is None
+    tracer.trace = AllocationTrace()
+    tracer._live = {0x2000: (tracer.trace.alloc(64), object())}
+    tracer._free(0x2000)
+    tracer._free(0x2000)  # freed twice: the second finds nothing
+    assert tracer.trace.ends == [1] and tracer._live == {}
 
 
 def test_trace_keeps_unfreed_buffers_to_the_end() -> None:

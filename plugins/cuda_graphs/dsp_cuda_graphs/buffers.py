@@ -113,12 +113,16 @@ class TracingAllocator:
 
     def _free(self, ptr: int, *_device: Any) -> None:
         # An array outliving its warm-up can be freed after the garbage collector has cleared
-        # this object's attributes (the allocator and its bound methods form a cycle): then
-        # there is no trace left to record the free in.
-        live = self.__dict__.get("_live")
-        entry = live.pop(int(ptr), None) if live is not None else None
-        if entry is not None:
-            self.trace.free(entry[0])
+        # this object's attributes (the allocator and its bound methods form a cycle), or at
+        # interpreter exit, when even its ``__dict__`` is gone: then there is no trace left to
+        # record the free in, and a free callback must not raise (CuPy prints what it raises).
+        try:
+            live = self.__dict__.get("_live")
+            entry = live.pop(int(ptr), None) if live is not None else None
+            if entry is not None:
+                self.trace.free(entry[0])
+        except AttributeError:
+            return
 
     def close(self) -> None:
         """Give the warm-up's memory back (the arrays still alive keep theirs until they die)."""
