@@ -24,7 +24,9 @@ host time of one call from an idle GPU to its return (``host_us``, median): a wa
 host time plus the kernels' busy time means the host work and the GPU work do not overlap, and the host time is what to
 cut. For DSP also its captured graphs launched alone (``graphs_alone_ms``: the call less this is
 what DSP adds around them) and where its host time goes (``host_profile``, cProfile's top
-functions in µs a call, in the JSON). A contender that fails is recorded with its error; the others still run.
+functions in µs a call, in the JSON: which functions, not how long; cProfile put 5-25x the
+directly timed cost on C calls such as ``Graph.launch``, benchmarks/results/gpu_2026-12-03m/).
+A contender that fails is recorded with its error; the others still run.
 
 Run on the GPU machine (python 3.12, torch, cupy; no network):
 
