@@ -22,7 +22,9 @@ the kernels a call and their busy time (torch.profiler; the copies and memsets a
 the JSON's ``other_per_call``: a graph node that is not a kernel may cost its launch more) and the
 host time of one call from an idle GPU to its return (``host_us``, median): a wall time near the
 host time plus the kernels' busy time means the host work and the GPU work do not overlap, and the host time is what to
-cut. For DSP also its captured graphs launched alone (``graphs_alone_ms``: the call less this is
+cut. For DSP also the same model through an IO binding (``bound``: ``model.bind``, the feeds
+written into the plan's buffers, a call with no copy in or out, as the torch graph is timed),
+its captured graphs launched alone (``graphs_alone_ms``: the call less this is
 what DSP adds around them) and where its host time goes (``host_profile``, cProfile's top
 functions in µs a call, in the JSON: which functions, not how long; cProfile put 5-25x the
 directly timed cost on C calls such as ``Graph.launch``, benchmarks/results/gpu_2026-12-03m/).
@@ -358,6 +360,7 @@ def run_dsp(path: Path, feeds: dict[str, Any], steps: int, want: np.ndarray) -> 
     runtime = model.dsp.runtime
     result["graphs_alone_ms"] = _guard(lambda: graphs_alone_ms(runtime, steps, sync))
     result["host_profile"] = _guard(lambda: host_profile(lambda: model.run(dev), HOST_CALLS, sync))
+    result["bound"] = _guard(lambda: run_bound(model, dev, steps, sync, want))
     plan = runtime.plan
     result["phase"] = model.dsp.phase.name
     result["units"] = {k: sum(u.kind.value == k for u in runtime.units) for k in ("island", "gap", "eager")}
@@ -368,6 +371,23 @@ def run_dsp(path: Path, feeds: dict[str, Any], steps: int, want: np.ndarray) -> 
     ][:20]
     result["counters"] = runtime.counters()
     return result
+
+
+def run_bound(
+    model: Any, dev: dict[str, Any], steps: int, sync: Callable[[], None], want: np.ndarray
+) -> dict[str, Any]:
+    """DSP through an IO binding (``model.bind``: the feeds written into the plan's device buffers,
+    each call a replay with no copy in or out), as a torch CUDA graph is replayed by hand."""
+    import cupy as cp
+
+    binding = model.bind(dev, settle=2)
+    got = cp.asnumpy(binding.run()["out"]).astype(np.float32)
+    return {
+        "bound": binding.bound,
+        "max_abs_diff_vs_torch": float(np.abs(got - want).max()),
+        "ms": median_ms(binding.run, steps, 3, sync),
+        "host_us": round(host_us(binding.run, HOST_CALLS, sync), 1),
+    }
 
 
 def run_torch(module: Any, feeds: dict[str, Any], steps: int, no_compile: bool) -> tuple[dict[str, Any], np.ndarray]:
@@ -495,9 +515,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "model | dtype | batch | DSP ms | phase | gaps | torch eager | torch graph | torch.compile | max |diff| "
         "| kernels/call DSP / torch graph | kernels' busy µs DSP / torch graph | host µs/call DSP / torch graph "
-        "| DSP's graphs alone ms"
+        "| DSP's graphs alone ms | DSP bound ms / host µs"
     )
-    lines = [head, " | ".join("---" for _ in range(14))]
+    lines = [head, " | ".join("---" for _ in range(15))]
     for r in rows:
         d = r.get("dsp", {})
         gaps = str(d.get("units", {}).get("gap", "-"))
@@ -519,6 +539,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         cells.append(" / ".join(hosts))
         alone = d.get("graphs_alone_ms")
         cells.append(f"{alone:.3f}" if isinstance(alone, float) else "-")
+        bound = d.get("bound")
+        cells.append(f"{bound['ms']:.3f} / {bound['host_us']}" if isinstance(bound, dict) and "ms" in bound else "-")
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,9 @@ from dsp_core.runtime.handle import DspHandle
 from dsp_core.runtime.legacy import run_graph
 from dsp_core.runtime.plan_runtime import PlanRuntime
 from dsp_core.runtime.units import OutputSpec, bind_symbols, check_published, output_specs, unit_io
+
+if TYPE_CHECKING:
+    from dsp_core.runtime.binding import Binding
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,16 @@ class CompiledModel:
         except Exception as exc:  # diag: the flight recorder writes its file and names it in the error
             flight.record_failure(exc, self.last_live.runtime.diag_id if self.last_live is not None else -1)
             raise
+
+    def bind(self, feeds: Mapping[str, Any], settle: int = 8) -> Binding:
+        """IO binding: warm the plan up on ``feeds`` (up to ``settle`` real steps, until it replays)
+        and return a ``Binding`` whose ``inputs`` are the plan's own staging buffers (write the next
+        values into them in place) and whose ``run()`` replays without copying feeds in or outputs
+        out (its outputs are the plan's buffers, valid until the next step). For a model without
+        variables (``mark_variable``): the warm-up steps would advance them. README: "IO binding"."""
+        from dsp_core.runtime.binding import Binding
+
+        return Binding(self, feeds, settle)
 
     def _run_staged(self, names: tuple[str, ...], staged: list[Any]) -> dict[str, np.ndarray]:
         """One step on checked feeds: the legacy interpreter for a declined graph, else the live plan."""

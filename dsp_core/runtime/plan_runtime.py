@@ -363,7 +363,23 @@ class PlanRuntime:
     # raise, an injected staging fault) leaves this path for good and runs the step again
     # on the full one, which handles it. Measured per call on the 3-node MLP:
     # benchmarks/cpu_overhead.py, docs/cpu-backends.md.
-    def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]]) -> list[Any]:
+    def execute_bound(self, feeds: list[tuple[int, Any]]) -> list[Any] | None:
+        """One step of a binding (``CompiledModel.bind``): ``feeds`` are the staging buffers
+        themselves, written in place by the caller. The steady replay without a copy in or out:
+        the outputs are the plan's own buffers, valid until its next step. None (nothing run)
+        when the plan has no steady program now or a feed is not its staging buffer: the
+        caller then takes the full path."""
+        with self.lock:
+            steady = self._steady
+            if steady is None or diag.ON:
+                return None
+            for (_, array), (buf, _) in zip(feeds, steady.buffers):
+                if array is not buf:
+                    return None
+            self.executions += 1
+            return self._steady_step(steady, feeds, owned=False)
+
+    def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]], owned: bool = True) -> list[Any]:
         constants = self.plan.constants
         if (
             _STAGING_FAULT in _ENVIRON  # the test switch, looked up without os.environ's key encoding
@@ -372,12 +388,16 @@ class PlanRuntime:
         ):
             self._steady = None
             return self._frozen_step(feeds)  # checks each constant: raises naming a replaced one
+        copies = 0
         for (_, array), (buf, fill) in zip(feeds, steady.buffers):
+            if array is buf:
+                continue  # a binding's input: written in place
             if fill is None:
                 buf[...] = array
             else:
                 fill(buf, array)  # a device buffer: the backend that reads it copies the feed there
-        self.staging.copies += steady.n_buffers
+            copies += 1
+        self.staging.copies += copies
         values = steady.values
         unit: Unit | None = None
         try:
@@ -393,6 +413,8 @@ class PlanRuntime:
         except BaseException as exc:  # noqa: BLE001  (as in _frozen_step: the reference takes the unit)
             self._fail_unit(unit, exc)
             return self._frozen_step(feeds)
+        if not owned:  # a binding's step: the replay buffers themselves
+            return [values[i] for i in steady.outputs]
         # replay buffers: the caller gets copies
         out = []
         for i in steady.outputs:
@@ -846,7 +868,6 @@ class _Steady:
         fills = runtime.staging.fills
         # per feed, in feed order: its staging buffer and the fill of a device buffer (None: host)
         self.buffers = [(values[f], fills.get(f)) for f in flats]
-        self.n_buffers = len(flats)
         self.values = values
         self.units = [(u, u.compiled.replay_call(values)) for u in runtime.units]
         self.outputs = runtime.executor.output_flat

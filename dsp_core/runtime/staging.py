@@ -79,12 +79,13 @@ class Staging:
             self.allocations += 1
         if fault == "copy":
             raise StagingError(f"staging copy failed for input at slot {flat} (injected fault)")
-        fill = self.fills.get(flat)
-        if fill is not None:
-            fill(buf, value)
-        else:
-            buf[...] = value
-        self.copies += 1
+        if value is not buf:  # a binding's input is its buffer, written in place (CompiledModel.bind)
+            fill = self.fills.get(flat)
+            if fill is not None:
+                fill(buf, value)
+            else:
+                buf[...] = value
+            self.copies += 1
         if fault == "stream_sync":
             raise StagingError("stream synchronisation after staging failed (injected fault)")
         return buf

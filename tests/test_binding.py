@@ -1,0 +1,177 @@
+"""IO binding (``CompiledModel.bind``): the plan's own buffers in and out, no copies.
+
+A binding's inputs are the live plan's staging buffers and its ``run`` replays the steady
+program on them, returning the replay buffers. These tests hold it to ``model.run``: the
+same outputs for every new value written in; no staging copy and no output copy on the
+bound path; and the full path (owned copies, still correct) whenever the steady program is
+not there: a plan that never replays whole, an evicted plan, diagnostics on, a replaced
+weight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import mlp_reference
+from dsp_cpu_ref.plugin import EmulatedReplayBackend, SlotBySlotBackend
+
+import dsp_core as dsp
+from dsp_core.backends.base import Registry
+from dsp_core.backends.modes import GraphExecutionMode as M
+from dsp_core.errors import DSPError, InputError
+from dsp_core.runtime.model import CompiledModel
+from dsp_core.runtime.plan_runtime import PlanRuntime
+
+MODES = ("onnxruntime", "openvino", "emulated_replay")
+RNG = np.random.default_rng(11)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def x_of(batch: int) -> np.ndarray:
+    return RNG.standard_normal((batch, 8)).astype(np.float32)
+
+
+def runtime_of(model: dsp.CompiledModel) -> PlanRuntime:
+    assert model.last_live is not None and isinstance(model.last_live.runtime, PlanRuntime)
+    return model.last_live.runtime
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bound_step_reads_what_was_written_into_its_inputs(mode: str, mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode=mode)
+    binding = model.bind({"x": x_of(3)})
+    assert binding.bound
+    runtime = runtime_of(model)
+    steady = runtime._steady
+    assert steady is not None
+    assert binding.inputs["x"] is steady.buffers[0][0]  # the staging buffer itself
+    copies, replays = runtime.staging.copies, sum(u.counters.replays for u in runtime.units)
+    for _ in range(5):
+        x = x_of(3)
+        binding.inputs["x"][...] = x
+        got = binding.run()["y"]
+        np.testing.assert_allclose(got, mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    assert runtime.staging.copies == copies  # nothing copied in
+    assert sum(u.counters.replays for u in runtime.units) == replays + 5 * len(runtime.units)
+    assert runtime._steady is steady
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bound_step_returns_the_plan_s_buffers_and_run_still_returns_copies(mode: str, mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode=mode)
+    x = x_of(2)
+    binding = model.bind({"x": x})
+    first = binding.run()["y"]
+    kept = first.copy()
+    x2 = x_of(2)
+    binding.inputs["x"][...] = x2
+    second = binding.run()["y"]
+    assert second is first  # the replay buffer, overwritten in place by the next step
+    np.testing.assert_allclose(second, mlp_reference(mlp_graph, x2), rtol=1e-4, atol=1e-5)
+    assert not np.array_equal(kept, second)
+    owned = model.run({"x": x})["y"]  # the plain call on the same plan: the caller's own copy
+    assert owned is not second
+    np.testing.assert_allclose(owned, mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_plan_that_does_not_replay_whole_binds_to_copies_and_stays_correct(mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode="slot_by_slot")
+    x = x_of(2)
+    binding = model.bind({"x": x})
+    assert not binding.bound and binding.inputs["x"] is not x
+    for _ in range(3):
+        x = x_of(2)
+        binding.inputs["x"][...] = x
+        np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ("onnxruntime", "emulated_replay"))
+def test_an_evicted_plan_is_rebuilt_from_the_binding_s_inputs(mode: str, mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode=mode)
+    binding = model.bind({"x": x_of(4)})
+    builds = model.stats.plan_builds
+    model.cache.clear()
+    for _ in range(6):  # the full path while the new plan freezes and captures
+        x = x_of(4)
+        binding.inputs["x"][...] = x
+        np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    assert model.stats.plan_builds == builds + 1
+
+
+def test_diagnostics_on_take_the_full_path(mlp_graph: dsp.Graph) -> None:
+    from dsp_core import diag
+
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    binding = model.bind({"x": x_of(2)})
+    runtime = runtime_of(model)
+    copies = runtime.staging.copies
+    x = x_of(2)
+    binding.inputs["x"][...] = x
+    diag.enable("EXECUTE", "detailed")
+    try:
+        got = binding.run()["y"]
+    finally:
+        diag.disable()
+    np.testing.assert_allclose(got, mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    assert runtime.staging.copies == copies  # the full path too skips a feed that is its buffer
+    assert binding.run()["y"] is not got  # bound again once diagnostics are off
+
+
+def test_a_replaced_weight_is_still_refused_through_a_binding(mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    binding = model.bind({"x": x_of(2)})
+    plan = model.plan()
+    assert plan is not None
+    key = next(k for k in plan.constants if plan.externals[k].name == "w2")
+    original = plan.constants[key]
+    plan.constants[key] = original * 2
+    with pytest.raises(DSPError, match="constant 'w2' was replaced after the plan froze"):
+        binding.run()
+    plan.constants[key] = original  # the very array the plan froze with
+    x = x_of(2)
+    binding.inputs["x"][...] = x
+    np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+
+
+class _PlacingEmulated(EmulatedReplayBackend):
+    """cpu_ref's capture with a device's staging hook: its feeds' buffers are its own, filled by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fills = 0
+
+    def stage_buffer(self, value: Any) -> Any:
+        return np.empty(value.shape, dtype=value.dtype)
+
+    def stage_into(self, buffer: Any, value: Any) -> None:
+        self.fills += 1
+        buffer[...] = value
+
+
+def test_a_device_staged_input_is_bound_without_its_fill(mlp_graph: dsp.Graph) -> None:
+    placing = _PlacingEmulated()
+    model = CompiledModel(mlp_graph, M.EMULATED_REPLAY, registry=Registry(backends=[placing, SlotBySlotBackend()]))
+    binding = model.bind({"x": x_of(2)})
+    assert binding.bound
+    fills = placing.fills
+    for _ in range(3):
+        x = x_of(2)
+        binding.inputs["x"][...] = x
+        np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    assert placing.fills == fills
+
+
+def test_bind_refuses_a_model_with_variables_and_a_settle_below_one(mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    with pytest.raises(InputError, match="at least one warm-up step"):
+        model.bind({"x": x_of(2)}, settle=0)
+    model.mark_variable(["x"])
+    with pytest.raises(InputError, match="would advance the variables"):
+        model.bind({"x": x_of(2)})
