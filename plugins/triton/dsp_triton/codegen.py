@@ -663,7 +663,12 @@ class _Gen:
         strides = bspec.strides or tuple(row_major(bspec.shape))
         dims = [row if k == ax else d for k, d in enumerate(idx.dims)]
         off = " + ".join(f"{d} * {strides[k]}" for k, d in enumerate(dims) if d != "0") or "0"
-        ok = f"{self.store_masks.get(update, self.mask)} & ({row} >= 0) & ({row} < {bspec.shape[ax]})"
+        lanes = self.store_masks.get(update, self.mask)
+        inside = f"({row} >= 0) & ({row} < {bspec.shape[ax]})"
+        # a row that is one value for the program (the position alone) is a scalar condition:
+        # selected with tl.where rather than and-ed into the lanes' mask (a block & a scalar bool
+        # is a mask of another dtype under Triton's interpreter)
+        ok = f"tl.where({inside}, {lanes}, False)" if idx.dims[ax] == "0" else f"{lanes} & {inside}"
         return f"    tl.store({ptr} + ({off}), {value}.to({_tl(bspec.dtype)}), mask={ok})"
 
     # -- the row template ------------------------------------------------------------------
