@@ -10,7 +10,9 @@ themselves (write new values into them in place), ``binding.run()`` replays the 
 and returns its replay buffers (valid until the next run: copy what you keep). When the plan
 is not replaying its steady program at that moment (it was evicted, recaptured, a constant
 was replaced, diagnostics are on), ``run`` takes the full path on the same arrays and
-returns owned copies, so a binding is never wrong, only slower.
+returns owned copies, so a binding is never wrong, only slower. The staging buffers are the
+plan's: a ``model.run`` of the same shapes copies its feeds into them, so a caller mixing the two
+writes the binding's inputs before each ``binding.run()``.
 """
 
 from __future__ import annotations
