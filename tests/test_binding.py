@@ -175,3 +175,15 @@ def test_bind_refuses_a_model_with_variables_and_a_settle_below_one(mlp_graph: d
     model.mark_variable(["x"])
     with pytest.raises(InputError, match="would advance the variables"):
         model.bind({"x": x_of(2)})
+
+
+def test_a_plain_run_of_the_same_shapes_writes_the_binding_s_inputs(mlp_graph: dsp.Graph) -> None:
+    """The documented sharing: the inputs are the plan's staging buffers, which ``run`` fills."""
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    binding = model.bind({"x": x_of(2)})
+    other = x_of(2)
+    model.run({"x": other})
+    np.testing.assert_array_equal(binding.inputs["x"], other)
+    x = x_of(2)
+    binding.inputs["x"][...] = x  # written again before the bound step: it reads x
+    np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
