@@ -187,3 +187,18 @@ def test_a_plain_run_of_the_same_shapes_writes_the_binding_s_inputs(mlp_graph: d
     x = x_of(2)
     binding.inputs["x"][...] = x  # written again before the bound step: it reads x
     np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_declined_graph_binds_to_copies_on_the_legacy_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_plan import _if_model
+
+    from dsp_core.plan.compiler import Declined
+    from dsp_core.runtime import model as model_mod
+
+    monkeypatch.setattr(model_mod, "compile_plan", lambda graph, names: Declined("forced for the test", "the_if"))
+    model = dsp.compile(_if_model(), force_recompile=True)
+    x = np.array([1.0, -2.0], np.float32)
+    binding = model.bind({"x": x, "c": np.array(True)})
+    assert not binding.bound and model.last_live is None
+    binding.inputs["c"][...] = False
+    np.testing.assert_array_equal(binding.run()["y"], [-1.0, -0.0])
