@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dsp_core.errors import InputError
+from dsp_core.runtime.model import _as_output  # model imports this module only inside bind()
+from dsp_core.runtime.plan_runtime import _owned
 
 if TYPE_CHECKING:
     from dsp_core.cache.memory import ShapeSignature
@@ -57,19 +59,19 @@ class Binding:
         self._signature: ShapeSignature | None = None
         self._runtime: PlanRuntime | None = None
         self._staged: list[tuple[int, Any]] | None = None
-        runtime = live.runtime if live is not None else None
         names = {spec.flat: spec.name for spec in model._feeds}
-        if runtime is not None and runtime._steady is not None:
+        if live is not None and live.runtime is not None and live.runtime._steady is not None:
+            runtime = live.runtime
             buffers = runtime.staging.buffers
             flats = [flat for flat, _, _ in runtime.feed_shapes]
             if all(f in buffers and f in names for f in flats):
                 self._staged = [(f, buffers[f]) for f in flats]
-                self._signature = live.signature if live is not None else None
+                self._signature = live.signature
                 self._runtime = runtime
         if self._staged is not None:
             self.inputs: dict[str, Any] = {names[f]: buf for f, buf in self._staged}
         else:  # no steady program (a plan that does not replay whole): the caller's copies, run() copies
-            self.inputs = {name: _copy(value) for name, value in feeds.items()}
+            self.inputs = {name: _owned(value) for name, value in feeds.items()}
 
     @property
     def bound(self) -> bool:
@@ -100,14 +102,3 @@ class Binding:
                         for name, r in zip(self._names, results)
                     }
         return self._model.run(self.inputs)
-
-
-def _copy(value: Any) -> Any:
-    copy = getattr(value, "copy", None)
-    return copy() if callable(copy) else value
-
-
-def _as_output(value: Any, on_device: bool) -> Any:
-    from dsp_core.runtime.model import _as_output as as_output
-
-    return as_output(value, on_device)
