@@ -158,6 +158,11 @@ def _peers(path: Path, feeds: dict[str, np.ndarray], threads: int) -> tuple[dict
     return entries, steps, [names, want]
 
 
+def _max_diff(out: dict[str, Any], names: list[str], want: list) -> float:
+    """DSP's largest difference from ONNX Runtime's outputs, over the outputs it returned."""
+    return max(float(np.max(np.abs(np.asarray(out[n]) - w), initial=0.0)) for n, w in zip(names, want) if n in out)
+
+
 def _dsp(
     path: Path, feeds: dict[str, np.ndarray], mode: str, names: list[str], want: list
 ) -> tuple[dict, Callable[[], Any]]:
@@ -169,7 +174,7 @@ def _dsp(
     feeds = {k: v for k, v in feeds.items() if k in model.input_names}
     for _ in range(4):  # warm-up, freeze (and the auction's trials), capture
         out = model.run(feeds)
-    diff = max(float(np.max(np.abs(np.asarray(out[n]) - w), initial=0.0)) for n, w in zip(names, want) if n in out)
+    diff = _max_diff(out, names, want)
     return {"max_diff": diff, "backends": model.resolved_backends()}, lambda: model.run(feeds)
 
 
@@ -183,7 +188,7 @@ def _dsp_bound(
     model = dsp.compile(path, mode="auto")
     binding = model.bind({k: v for k, v in feeds.items() if k in model.input_names})
     out = binding.run()
-    diff = max(float(np.max(np.abs(np.asarray(out[n]) - w), initial=0.0)) for n, w in zip(names, want) if n in out)
+    diff = _max_diff(out, names, want)
     entry = {"max_diff": diff, "backends": model.resolved_backends(), "bound": binding.bound}
     return entry, binding.run
 

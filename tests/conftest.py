@@ -9,10 +9,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+from dsp_cpu_ref.plugin import EmulatedReplayBackend
 from onnx import TensorProto, helper, numpy_helper
 
 import dsp_core as dsp
@@ -97,6 +99,24 @@ def mlp_reference(graph: dsp.Graph, x: np.ndarray) -> np.ndarray:
     """The MLP in plain numpy."""
     w = graph.initializers
     return np.maximum(x @ w["w1"] + w["b1"], 0) @ w["w2"]
+
+
+class PlacingEmulated(EmulatedReplayBackend):
+    """cpu_ref's capture with a device's staging hook: it allocates its feeds' buffers and fills them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[np.ndarray] = []
+        self.fills = 0
+
+    def stage_buffer(self, value: Any) -> Any:
+        buf = np.empty(value.shape, dtype=value.dtype)
+        self.made.append(buf)
+        return buf
+
+    def stage_into(self, buffer: Any, value: Any) -> None:
+        self.fills += 1
+        buffer[...] = value
 
 
 @pytest.fixture

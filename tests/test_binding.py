@@ -11,12 +11,11 @@ weight.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from conftest import mlp_reference
-from dsp_cpu_ref.plugin import EmulatedReplayBackend, SlotBySlotBackend
+from conftest import PlacingEmulated, mlp_reference
+from dsp_cpu_ref.plugin import SlotBySlotBackend
 
 import dsp_core as dsp
 from dsp_core.backends.base import Registry
@@ -140,23 +139,8 @@ def test_a_replaced_weight_is_still_refused_through_a_binding(mlp_graph: dsp.Gra
     np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
 
 
-class _PlacingEmulated(EmulatedReplayBackend):
-    """cpu_ref's capture with a device's staging hook: its feeds' buffers are its own, filled by it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fills = 0
-
-    def stage_buffer(self, value: Any) -> Any:
-        return np.empty(value.shape, dtype=value.dtype)
-
-    def stage_into(self, buffer: Any, value: Any) -> None:
-        self.fills += 1
-        buffer[...] = value
-
-
 def test_a_device_staged_input_is_bound_without_its_fill(mlp_graph: dsp.Graph) -> None:
-    placing = _PlacingEmulated()
+    placing = PlacingEmulated()
     model = CompiledModel(mlp_graph, M.EMULATED_REPLAY, registry=Registry(backends=[placing, SlotBySlotBackend()]))
     binding = model.bind({"x": x_of(2)})
     assert binding.bound

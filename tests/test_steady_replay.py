@@ -14,12 +14,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from conftest import mlp_reference
-from dsp_cpu_ref.plugin import EmulatedReplayBackend, SlotBySlotBackend
+from conftest import PlacingEmulated, mlp_reference
+from dsp_cpu_ref.plugin import SlotBySlotBackend
 
 import dsp_core as dsp
 from dsp_core.backends.base import Registry
@@ -284,26 +283,8 @@ def test_diagnostics_switched_on_take_the_full_path_and_off_the_steady_one(mode:
     assert runtime.staging.copies == copies + 2
 
 
-class _PlacingEmulated(EmulatedReplayBackend):
-    """cpu_ref's capture with a device's staging hook: it allocates its feeds' buffers and fills them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[np.ndarray] = []
-        self.fills = 0
-
-    def stage_buffer(self, value: Any) -> Any:
-        buf = np.empty(value.shape, dtype=value.dtype)
-        self.made.append(buf)
-        return buf
-
-    def stage_into(self, buffer: Any, value: Any) -> None:
-        self.fills += 1
-        buffer[...] = value
-
-
 def test_feeds_a_backend_stages_on_its_device_take_the_steady_path_through_its_fill(mlp_graph: dsp.Graph) -> None:
-    placing = _PlacingEmulated()
+    placing = PlacingEmulated()
     model = CompiledModel(mlp_graph, M.EMULATED_REPLAY, registry=Registry(backends=[placing, SlotBySlotBackend()]))
     runtime = until_steady(model, {"x": x_of(2)})
     steady = runtime._steady
