@@ -116,6 +116,19 @@ def test_a_free_after_the_tracer_was_torn_down_is_silent() -> None:
     assert tracer.trace.ends == [1] and tracer._live == {}
 
 
+class _TornDownTracer(TracingAllocator):
+    """A tracer as CuPy's callback meets it at interpreter exit: even its ``__dict__`` is gone."""
+
+    @property
+    def __dict__(self) -> dict[str, object]:  # type: ignore[override]
+        raise AttributeError("'TracingAllocator' object has no attribute '__dict__'")
+
+
+def test_a_free_at_interpreter_exit_is_silent() -> None:
+    """The error every GPU run printed dozens of times at exit, from CuPy's free callback."""
+    assert _TornDownTracer.__new__(_TornDownTracer)._free(0x1000) is None
+
+
 def test_trace_keeps_unfreed_buffers_to_the_end() -> None:
     trace = AllocationTrace()
     a = trace.alloc(10)
