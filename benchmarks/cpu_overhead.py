@@ -169,7 +169,9 @@ def best_per_call_us(step: Callable[[], Any], rounds: int, calls: int) -> float:
 
 
 def per_call_overhead(rounds: int = 30, calls: int = 2000) -> dict[str, Any]:
-    """Per CPU runtime backend: its bound call, ``model.run``, DSP's own time (no-op runtime call), a cache hit."""
+    """Per CPU backend that replays: its own call, ``model.run``, a binding's ``run`` (IO binding,
+    no copies), DSP's own time on each path (the same path with the backend's call a no-op), a
+    plan cache hit."""
     import os
 
     import dsp_core as dsp
@@ -177,27 +179,32 @@ def per_call_overhead(rounds: int = 30, calls: int = 2000) -> dict[str, Any]:
     os.environ.setdefault("DSP_CPU_THREADS", "1")
     path, feeds = mlp3_model()
     found: dict[str, Any] = {}
-    for mode in ("onnxruntime", "openvino"):
+    for mode in ("onnxruntime", "openvino", "numpy_replay"):
         model = dsp.compile(path, mode=mode)
         for _ in range(8):  # freeze, capture, settle into the steady replay
             model.run(feeds)
         live = model.last_live
         assert live is not None and live.runtime._steady is not None, f"{mode}: no steady replay"
         runtime = live.runtime
-        (unit,) = runtime.units
-        bound = unit.compiled._bound  # the runtime's own call on pre-bound buffers
-        own = best_per_call_us(bound, rounds, calls)
+        ((unit, call),) = runtime._steady.units  # the backend's own call on its bound buffers
+        assert call is not None, f"{mode}: no replay call"
+        own = best_per_call_us(call, rounds, calls)
         full = best_per_call_us(functools.partial(model.run, feeds), rounds, calls)
-        # DSP's own time: the same path with the runtime call a no-op (the steady program is
+        binding = model.bind(feeds)
+        bound = best_per_call_us(binding.run, rounds, calls)
+        binding.close()
+        # DSP's own time: the same paths with the backend's call a no-op (the steady program is
         # rebuilt around it by the next clean steps)
-        unit.compiled._bound = _no_op
+        unit.compiled._replay_call = lambda values: _no_op
         runtime._steady = None
         for _ in range(3):
             model.run(feeds)
         assert runtime._steady is not None and runtime._steady.units[0][1] is _no_op
-        dsp_own = best_per_call_us(functools.partial(model.run, feeds), rounds, calls) - best_per_call_us(
-            _no_op, rounds, calls
-        )
+        no_op = best_per_call_us(_no_op, rounds, calls)
+        dsp_own = best_per_call_us(functools.partial(model.run, feeds), rounds, calls) - no_op
+        binding = model.bind(feeds)
+        dsp_own_bound = best_per_call_us(binding.run, rounds, calls) - no_op
+        binding.close()
         cache = model.cache
 
         def hit_once(cache: Any = cache, signature: Any = live.signature) -> None:
@@ -206,7 +213,9 @@ def per_call_overhead(rounds: int = 30, calls: int = 2000) -> dict[str, Any]:
         found[mode] = {
             "backend_call_us": round(own, 2),
             "dsp_run_us": round(full, 2),
+            "dsp_bound_us": round(bound, 2),
             "dsp_own_us": round(dsp_own, 2),
+            "dsp_own_bound_us": round(dsp_own_bound, 2),
             "dsp_run_minus_backend_call_us": round(full - own, 2),
             "plan_cache_hit_us": round(best_per_call_us(hit_once, rounds, calls), 2),
         }

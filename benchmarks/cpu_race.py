@@ -2,7 +2,7 @@
 
 Per model, batch and thread count: the median latency of DSP AUTO (``run``, and through an IO
 binding, ``model.bind``: the like of ONNX Runtime's IOBinding), DSP with each CPU
-backend named (openvino, onnxruntime, slot_by_slot), ONNX Runtime `run` and `IOBinding`,
+backend named (openvino, onnxruntime, numpy_replay, slot_by_slot), ONNX Runtime `run` and `IOBinding`,
 and OpenVINO with shared inputs; each as a ratio to the best peer (the faster of ONNX
 Runtime and OpenVINO), and each one's max abs difference from ONNX Runtime's outputs.
 Each thread count runs in its own process (BLAS, ONNX Runtime and OpenVINO all read
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_meta, runtime_versions, write_results  # noqa: E402
 from cpu_overhead import mlp3_model  # noqa: E402
 
-DSP_MODES = ("auto", "openvino", "onnxruntime", "slot_by_slot")
+DSP_MODES = ("auto", "openvino", "onnxruntime", "numpy_replay", "slot_by_slot")
 PEERS = ("ort_run", "ort_iobinding", "openvino_direct")
 
 
@@ -293,18 +293,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the README."""
     head = (
         "| model | batch | threads | DSP AUTO | ratio | AUTO ran on | DSP AUTO bound | ratio | ORT run "
-        "| ORT iobinding | OpenVINO | DSP slot_by_slot |"
+        "| ORT iobinding | OpenVINO | DSP numpy_replay | DSP slot_by_slot |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if r["model"] == "gpt2_124m_decode":
             lines.append(
                 f"| {r['title']} | 1 | {r['threads']} | {r['dsp_tokens_per_s']} tok/s | {r['ratio']}x (of tok/s) | "
-                f"{'+'.join(r['dsp_backends'])} | | | {r['ort_loop_tokens_per_s']} tok/s (loop) | | | |"
+                f"{'+'.join(r['dsp_backends'])} | | | {r['ort_loop_tokens_per_s']} tok/s (loop) | | | | |"
             )
             continue
         if "error" in r:
-            lines.append(f"| {r['title']} | {r['batch']} | {r['threads']} | {r['error']} |||||||||")
+            lines.append(f"| {r['title']} | {r['batch']} | {r['threads']} | {r['error']} ||||||||||")
             continue
         auto = r["dsp_auto"]
         bound = r.get("dsp_auto_bound", {})
@@ -318,7 +318,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['title']} | {r['batch']} | {r['threads']} | {us(auto)} | {auto.get('ratio', '-')}x | "
             f"{'+'.join(auto.get('backends', []))} | {us(bound)} | {bound.get('ratio', '-')}x | "
             f"{us(r['ort_run'])} | {us(r['ort_iobinding'])} | "
-            f"{us(r['openvino_direct'])} | {us(r['dsp_slot_by_slot'])} |"
+            f"{us(r['openvino_direct'])} | {us(r.get('dsp_numpy_replay', {}))} | {us(r['dsp_slot_by_slot'])} |"
         )
     return "\n".join(lines)
 

@@ -149,10 +149,11 @@ OPTIONS: tuple[Option, ...] = (
         "auto_exclude",
         "DSP_AUTO_EXCLUDE",
         "str",
-        "openvino,onnxruntime",
+        "openvino,onnxruntime,numpy_replay",
         "Backends AUTO leaves out, a comma list of names; a mode named explicitly still runs. Default: the native "
-        "CPU runtimes, which crash or disagree on malformed models (docs/cpu-backends.md); `none` lets AUTO use them "
-        "on models you trust.",
+        "CPU runtimes, which crash or disagree on malformed models, and numpy_replay, which keeps a buffer for every "
+        "value of its segments and has not been through the hostile-model fuzzing the reference has "
+        "(docs/cpu-backends.md); `none` lets AUTO use all three on models you trust.",
     ),
     Option(
         "auction_trials",

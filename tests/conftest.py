@@ -30,7 +30,7 @@ atexit.register(shutil.rmtree, _SESSION_CACHE, True)
 # dsp-onnxruntime, installed by `make test`) stay out of AUTO unless a test asks for them
 # (tests/test_openvino*.py, tests/test_onnxruntime*.py, tests/test_measured_auction.py and the
 # conformance kit run them by name).
-os.environ.setdefault("DSP_AUTO_EXCLUDE", "openvino,onnxruntime")
+os.environ.setdefault("DSP_AUTO_EXCLUDE", "openvino,onnxruntime,numpy_replay")
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ from dsp_core.errors import DSPError, InputError
 from dsp_core.runtime.model import CompiledModel
 from dsp_core.runtime.plan_runtime import PlanRuntime
 
-MODES = ("onnxruntime", "openvino", "emulated_replay")
+MODES = ("onnxruntime", "openvino", "emulated_replay", "numpy_replay")
 RNG = np.random.default_rng(11)
 
 
@@ -91,11 +91,41 @@ def test_a_plan_that_does_not_replay_whole_binds_to_copies_and_stays_correct(mlp
         np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ("onnxruntime", "emulated_replay"))
+@pytest.mark.parametrize("mode", ("onnxruntime", "emulated_replay", "numpy_replay"))
+def test_a_bound_binding_pins_its_plan_until_closed(mode: str, mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode=mode)
+    binding = model.bind({"x": x_of(4)})
+    assert binding.bound
+    model.cache.clear()  # drops what is not pinned: the binding's plan stays, and stays bound
+    assert binding.bound and len(model.cache) == 1
+    x = x_of(4)
+    binding.inputs["x"][...] = x
+    np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    binding.close()
+    binding.close()  # twice is harmless
+    assert not binding.bound
+    model.cache.clear()
+    assert len(model.cache) == 0
+
+
+def test_a_dropped_binding_unpins_its_plan(mlp_graph: dsp.Graph) -> None:
+    import gc
+
+    model = dsp.compile(mlp_graph, mode="numpy_replay")
+    binding = model.bind({"x": x_of(2)})
+    live = model.last_live
+    assert live is not None and live.pins == 1
+    del binding
+    gc.collect()
+    assert live.pins == 0
+
+
+@pytest.mark.parametrize("mode", ("onnxruntime", "emulated_replay", "numpy_replay"))
 def test_an_evicted_plan_is_rebuilt_from_the_binding_s_inputs(mode: str, mlp_graph: dsp.Graph) -> None:
     model = dsp.compile(mlp_graph, mode=mode)
     binding = model.bind({"x": x_of(4)})
     builds = model.stats.plan_builds
+    binding.close()  # unpinned: eviction may take the plan
     model.cache.clear()
     for _ in range(6):  # the full path while the new plan freezes and captures
         x = x_of(4)

@@ -16,7 +16,7 @@ from dsp_core.errors import BackendError, BackendUnavailableError, ConfigError
 def test_cpu_ref_registers_through_entry_points() -> None:
     reg = discover()
     ref = {b.name: b for b in reg.backends if b.distribution == "dsp-cpu-ref"}
-    assert set(ref) == {"slot_by_slot", "emulated_replay", "shape_inference_only"}
+    assert set(ref) == {"slot_by_slot", "emulated_replay", "numpy_replay", "shape_inference_only"}
     assert ref["slot_by_slot"].mode is GraphExecutionMode.SLOT_BY_SLOT
     assert ref["slot_by_slot"].version == "0.1.0"
     assert ref["slot_by_slot"].availability().ok
@@ -94,6 +94,7 @@ def test_every_mode_of_the_seed_exists() -> None:
         "NVRTC_JIT",
         "PTX_JIT",
         "EMULATED_REPLAY",
+        "NUMPY_REPLAY",
         "SHAPE_INFERENCE_ONLY",
         "HIP_GRAPHS",
         "LEVEL_ZERO",

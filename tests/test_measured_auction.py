@@ -18,8 +18,9 @@ from dsp_core.backends.auction import TIE
 
 @pytest.fixture
 def cpu_runtimes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """AUTO with both CPU runtimes in it, and a disk cache of this test's own."""
-    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "none")
+    """AUTO with both CPU runtimes in it (numpy_replay, the third CPU bidder, left out: its own
+    trials are in test_numpy_replay.py), and a disk cache of this test's own."""
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "numpy_replay")
     monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path / "cache"))
 
 

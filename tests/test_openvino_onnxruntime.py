@@ -28,8 +28,9 @@ DECODERS = ("gpt2_eager", "gpt2_sdpa23", "gpt2_torchscript", "llama_eager", "lla
 
 @pytest.fixture
 def cpu_runtimes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """AUTO with both CPU runtimes in it, and a disk cache of this test's own."""
-    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "none")
+    """AUTO with both CPU runtimes in it (numpy_replay, the third CPU bidder, left out: its own
+    trials are in test_numpy_replay.py), and a disk cache of this test's own."""
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "numpy_replay")
     monkeypatch.setenv("DSP_CACHE_DIR", str(tmp_path / "cache"))
 
 
@@ -179,7 +180,7 @@ def _light_graph() -> dsp.Graph:
 def test_openvino_declines_a_short_light_segment_under_auto_but_not_when_named(
     cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "onnxruntime")
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "onnxruntime,numpy_replay")
     auto = dsp.compile(_light_graph())
     declines = [d for s in auto.explain()["segments"] for d in s["declines"] if d["backend"] == "openvino"]
     assert auto.resolved_backends() == ["slot_by_slot"]
@@ -206,7 +207,7 @@ def test_backends_list_says_what_auto_leaves_out() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "dsp_core.cli", "backends", "list"], capture_output=True, text=True, env=env
     ).stdout
-    assert "left out of AUTO by DSP_AUTO_EXCLUDE: onnxruntime, openvino" in out
+    assert "left out of AUTO by DSP_AUTO_EXCLUDE: numpy_replay, onnxruntime, openvino" in out
 
 
 def test_onnxruntimes_kernel_table_is_kept_so_discovery_does_not_import_it(tmp_path: Path) -> None:

@@ -89,7 +89,7 @@ def test_make_dist_wheels_install_with_find_links_in_a_fresh_venv(tmp_path: Path
     _run([py, "-m", "pip", "install", "-q", "--find-links", str(dist), "dsp-core"], env)
     table = json.loads(_run([*dsp, "backends", "list", "--json"], env))
     rows = {r["name"]: r for r in table["backends"]}
-    assert set(rows) == {"slot_by_slot", "emulated_replay", "shape_inference_only"}, rows
+    assert set(rows) == {"slot_by_slot", "emulated_replay", "numpy_replay", "shape_inference_only"}, rows
     assert {r["distribution"] for r in rows.values()} == {"dsp-cpu-ref"} and all(r["available"] for r in rows.values())
     assert table["failures"] == [] and table["auto"] == ["slot_by_slot"], table
     smoke = json.loads(_run([py, "-c", _SMOKE], env, cwd=tmp_path))

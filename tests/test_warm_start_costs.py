@@ -40,7 +40,7 @@ class _Probed(SlotBySlotBackend):
 def test_auto_does_not_probe_a_backend_it_leaves_out(monkeypatch: pytest.MonkeyPatch, excluded: bool) -> None:
     probed = _Probed()
     registry = Registry([*discovery.discover().backends, probed])
-    monkeypatch.setenv("DSP_AUTO_EXCLUDE", f"{probed.name},openvino,onnxruntime" if excluded else "none")
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", f"{probed.name},openvino,onnxruntime,numpy_replay" if excluded else "none")
     chain, _ = auction.candidates(registry, GraphExecutionMode.AUTO)
     assert (probed in chain) is not excluded
     assert probed.probes == (0 if excluded else 1)

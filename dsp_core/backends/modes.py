@@ -17,6 +17,7 @@ class GraphExecutionMode(enum.Enum):
     NVRTC_JIT = "nvrtc_jit"
     PTX_JIT = "ptx_jit"
     EMULATED_REPLAY = "emulated_replay"
+    NUMPY_REPLAY = "numpy_replay"
     SHAPE_INFERENCE_ONLY = "shape_inference_only"
     HIP_GRAPHS = "hip_graphs"
     LEVEL_ZERO = "level_zero"
@@ -53,6 +54,7 @@ M = GraphExecutionMode
 PROVIDERS: dict[GraphExecutionMode, str] = {
     M.SLOT_BY_SLOT: "dsp-cpu-ref",
     M.EMULATED_REPLAY: "dsp-cpu-ref",
+    M.NUMPY_REPLAY: "dsp-cpu-ref",
     M.SHAPE_INFERENCE_ONLY: "dsp-cpu-ref",
     M.CUDA_GRAPHS: "dsp-cuda-graphs",
     M.TRITON: "dsp-triton",
@@ -73,7 +75,7 @@ FALLBACK_CHAINS: dict[str, tuple[GraphExecutionMode, ...]] = {
     "rocm": (M.HIP_GRAPHS, M.SLOT_BY_SLOT),
     "xpu": (M.LEVEL_ZERO, M.SLOT_BY_SLOT),
     "metal": (M.MLX, M.METAL, M.SLOT_BY_SLOT),
-    "cpu": (M.OPENVINO, M.ONNXRUNTIME, M.ONEDNN, M.MLIR_CPU_JIT, M.ACL, M.ARM_HYBRID, M.SLOT_BY_SLOT),
+    "cpu": (M.OPENVINO, M.ONNXRUNTIME, M.ONEDNN, M.MLIR_CPU_JIT, M.ACL, M.ARM_HYBRID, M.NUMPY_REPLAY, M.SLOT_BY_SLOT),
 }
 
 # Platforms AUTO tries, most capable first; "cpu" is always last and always there.

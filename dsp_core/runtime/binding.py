@@ -17,7 +17,8 @@ writes the binding's inputs before each ``binding.run()``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +28,6 @@ from dsp_core.runtime.model import _as_output  # model imports this module only 
 from dsp_core.runtime.plan_runtime import _owned
 
 if TYPE_CHECKING:
-    from dsp_core.cache.memory import ShapeSignature
     from dsp_core.runtime.model import CompiledModel
     from dsp_core.runtime.plan_runtime import PlanRuntime
 
@@ -38,6 +38,8 @@ class Binding:
     ``inputs``: name -> the array to write the next step's value into (in place:
     ``binding.inputs["x"][...] = new``; a numpy array, or a device array where the plan
     stages that input on its device). ``bound``: whether ``run`` replays without copies now.
+    A bound binding pins its plan in the plan cache (it is not evicted while the binding
+    lives); ``close()`` (or leaving a ``with`` block, or dropping the binding) unpins it.
     """
 
     def __init__(self, model: CompiledModel, feeds: Mapping[str, Any], settle: int) -> None:
@@ -50,55 +52,77 @@ class Binding:
             raise InputError(f"bind(settle={settle}): at least one warm-up step is needed")
         self._model = model
         self._names = model._default_outputs
-        live = None
         for _ in range(settle):  # freeze, warm up, capture: until the plan replays its steady program
             model.run(feeds)
             live = model.last_live
-            if live is not None and live.runtime._steady is not None:
+            if live is not None and live.runtime is not None and live.runtime._steady is not None:
                 break
-        self._signature: ShapeSignature | None = None
+        self._step: Callable[[], dict[str, Any] | None] | None = None
+        self._on_device = False  # an output is a device array that run() hands over as numpy
+        self._pin: weakref.finalize | None = None
         self._runtime: PlanRuntime | None = None
-        self._staged: list[tuple[int, Any]] | None = None
+        self._buffers: list[tuple[int, Any]] = []
         names = {spec.flat: spec.name for spec in model._feeds}
-        if live is not None and live.runtime is not None and live.runtime._steady is not None:
-            runtime = live.runtime
+        live = model.last_live
+        runtime = live.runtime if live is not None else None
+        if runtime is not None and runtime._steady is not None:
             buffers = runtime.staging.buffers
             flats = [flat for flat, _, _ in runtime.feed_shapes]
             if all(f in buffers and f in names for f in flats):
-                self._staged = [(f, buffers[f]) for f in flats]
-                self._signature = live.signature
+                self._buffers = [(f, buffers[f]) for f in flats]
                 self._runtime = runtime
-        if self._staged is not None:
-            self.inputs: dict[str, Any] = {names[f]: buf for f, buf in self._staged}
+        if self._runtime is not None and live is not None:
+            self.inputs: dict[str, Any] = {names[f]: buf for f, buf in self._buffers}
+            pinned = model.cache.acquire(live.signature)
+            if pinned is live:  # held until close(): the plan stays in the cache, its buffers alive
+                self._pin = weakref.finalize(self, model.cache.release, live)
+                self._refresh()
+            elif pinned is not None:
+                model.cache.release(pinned)
         else:  # no steady program (a plan that does not replay whole): the caller's copies, run() copies
             self.inputs = {name: _owned(value) for name, value in feeds.items()}
 
+    def _refresh(self) -> None:
+        """Take the runtime's current steady program as this binding's step (None: there is none)."""
+        runtime = self._runtime
+        made = runtime.bound_step(self._names) if runtime is not None and self._pin is not None else None
+        if made is not None and runtime is not None:
+            buffers = runtime.staging.buffers
+            if any(buffers.get(f) is not buf for f, buf in self._buffers):
+                made = None  # the staging buffers were replaced: the caller's arrays are not the plan's
+        self._step = made[0] if made is not None else None
+        self._on_device = made is not None and any(r.__class__ is not np.ndarray for r in made[1])
+
     @property
     def bound(self) -> bool:
-        """True when the last warm-up left a steady program whose buffers ``inputs`` are."""
-        return self._staged is not None
+        """True while ``run`` replays the plan's steady program on ``inputs`` without copies."""
+        return self._step is not None
 
     def run(self) -> dict[str, Any]:
         """One step on ``inputs``: output name -> array. Without copies while the plan replays
         its steady program (the arrays are the plan's buffers, overwritten by its next step);
         otherwise the full path's owned copies."""
-        staged = self._staged
-        if staged is not None and self._signature is not None:
-            cache = self._model.cache
-            live = cache.acquire(self._signature)
-            if live is not None:
-                try:
-                    runtime = live.runtime
-                    results = (
-                        runtime.execute_bound(staged) if runtime is not None and runtime is self._runtime else None
-                    )
-                finally:
-                    cache.release(live)
-                if results is not None:
-                    self._model.last_live = live
+        step = self._step
+        if step is not None:
+            results = step()
+            if results is not None:
+                if self._on_device:  # device arrays handed over as numpy unless outputs_on_device
                     on_device = self._model.outputs_on_device
-                    return {
-                        name: r if r.__class__ is np.ndarray else _as_output(r, on_device)
-                        for name, r in zip(self._names, results)
-                    }
-        return self._model.run(self.inputs)
+                    return {k: r if r.__class__ is np.ndarray else _as_output(r, on_device) for k, r in results.items()}
+                return results
+        out = self._model.run(self.inputs)
+        if self._pin is not None and self._pin.alive:
+            self._refresh()  # a steady program again (recaptured, a constant restored) on the same buffers
+        return out
+
+    def close(self) -> None:
+        """Unpin the plan (it may be evicted again); ``run`` then takes the full path, with copies."""
+        self._step = None
+        if self._pin is not None:
+            self._pin()
+
+    def __enter__(self) -> Binding:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -25,11 +25,13 @@ Strict mode raises a BackendFault instead. A failing ``release`` is logged and i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -363,20 +365,62 @@ class PlanRuntime:
     # raise, an injected staging fault) leaves this path for good and runs the step again
     # on the full one, which handles it. Measured per call on the 3-node MLP:
     # benchmarks/cpu_overhead.py, docs/cpu-backends.md.
-    def execute_bound(self, feeds: list[tuple[int, Any]]) -> list[Any] | None:
-        """One step of a binding (``CompiledModel.bind``): ``feeds`` are the staging buffers
-        themselves, written in place by the caller. The steady replay without a copy in (the
-        steady step skips a feed that is its buffer, and copies one that is not) or out: the
-        outputs are the plan's own buffers, valid until its next step. None (nothing run) when
-        the plan has no steady program now: the caller then takes the full path."""
-        with self.lock:
-            steady = self._steady
-            if steady is None or diag.ON:
-                return None
-            self.executions += 1
-            return self._steady_step(steady, feeds, owned=False)
+    def bound_step(self, names: tuple[str, ...]) -> tuple[Callable[[], dict[str, Any] | None], list[Any]] | None:
+        """The step of a binding (``CompiledModel.bind``) and the output buffers it returns, or
+        None when the plan has no steady program now.
 
-    def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]], owned: bool = True) -> list[Any]:
+        The binding's inputs are the staging buffers themselves, written in place by the
+        caller, and the steady program's replay buffers are the same arrays step after step:
+        so the step is only the checks that the program is still current (the plan still
+        replays it, diagnostics off, no constant replaced, no staging fault asked for) and
+        the units' replay calls, under the runtime's lock. It returns ``names`` -> the replay
+        buffers (a new dict each step; the arrays valid until the plan's next step), or None
+        without running anything when a check fails: the caller then takes the full path. A
+        unit that raises goes to the reference (as in the steady step) and the step answers
+        None, so the full path runs it again.
+        """
+        steady = self._steady
+        if steady is None:
+            return None
+        lock, plan = self.lock, self.plan
+        units = [u for u, _ in steady.units]
+        # a unit without a replay call replays through ``replay``: False when it was not OK
+        calls = [call or functools.partial(_replayed, u.compiled, steady.values) for u, call in steady.units]
+        counters = [u.counters for u in units]
+        constants, version = steady.constants, steady.version
+        buffers = [steady.values[i] for i in steady.outputs]
+        outputs = dict(zip(names, buffers))
+        environ, fault_key = _ENVIRON, _STAGING_FAULT
+
+        def step() -> dict[str, Any] | None:
+            with lock:
+                if (
+                    self._steady is not steady
+                    or diag.ON
+                    or plan.constants is not constants
+                    or constants.version != version  # type: ignore[attr-defined]
+                    or fault_key in environ
+                ):
+                    return None
+                self.executions += 1
+                n = 0
+                try:
+                    for n, call in enumerate(calls):  # noqa: B007  (n: read on a raise)
+                        if call() is False:
+                            self._steady = None  # not OK (drifted, stale): the full path recaptures
+                            return None
+                except (KeyboardInterrupt, LifecycleError):
+                    raise
+                except BaseException as exc:  # noqa: BLE001  (as in _steady_step: the reference takes the unit)
+                    self._fail_unit(units[n], exc)
+                    return None
+                for c in counters:
+                    c.replays += 1
+            return outputs.copy()
+
+        return step, buffers
+
+    def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]]) -> list[Any]:
         constants = self.plan.constants
         if (
             _STAGING_FAULT in _ENVIRON  # the test switch, looked up without os.environ's key encoding
@@ -410,8 +454,6 @@ class PlanRuntime:
         except BaseException as exc:  # noqa: BLE001  (as in _frozen_step: the reference takes the unit)
             self._fail_unit(unit, exc)
             return self._frozen_step(feeds)
-        if not owned:  # a binding's step: the replay buffers themselves
-            return [values[i] for i in steady.outputs]
         # replay buffers: the caller gets copies
         out = []
         for i in steady.outputs:
@@ -851,6 +893,11 @@ def _owned(value: Any) -> Any:
         return [_owned(v) for v in value]
     copy = getattr(value, "copy", None)
     return copy() if callable(copy) else value
+
+
+def _replayed(compiled: Any, values: list[Any]) -> bool:
+    """Replay ``compiled`` on ``values``: whether it was OK (a binding's step of a unit without a replay call)."""
+    return compiled.replay(values) is ReplayStatus.OK
 
 
 class _Steady:
