@@ -824,7 +824,12 @@ def same_outputs(a: dict[str, Any], b: dict[str, Any]) -> str | None:
 
 
 class DSPTarget:
-    """dsp.compile(bytes); when it compiles, model.run and model.run_legacy on random feeds."""
+    """dsp.compile(bytes); when it compiles, model.run and model.run_legacy on random feeds.
+
+    ``FUZZ_RUNS`` (default 1): runs of ``model.run`` on the same feeds, each compared with
+    the legacy interpreter's outputs; with ``DSP_FREEZE_AFTER=1`` and 4 runs a plan freezes,
+    captures and replays, so a capturing mode (``DSP_MODE=numpy_replay``) is fuzzed too.
+    """
 
     def __init__(self) -> None:
         import numpy as np
@@ -836,6 +841,7 @@ class DSPTarget:
         self.expected: tuple[type[BaseException], ...] = (DSPError,)
         self.harness: tuple[type[BaseException], ...] = (FeedError,)
         self.stage = "compile"
+        self.runs = max(1, env_int("FUZZ_RUNS", 1))
 
     def __call__(self, data: bytes) -> str:
         self.stage = "compile"
@@ -846,14 +852,15 @@ class DSPTarget:
         except FeedError:
             return "compiled (no feeds)"
         self.stage = "run"
-        outs = model.run(feeds)
+        outs = [model.run(feeds) for _ in range(self.runs)]
         self.stage = "legacy"
         ref = model.run_legacy(feeds)
         self.stage = "compare"
         if not RANDOM_OPS.search(data):  # the bytes, so subgraphs count too
-            diff = same_outputs(outs, ref)
-            if diff is not None:
-                raise Mismatch(diff)
+            for k, got in enumerate(outs):
+                diff = same_outputs(got, ref)
+                if diff is not None:
+                    raise Mismatch(diff if self.runs == 1 else f"run {k + 1}: {diff}")
         return "ran"
 
 

@@ -193,3 +193,14 @@ def test_auto_leaves_it_out_by_default(monkeypatch: pytest.MonkeyPatch, mlp_grap
     model = dsp.compile(mlp_graph)
     model.run({"x": np.ones((2, 8), np.float32)})
     assert model.resolved_backends() == ["slot_by_slot"]
+
+
+def test_a_random_op_is_left_to_the_reference() -> None:
+    g = dsp.GraphBuilder("rnd")
+    x = g.placeholder("x", "float32", [4])
+    g.output(g.Add(g.RandomUniformLike(x, seed=3.0), x), "y")
+    model = dsp.compile(g.build(), mode="numpy_replay")
+    for _ in range(3):
+        assert model.run({"x": np.zeros(4, np.float32)})["y"].shape == (4,)
+    declines = [d for s in model.explain()["segments"] for d in s["declines"] if d["backend"] == "numpy_replay"]
+    assert any(d["op"] == "RandomUniformLike" and "random" in d["detail"] for d in declines), declines

@@ -77,6 +77,8 @@ class NumpyReplayBackend(Backend):
     contract = EmulatedReplayBackend.contract
 
     def _supports(self, slot: SlotView) -> Decline | None:
+        if slot.traits & Trait.RANDOM:  # its capture runs each kernel once more: a draw the reference never made
+            return Decline(DeclineReason.UNSUPPORTED_OP, f"{slot.op} draws random numbers: the reference runs it")
         if slot.traits & _NOT_FIXED:
             return Decline(
                 DeclineReason.DYNAMIC_SHAPE if not slot.traits & Trait.CONTROL_FLOW else DeclineReason.CONTROL_FLOW,
