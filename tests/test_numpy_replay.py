@@ -204,3 +204,20 @@ def test_a_random_op_is_left_to_the_reference() -> None:
         assert model.run({"x": np.zeros(4, np.float32)})["y"].shape == (4,)
     declines = [d for s in model.explain()["segments"] for d in s["declines"] if d["backend"] == "numpy_replay"]
     assert any(d["op"] == "RandomUniformLike" and "random" in d["detail"] for d in declines), declines
+
+
+def test_an_eager_unit_s_scalar_output_is_bridged_into_an_array() -> None:
+    """Found by fuzzing this mode's capture (``FUZZ_RUNS=4``, the HammingWindow node test with a
+    mutated value_info): a unit whose output broke its declared rank fell to the reference and
+    ran eagerly, and its 0-d output, a numpy scalar, fed an island. Its bridge buffer was that
+    scalar's copy, itself a scalar, and the next step's ``buf[...] = value`` raised TypeError."""
+    import os
+    import subprocess
+    import sys
+
+    case = FIXTURES / "fuzz" / "hammingwindow_scalar_gap_output_bridged_as_a_scalar.onnx"
+    env = {**os.environ, "DSP_MODE": "numpy_replay", "DSP_FREEZE_AFTER": "1", "FUZZ_RUNS": "4", "DSP_DISK_CACHE": "0"}
+    fuzz = Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
+    cmd = [sys.executable, str(fuzz), "--fail-on-mismatch", "--replay", str(case)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and ": ok ran" in done.stdout, done.stdout + done.stderr[-3000:]

@@ -752,7 +752,8 @@ class PlanRuntime:
                 continue
             buf = self.bridges.get(o)
             if buf is None or buf.shape != values[o].shape or buf.dtype != values[o].dtype:
-                buf = values[o].copy()
+                # a numpy scalar's copy is a scalar, which the next step could not write into: a 0-d array
+                buf = np.array(values[o]) if isinstance(values[o], np.generic) else values[o].copy()
                 self.bridges[o] = buf
             else:
                 buf[...] = values[o]
