@@ -447,7 +447,8 @@ def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
 
 # -- the measured auction ---------------------------------------------------------------
 # Where more than one available backend (the reference aside: it is the fallback that
-# takes whatever nobody else does) takes every slot of a segment, the chain's order
+# takes whatever nobody else does; but it bids against a backend that only runs its own
+# kernels faster, numpy_replay) takes every slot of a segment, the chain's order
 # alone does not say which is faster on this machine, for these shapes. At freeze, each
 # candidate runs the segment on the step's real inputs: a capturing one warm -> prepare ->
 # capture, and one untimed replay (what only a first run pays); an eager one runs once.
@@ -483,7 +484,8 @@ class Trial:
 
 
 def contenders(plan: Plan, result: Partition, k: int) -> list[Backend]:
-    """The available backends of the chain, the reference aside, that take all of segment ``k`` (chain order)."""
+    """The available backends of the chain, the reference aside, that take all of segment ``k`` (chain order);
+    and the reference, where one of them is ``timed_against_reference``."""
     seg = result.segments[k]
     faulty = {f.backend for f in result.faults if set(f.slots) & set(seg.slots)}
     found: list[Backend] = []
@@ -502,6 +504,11 @@ def contenders(plan: Plan, result: Partition, k: int) -> list[Backend]:
             if backend.segment_decline(seg, plan) is not None:
                 continue
         found.append(backend)
+    # A bidder that runs the reference's kernels another way is timed against the reference
+    # itself, which comes just before it, so a tie leaves the segment on the reference.
+    first = next((j for j, b in enumerate(found) if b.timed_against_reference), None)
+    if first is not None and result.reference is not None and available(result.reference):
+        found.insert(first, result.reference)
     return found
 
 

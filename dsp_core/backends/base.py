@@ -225,6 +225,10 @@ class Backend:
     profile: ClassVar[CaptureProfile] = CaptureProfile()
     # True for backends that capture and replay (their segments go through the lifecycle).
     captures: ClassVar[bool] = False
+    # True for a backend that runs the reference's own kernels another way (numpy_replay): its
+    # only claim is speed, so the measured auction times the reference against it too, and the
+    # reference keeps a segment it runs as fast (dsp_core/backends/auction.py, contenders()).
+    timed_against_reference: ClassVar[bool] = False
     # Set by discovery: which distribution registered this backend, and its version.
     distribution: str = "unknown"
     version: str = "unknown"

@@ -74,6 +74,7 @@ class NumpyReplayBackend(Backend):
     mode = GraphExecutionMode.NUMPY_REPLAY
     platform = "cpu"
     captures = True
+    timed_against_reference = True  # its kernels are the reference's: it keeps a segment only by being faster
     contract = EmulatedReplayBackend.contract
 
     def _supports(self, slot: SlotView) -> Decline | None:
