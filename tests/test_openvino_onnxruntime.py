@@ -6,6 +6,7 @@ are let in, and every answer is compared with the slot-by-slot reference.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -437,3 +438,53 @@ def test_a_shared_model_is_offered_only_with_equal_sealed_values_and_while_held(
     del held
     gc.collect()
     assert whole._find_shared(key, {7: np.arange(4.0)}) is None and key not in whole._SHARED
+
+
+_WARM_LLAMA = """
+import sys
+import numpy as np
+sys.path.insert(0, {bench!r})
+import cpu_race, dsp_core as dsp
+path, feeds = cpu_race.MODELS["llama_decode"][1](8)
+want = dsp.compile(path, mode="slot_by_slot").run(feeds)
+model = dsp.compile(path, mode="openvino")
+for _ in range(4):
+    got = model.run({{k: v for k, v in feeds.items() if k in model.input_names}})
+print(max(float(np.max(np.abs(got[k] - want[k]))) for k in want))
+"""
+
+
+def test_a_warm_openvino_cache_never_serves_other_outputs_than_a_fresh_compile(tmp_path: Path) -> None:
+    """OpenVINO 2026.4 imported the Llama fixture's decode-step model from its CACHE_DIR into a
+    compiled model that computed other outputs (max abs diff 11.8) in every process after the
+    first. Each process here is a new one over one DSP cache: the second and third must give
+    the reference's outputs too (the blob fails its probe, the model is compiled afresh)."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    env = {**os.environ, "DSP_CACHE_DIR": str(tmp_path / "cache"), "DSP_CPU_THREADS": "1"}
+    for _ in range(3):
+        cmd = [sys.executable, "-c", _WARM_LLAMA.format(bench=bench)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert float(done.stdout.split()[-1]) < 1e-4, done.stdout + done.stderr[-2000:]
+
+
+def test_a_cached_blob_that_fails_its_probe_is_compiled_afresh_and_not_cached_again(
+    cpu_runtimes: None, mlp_graph: dsp.Graph, tmp_path: Path
+) -> None:
+    from dsp_openvino import segment
+
+    model = dsp.compile(mlp_graph, mode="openvino")
+    x = np.random.default_rng(2).standard_normal((2, 8)).astype(np.float32)
+    for _ in range(4):
+        want = model.run({"x": x})["y"]
+    probes = list((tmp_path / "cache").rglob(segment._PROBE))
+    assert probes, "no probe digest kept beside the blob"
+    for probe in probes:  # as if the blob computed something else than the fresh compile did
+        probe.write_text("0" * 32)
+    del model  # nothing holds its compiled model: the next plan compiles (from OpenVINO's cache)
+    gc.collect()
+    again = dsp.compile(mlp_graph, mode="openvino", force_recompile=True)
+    for _ in range(4):
+        got = again.run({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert list((tmp_path / "cache").rglob(segment._NO_CACHE)), "the failing model is not marked"

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +25,73 @@ from dsp_openvino.plugin import compile_config, core
 # dict) on a replay, whose tensors are already set.
 _RAW_INFER = _pyopenvino.InferRequest.infer
 _NO_INPUTS: dict[Any, Any] = {}
+
+log = logging.getLogger("dsp.openvino")
+
+# A blob OpenVINO loads from its CACHE_DIR is checked before use: a probe inference (fixed
+# pseudo-random inputs of the model's shapes) must give the bits the fresh compile gave, kept
+# beside the blob. OpenVINO 2026.4's import of the Llama fixture's decode-step model computed
+# other outputs than its fresh compile (max abs diff 11.8, at times uninitialised memory), in
+# every process after the first: a warm cache served wrong results. A model whose blob fails
+# the probe is compiled afresh, and never cached again (its folder holds only a marker).
+_PROBE = "dsp-probe.digest"
+_NO_CACHE = "dsp-no-cache"
+
+
+def _probe(compiled: Any) -> str | None:
+    """A digest of ``compiled``'s outputs on fixed inputs of its shapes (None: a shape is not static)."""
+    rng = np.random.default_rng(0)
+    inputs = {}
+    for port in compiled.inputs:
+        if port.get_partial_shape().is_dynamic:
+            return None
+        shape = list(port.get_partial_shape().to_shape())
+        dtype = np.dtype(port.get_element_type().to_dtype())
+        if dtype.kind == "f":
+            inputs[port] = rng.standard_normal(shape).astype(dtype)
+        else:  # indices, positions, masks: small values every op takes
+            inputs[port] = rng.integers(0, 2, shape).astype(dtype)
+    results = compiled.create_infer_request().infer(inputs)
+    digest = hashlib.blake2b(digest_size=16)
+    for port in compiled.outputs:
+        digest.update(np.ascontiguousarray(results[port]).tobytes())
+    return digest.hexdigest()
+
+
+def compile_checked(ov_model: Any, model: bytes) -> Any:
+    """``ov_model`` compiled for the CPU with DSP's settings; through OpenVINO's model cache, in a
+    folder of its own (named by the model's bytes and the settings), when a probe says the cached
+    blob computes what a fresh compile computes."""
+    settings = compile_config()
+    root = settings.pop("CACHE_DIR", None)
+    if root is None:
+        return core().compile_model(ov_model, "CPU", settings)
+    tag = f"{ov.__version__}|{sorted(settings.items())}".encode()
+    folder = Path(root) / hashlib.blake2b(model + tag, digest_size=16).hexdigest()
+    if (folder / _NO_CACHE).exists():
+        return core().compile_model(ov_model, "CPU", settings)
+    compiled = core().compile_model(ov_model, "CPU", {**settings, "CACHE_DIR": str(folder)})
+    try:
+        digest = _probe(compiled)
+        loaded = bool(compiled.get_property("LOADED_FROM_CACHE"))
+    except Exception as exc:  # noqa: BLE001  (a probe the model does not take: no cache for it)
+        digest, loaded, why = None, True, f"its probe failed ({type(exc).__name__}: {exc})"
+    else:
+        why = "its shapes are not static (no probe)"
+    kept = folder / _PROBE
+    if digest is not None and not loaded:
+        kept.write_text(digest)  # the fresh compile's outputs: what a blob must reproduce
+        return compiled
+    if digest is not None and kept.is_file() and kept.read_text() == digest:
+        return compiled
+    fresh = core().compile_model(ov_model, "CPU", settings)
+    if digest is not None:
+        why = "OpenVINO's cached blob computed other outputs than a fresh compile"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / _NO_CACHE).write_text(why + "\n")
+    log.warning("DSP openvino: %s; this model is compiled afresh from now on (%s)", why, folder)
+    return fresh
 
 
 class Compiled:
@@ -51,7 +122,7 @@ class OpenVinoSegment(WholeSegment):
         ]
         if missing:
             raise BackendError(f"OpenVINO's CPU plugin does not take {', '.join(missing[:4])} (Core.query_model)")
-        return Compiled(core().compile_model(ov_model, "CPU", compile_config()), self._in_names, self._out_names)
+        return Compiled(compile_checked(ov_model, model), self._in_names, self._out_names)
 
     def _share(self, compiled: Any) -> Any:
         # the compiled model is shared; its infer request (bound tensors) is this segment's own
