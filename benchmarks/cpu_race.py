@@ -356,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the exported GPT-2 124M (.fixture-venv/bin/python benchmarks/export_gpt2_124m.py) for the decode race",
     )
+    parser.add_argument(
+        "--decode-rounds", type=int, default=DECODE_ROUNDS, help="GPT-2 124M decode: rounds of DSP against the loop"
+    )
     parser.add_argument("--overhead", action="store_true", help="only DSP's per-call overhead on the 3-node MLP")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -366,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         rows = run_one(args.threads[0], args.only, args.batches, args.runs) if args.only else []
         if args.gpt2_124m is not None:
-            rows.append(decode_race(args.gpt2_124m, args.threads[0]))
+            rows.append(decode_race(args.gpt2_124m, args.threads[0], rounds=args.decode_rounds))
             print(json.dumps(rows[-1]), flush=True)
         print("ROWS=" + json.dumps(rows))
         return 0
@@ -386,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--child", "--threads", str(threads), "--runs", str(args.runs)]
             cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
             if args.gpt2_124m is not None:
-                cmd += ["--gpt2-124m", str(args.gpt2_124m)]
+                cmd += ["--gpt2-124m", str(args.gpt2_124m), "--decode-rounds", str(args.decode_rounds)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stderr.write(done.stderr[-3000:])
         line = next((x for x in done.stdout.splitlines() if x.startswith("ROWS=")), None)
