@@ -38,13 +38,11 @@ _PROBE = "dsp-probe.digest"
 _NO_CACHE = "dsp-no-cache"
 
 
-def _probe(compiled: Any) -> str | None:
-    """A digest of ``compiled``'s outputs on fixed inputs of its shapes (None: a shape is not static)."""
+def _probe(compiled: Any) -> str:
+    """A digest of ``compiled``'s outputs on fixed inputs of its (static) shapes."""
     rng = np.random.default_rng(0)
     inputs = {}
     for port in compiled.inputs:
-        if port.get_partial_shape().is_dynamic:
-            return None
         shape = list(port.get_partial_shape().to_shape())
         dtype = np.dtype(port.get_element_type().to_dtype())
         if dtype.kind == "f":
@@ -61,32 +59,30 @@ def _probe(compiled: Any) -> str | None:
 def compile_checked(ov_model: Any, model: bytes) -> Any:
     """``ov_model`` compiled for the CPU with DSP's settings; through OpenVINO's model cache, in a
     folder of its own (named by the model's bytes and the settings), when a probe says the cached
-    blob computes what a fresh compile computes."""
+    blob computes what a fresh compile computes. A model with a dynamic shape cannot be probed,
+    so it is not cached."""
     settings = compile_config()
     root = settings.pop("CACHE_DIR", None)
-    if root is None:
+    if root is None or any(p.get_partial_shape().is_dynamic for p in ov_model.inputs):
         return core().compile_model(ov_model, "CPU", settings)
     tag = f"{ov.__version__}|{sorted(settings.items())}".encode()
     folder = Path(root) / hashlib.blake2b(model + tag, digest_size=16).hexdigest()
     if (folder / _NO_CACHE).exists():
         return core().compile_model(ov_model, "CPU", settings)
     compiled = core().compile_model(ov_model, "CPU", {**settings, "CACHE_DIR": str(folder)})
+    kept = folder / _PROBE
     try:
         digest = _probe(compiled)
-        loaded = bool(compiled.get_property("LOADED_FROM_CACHE"))
     except Exception as exc:  # noqa: BLE001  (a probe the model does not take: no cache for it)
-        digest, loaded, why = None, True, f"its probe failed ({type(exc).__name__}: {exc})"
+        why = f"its probe failed ({type(exc).__name__}: {exc})"
     else:
-        why = "its shapes are not static (no probe)"
-    kept = folder / _PROBE
-    if digest is not None and not loaded:
-        kept.write_text(digest)  # the fresh compile's outputs: what a blob must reproduce
-        return compiled
-    if digest is not None and kept.is_file() and kept.read_text() == digest:
-        return compiled
-    fresh = core().compile_model(ov_model, "CPU", settings)
-    if digest is not None:
+        if not compiled.get_property("LOADED_FROM_CACHE"):
+            kept.write_text(digest)  # the fresh compile's outputs: what a blob must reproduce
+            return compiled
+        if kept.is_file() and kept.read_text() == digest:
+            return compiled
         why = "OpenVINO's cached blob computed other outputs than a fresh compile"
+    fresh = core().compile_model(ov_model, "CPU", settings)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / _NO_CACHE).write_text(why + "\n")
