@@ -111,16 +111,20 @@ class EmulatedSegment(SlotBySlotSegment):
         for i, array in self._recorded_inputs.items():
             if values[i] is not array:
                 return ReplayStatus.STALE_BUFFER
-        for kernel, args, out_bufs, single in self._recording:
-            result = kernel(*args)
-            for buf, r in zip(out_bufs, (result,) if single else result):
-                if buf is not None:
-                    np.copyto(buf, r, casting="no")
+        self._run_recording()
         for o in self._produced:
             values[o] = self._buffers[o]
         for o, array in self._alias_arrays.items():
             values[o] = array
         return ReplayStatus.OK
+
+    def _run_recording(self) -> None:
+        """Run the recorded steps, each result copied into its fixed buffer."""
+        for kernel, args, out_bufs, single in self._recording:
+            result = kernel(*args)
+            for buf, r in zip(out_bufs, (result,) if single else result):
+                if buf is not None:
+                    np.copyto(buf, r, casting="no")
 
     def _release(self) -> None:
         self._buffers.clear()

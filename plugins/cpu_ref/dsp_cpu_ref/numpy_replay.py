@@ -5,12 +5,12 @@ with the input arrays baked in), made fast for the steady replay: ``capture`` tu
 recording into straight-line code whose every argument is a bound name::
 
     def replay():
-        f0(a0_0, a0_1, out=o0)          # np.matmul(x, w1, out=h): written in place
-        f1(a1_0, out=o1)                # np.maximum(h, 0, out=r)
-        copyto(o2, k2(a2_0), casting="no")  # a kernel without an in-place form: copied once
+        f0(a0_0, a0_1, o0)                  # np.dot(x, w1, h): written in place
+        f1(a1_0, c1_0, out=o1)              # np.maximum(h, 0, out=r)
+        copyto(o2, k2(a2_0), casting='no')  # a kernel without an in-place form: copied once
 
-No dict, no list of values, no per-step lookup. A step runs in place (``out=``) when its
-kernel has a form that writes a given buffer (a bare numpy ufunc, MatMul, Relu: ``INTO``)
+No dict, no list of values, no per-step lookup. A step runs in place when its kernel has a
+form that writes a given buffer (a bare numpy ufunc, MatMul, Relu: ``into_form``)
 and that form's result, computed at capture on the real inputs, is bit-equal to the
 reference kernel's: the replay is the reference, bit for bit, with fewer allocations.
 Every other step calls its reference kernel and copies the result into its buffer.
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from dsp_core.backends.base import Backend, CaptureFailed, ReplayStatus
+from dsp_core.backends.base import Backend, CaptureFailed
 from dsp_core.plan.plan import Plan, Segment
 from dsp_cpu_ref.emulated import EmulatedSegment, Recorded
 
@@ -169,17 +169,9 @@ class NumpyReplaySegment(EmulatedSegment):
         np.copyto(buf, expected, casting="no")
         return None
 
-    def _replay(self, values: list[Any]) -> ReplayStatus:
-        for i, array in self._recorded_inputs.items():
-            if values[i] is not array:
-                return ReplayStatus.STALE_BUFFER
+    def _run_recording(self) -> None:
         assert self._fast is not None
         self._fast()
-        for o in self._produced:
-            values[o] = self._buffers[o]
-        for o, array in self._alias_arrays.items():
-            values[o] = array
-        return ReplayStatus.OK
 
     def _replay_call(self, values: list[Any]) -> Callable[[], Any] | None:
         # The steady replay: the inputs are the ones baked in (nothing can move there) and the
