@@ -152,7 +152,7 @@ OPTIONS: tuple[Option, ...] = (
         "openvino,onnxruntime,numpy_replay",
         "Backends AUTO leaves out, a comma list of names; a mode named explicitly still runs. Default: the native "
         "CPU runtimes, which crash or disagree on malformed models, and numpy_replay, which keeps a buffer for every "
-        "value of its segments and has not been through the hostile-model fuzzing the reference has "
+        "value of its segments and costs a timed trial against the reference at each freeze "
         "(docs/cpu-backends.md); `none` lets AUTO use all three on models you trust.",
     ),
     Option(
