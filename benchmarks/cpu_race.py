@@ -6,9 +6,9 @@ backend named (openvino, onnxruntime, numpy_replay, slot_by_slot), ONNX Runtime 
 and OpenVINO with shared inputs; each as a ratio to the best peer (the faster of ONNX
 Runtime and OpenVINO), and each one's max abs difference from ONNX Runtime's outputs.
 Each thread count runs in its own process (BLAS, ONNX Runtime and OpenVINO all read
-their thread settings once). A model's contenders are timed interleaved: three rounds, each
-timing every contender in turn (the order rotating), each figure its best round's median, so
-a noisy moment of the shared machine falls on all of them.
+their thread settings once). A model's contenders are timed interleaved, in turns of about
+a millisecond going round them for about 3 s each (at least ``--runs`` calls), each figure
+the median of all its calls, so a noisy moment of the shared machine falls on all of them.
 
     python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
@@ -92,29 +92,41 @@ MODELS: dict[str, tuple[str, Callable[[int], tuple[Any, dict[str, np.ndarray]]]]
 
 
 # -- timing -------------------------------------------------------------------------------
-def _interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0, rounds: int = 3) -> dict:
-    """Each contender's best of ``rounds`` medians (a shared machine's noise only adds time), the
-    contenders timed in turn within each round (their order rotating), so a noisy moment falls on
-    all of them, not on whichever ran then; about ``budget_s`` each in all."""
-    counts: dict[str, int] = {}
+def _interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0) -> dict:
+    """Each contender's median call, the contenders timed in short alternating turns.
+
+    A turn is about a millisecond of one contender's calls (one call where a call is longer);
+    turns go round the contenders (the order rotating each cycle) until each has had about
+    ``budget_s`` of calls, and at least ``runs``. So every contender is sampled across the
+    whole window, in step with the others: a noisy moment of the shared machine falls on all
+    of them alike, and the ratios hold where timing a contender's calls in one block (as this
+    race did before, the best of three blocks of 30) moved a ratio by several per cent.
+    Returns name -> {"us": median, "runs": calls timed}.
+    """
+    once: dict[str, float] = {}
     for name, step in steps.items():
         for _ in range(3):
             step()
         start = time.perf_counter()
         step()
-        once = time.perf_counter() - start
-        counts[name] = max(5, min(runs, int(budget_s / rounds / max(once, 1e-9))))
-    best = {name: float("inf") for name in steps}
-    names = list(steps)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            step, times = steps[name], []
-            for _ in range(counts[name]):
-                t = time.perf_counter()
+        once[name] = max(time.perf_counter() - start, 1e-7)
+    turn = {name: max(1, min(64, int(1e-3 / t))) for name, t in once.items()}
+    wanted = {name: max(runs, int(budget_s / t)) for name, t in once.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names, cycle = list(steps), 0
+    clock = time.perf_counter
+    while any(len(times[n]) < wanted[n] for n in names):
+        order = names[cycle % len(names) :] + names[: cycle % len(names)]
+        cycle += 1
+        for name in order:
+            if len(times[name]) >= wanted[name]:
+                continue
+            step, got = steps[name], times[name]
+            for _ in range(turn[name]):
+                t = clock()
                 step()
-                times.append(time.perf_counter() - t)
-            best[name] = min(best[name], float(np.median(times)))
-    return {name: value * 1e6 for name, value in best.items()}
+                got.append(clock() - t)
+    return {name: {"us": float(np.median(t)) * 1e6, "runs": len(t)} for name, t in times.items()}
 
 
 def _ort_session(path: Path, threads: int) -> Any:
@@ -217,8 +229,8 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
                 row["dsp_auto_bound"], steps["dsp_auto_bound"] = _dsp_bound(Path(path), feeds, names, want)
             except Exception as exc:  # noqa: BLE001
                 row["dsp_auto_bound"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-            for name, us in _interleaved_us(steps, runs).items():
-                row[name]["us"] = us
+            for name, timed in _interleaved_us(steps, runs).items():
+                row[name].update(timed)
             best = min(row["ort_run"]["us"], row["ort_iobinding"]["us"], row["openvino_direct"]["us"])
             for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES), "dsp_auto_bound"):
                 if "us" in row[k]:

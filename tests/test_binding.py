@@ -21,6 +21,7 @@ import dsp_core as dsp
 from dsp_core.backends.base import Registry
 from dsp_core.backends.modes import GraphExecutionMode as M
 from dsp_core.errors import DSPError, InputError
+from dsp_core.plan.plan import ConstantTable
 from dsp_core.runtime.model import CompiledModel
 from dsp_core.runtime.plan_runtime import PlanRuntime
 
@@ -150,7 +151,8 @@ def test_diagnostics_on_take_the_full_path(mlp_graph: dsp.Graph) -> None:
         diag.disable()
     np.testing.assert_allclose(got, mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
     assert runtime.staging.copies == copies  # the full path too skips a feed that is its buffer
-    assert binding.run()["y"] is not got  # bound again once diagnostics are off
+    assert binding.bound  # bound again once diagnostics are off
+    assert binding.run()["y"] is binding.run()["y"]  # the plan's own buffer, not copies
 
 
 def test_a_replaced_weight_is_still_refused_through_a_binding(mlp_graph: dsp.Graph) -> None:
@@ -167,6 +169,40 @@ def test_a_replaced_weight_is_still_refused_through_a_binding(mlp_graph: dsp.Gra
     x = x_of(2)
     binding.inputs["x"][...] = x
     np.testing.assert_allclose(binding.run()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_replaced_constants_table_is_refused_through_a_binding(mlp_graph: dsp.Graph) -> None:
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    binding = model.bind({"x": x_of(2)})
+    plan = model.plan()
+    assert plan is not None and binding.bound
+    key = next(k for k in plan.constants if plan.externals[k].name == "w2")
+    table = plan.constants
+    plan.constants = ConstantTable({**table, key: table[key] * 2})  # the whole table, not an entry
+    with pytest.raises(DSPError, match="constant 'w2' was replaced after the plan froze"):
+        binding.run()
+
+
+def test_an_event_elsewhere_costs_a_binding_one_full_path(mlp_graph: dsp.Graph) -> None:
+    """A bound step checks a process-wide count of invalidating events (dsp_core.runtime.epoch):
+    a weight replaced in another model sends this binding down the full path once (owned copies,
+    correct), and it is bound again after."""
+    model, other = dsp.compile(mlp_graph, mode="onnxruntime"), dsp.compile(mlp_graph, mode="slot_by_slot")
+    other.run({"x": x_of(2)})
+    binding = model.bind({"x": x_of(2)})
+    buffer = binding.run()["y"]
+    assert binding.run()["y"] is buffer  # bound: the plan's own buffer, step after step
+    plan = other.plan()
+    assert plan is not None
+    key = next(iter(plan.constants))
+    plan.constants[key] = plan.constants[key]  # a change to the other plan's table (the same array)
+    x = x_of(2)
+    binding.inputs["x"][...] = x
+    first = binding.run()["y"]
+    assert first is not buffer  # the full path's owned copy
+    np.testing.assert_allclose(first, mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    assert binding.bound
+    assert binding.run()["y"] is buffer  # bound again
 
 
 def test_a_device_staged_input_is_bound_without_its_fill(mlp_graph: dsp.Graph) -> None:

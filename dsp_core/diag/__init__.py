@@ -38,6 +38,7 @@ from dsp_core.diag.events import (
     parse_level,
 )
 from dsp_core.diag.recorder import Recorder, TerminalRecord
+from dsp_core.runtime import epoch
 
 FORMAT = "dsp-diag/1"
 
@@ -119,6 +120,7 @@ def _refresh_flags() -> None:
     global ON, TIMED
     ON = any(_levels)
     TIMED = _levels[Category.TIMING] >= Level.FULL
+    epoch.bump()  # a bound step (IO binding) checks no flag: diagnostics on, it must take the full path
 
 
 # -- emission ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core.ops.registry import Trait
+from dsp_core.runtime import epoch
 
 Dim = int | str | None
 
@@ -93,6 +94,7 @@ class ConstantTable(dict[int, np.ndarray]):
 
     def _changed(self) -> None:
         self.version += 1
+        epoch.bump()  # a bound step (IO binding) compares the process's epoch, not this count
 
     def __setitem__(self, key: int, value: np.ndarray) -> None:
         self._changed()
@@ -160,7 +162,12 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.constants, ConstantTable):
-            self.constants = ConstantTable(self.constants)
+            object.__setattr__(self, "constants", ConstantTable(self.constants))  # its first table
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "constants" and "constants" in self.__dict__:
+            epoch.bump()  # a table replaced: no bound step (IO binding) may replay on the old one's weights
+        object.__setattr__(self, name, value)
 
     def digest_of(self, k: int) -> bytes:
         """The digest of constant ``k`` (computed on first use)."""

@@ -58,7 +58,6 @@ class Binding:
             if live is not None and live.runtime is not None and live.runtime._steady is not None:
                 break
         self._step: Callable[[], dict[str, Any] | None] | None = None
-        self._on_device = False  # an output is a device array that run() hands over as numpy
         self._pin: weakref.finalize | None = None
         self._runtime: PlanRuntime | None = None
         self._buffers: list[tuple[int, Any]] = []
@@ -83,33 +82,50 @@ class Binding:
             self.inputs = {name: _owned(value) for name, value in feeds.items()}
 
     def _refresh(self) -> None:
-        """Take the runtime's current steady program as this binding's step (None: there is none)."""
+        """Take the runtime's current steady program as this binding's ``run`` (none: the full path)."""
         runtime = self._runtime
-        made = runtime.bound_step(self._names) if runtime is not None and self._pin is not None else None
+        made = None
+        if runtime is not None and self._pin is not None:
+            ref = weakref.ref(self)  # the step keeps no strong reference: dropping the binding unpins
+            full = lambda: Binding._full_run(ref())  # type: ignore[arg-type]  # noqa: E731
+            made = runtime.bound_step(self._names, full)
+            if made is not None and any(b.__class__ is not np.ndarray for b in made[1]):
+                made = runtime.bound_step(self._names, full, _handed_over(self._model))
         if made is not None and runtime is not None:
             buffers = runtime.staging.buffers
             if any(buffers.get(f) is not buf for f, buf in self._buffers):
                 made = None  # the staging buffers were replaced: the caller's arrays are not the plan's
-        self._step = made[0] if made is not None else None
-        self._on_device = made is not None and any(r.__class__ is not np.ndarray for r in made[1])
+        if made is None:
+            self._step = None
+            self.__dict__.pop("run", None)  # the class's run: the full path
+            return
+        self._step = made[0]
+        # The instance's ``run`` is the step itself: one call, no method frame in between.
+        self.__dict__["run"] = made[0]
 
     @property
     def bound(self) -> bool:
         """True while ``run`` replays the plan's steady program on ``inputs`` without copies."""
+        if self._step is None and self._pin is not None and self._pin.alive:
+            self._refresh()
         return self._step is not None
 
     def run(self) -> dict[str, Any]:
         """One step on ``inputs``: output name -> array. Without copies while the plan replays
         its steady program (the arrays are the plan's buffers, overwritten by its next step);
-        otherwise the full path's owned copies."""
-        step = self._step
-        if step is not None:
-            results = step()
-            if results is not None:
-                if self._on_device:  # device arrays handed over as numpy unless outputs_on_device
-                    on_device = self._model.outputs_on_device
-                    return {k: r if r.__class__ is np.ndarray else _as_output(r, on_device) for k, r in results.items()}
-                return results
+        otherwise the full path's owned copies.
+
+        While bound, ``binding.run`` is the plan's bound step itself (``PlanRuntime.bound_step``),
+        which falls back to this full path when the plan left its steady program."""
+        if self._pin is not None and self._pin.alive:
+            self._refresh()  # a steady program again (diagnostics turned off since): bound from this step
+            step = self.__dict__.get("run")
+            if step is not None:
+                result: dict[str, Any] = step()
+                return result
+        return self._full_run()
+
+    def _full_run(self) -> dict[str, Any]:
         out = self._model.run(self.inputs)
         if self._pin is not None and self._pin.alive:
             self._refresh()  # a steady program again (recaptured, a constant restored) on the same buffers
@@ -118,6 +134,7 @@ class Binding:
     def close(self) -> None:
         """Unpin the plan (it may be evicted again); ``run`` then takes the full path, with copies."""
         self._step = None
+        self.__dict__.pop("run", None)
         if self._pin is not None:
             self._pin()
 
@@ -126,3 +143,14 @@ class Binding:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _handed_over(model: CompiledModel) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A bound step's outputs as ``run`` returns them: device arrays as numpy unless the model
+    keeps outputs on the device (``outputs_on_device``)."""
+
+    def convert(results: dict[str, Any]) -> dict[str, Any]:
+        on_device = model.outputs_on_device
+        return {k: r if r.__class__ is np.ndarray else _as_output(r, on_device) for k, r in results.items()}
+
+    return convert

@@ -45,6 +45,7 @@ from dsp_core.errors import DSPError
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.plan import ConstantTable, ExternalClass, Plan, Segment
+from dsp_core.runtime.epoch import EPOCH
 from dsp_core.runtime.islands import Gap, after_failure, check_capture_fault, remember_gap
 from dsp_core.runtime.lifecycle import (
     PLAN_TRANSITIONS,
@@ -365,60 +366,102 @@ class PlanRuntime:
     # raise, an injected staging fault) leaves this path for good and runs the step again
     # on the full one, which handles it. Measured per call on the 3-node MLP:
     # benchmarks/cpu_overhead.py, docs/cpu-backends.md.
-    def bound_step(self, names: tuple[str, ...]) -> tuple[Callable[[], dict[str, Any] | None], list[Any]] | None:
-        """The step of a binding (``CompiledModel.bind``) and the output buffers it returns, or
-        None when the plan has no steady program now.
+    def bound_step(
+        self,
+        names: tuple[str, ...],
+        full: Callable[[], dict[str, Any]],
+        convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> tuple[Callable[[], dict[str, Any]], list[Any]] | None:
+        """The run of a binding (``CompiledModel.bind``) and the output buffers it returns, or
+        None when the plan has no steady program now (or diagnostics are on).
 
         The binding's inputs are the staging buffers themselves, written in place by the
         caller, and the steady program's replay buffers are the same arrays step after step:
-        so the step is only the checks that the program is still current (the plan still
-        replays it, diagnostics off, no constant replaced, no staging fault asked for) and
-        the units' replay calls, under the runtime's lock. It returns ``names`` -> the replay
-        buffers (a new dict each step; the arrays valid until the plan's next step), or None
-        without running anything when a check fails: the caller then takes the full path. A
-        unit that raises goes to the reference (as in the steady step) and the step answers
-        None, so the full path runs it again.
+        so a step is only the check that the program is still current and the units' replay
+        calls, under the runtime's lock. It returns ``names`` -> the replay buffers (a new
+        dict each step, through ``convert`` where given; the arrays valid until the plan's
+        next step). Where the check fails it runs nothing and returns ``full()``, the full
+        path. A unit that raises goes to the reference (as in the steady step) and the full
+        path runs the step again.
+
+        The check is two comparisons: the plan still replays this program (it is not evicted,
+        recaptured or failed), and no process-wide event happened since the step was made
+        (diagnostics turned on, a constant replaced: ``dsp_core.runtime.epoch``). The step
+        stages nothing, so an injected staging fault has nothing to fail here. Each object a
+        step touches after a large call is a cache miss, so the step touches few: a 45 µs
+        CNN replayed through ONNX Runtime paid 1.3 µs above the bare call when the step
+        looked up five flags and counters in a loop, ~0.5 µs now (``docs/lifecycle.md``).
         """
         steady = self._steady
-        if steady is None:
+        if steady is None or diag.ON:
             return None
-        lock, plan = self.lock, self.plan
+        lock = self.lock
         units = [u for u, _ in steady.units]
         # a unit without a replay call replays through ``replay``: False when it was not OK
         calls = [call or functools.partial(_replayed, u.compiled, steady.values) for u, call in steady.units]
         counters = [u.counters for u in units]
-        constants, version = steady.constants, steady.version
         buffers = [steady.values[i] for i in steady.outputs]
         outputs = dict(zip(names, buffers))
-        environ, fault_key = _ENVIRON, _STAGING_FAULT
+        cell, epoch = EPOCH, EPOCH[0]
 
-        def step() -> dict[str, Any] | None:
+        def failed(n: int, exc: BaseException | None) -> None:
+            """Unit ``n``'s replay was not OK (``exc`` None) or raised: the full path takes over."""
+            if exc is None:
+                self._steady = None  # drifted, stale: the full path recaptures
+            else:
+                self._fail_unit(units[n], exc)
+
+        if len(calls) == 1:  # the common case (one native call), without the loop
+            (call,), (counter,) = calls, counters
+
+            def step() -> dict[str, Any]:
+                with lock:
+                    ok = self._steady is steady and cell[0] == epoch
+                    if ok:
+                        try:
+                            ok = call() is not False
+                        except (KeyboardInterrupt, LifecycleError):
+                            raise
+                        except BaseException as exc:  # noqa: BLE001  (as in _steady_step)
+                            failed(0, exc)
+                            ok = False
+                        else:
+                            if ok:
+                                self.executions += 1
+                                counter.replays += 1
+                            else:
+                                failed(0, None)
+                if not ok:
+                    return full()
+                return outputs.copy() if convert is None else convert(outputs)
+
+            return step, buffers
+
+        def steps() -> dict[str, Any]:
             with lock:
-                if (
-                    self._steady is not steady
-                    or diag.ON
-                    or plan.constants is not constants
-                    or constants.version != version  # type: ignore[attr-defined]
-                    or fault_key in environ
-                ):
-                    return None
-                self.executions += 1
-                n = 0
-                try:
-                    for n, call in enumerate(calls):  # noqa: B007  (n: read on a raise)
-                        if call() is False:
-                            self._steady = None  # not OK (drifted, stale): the full path recaptures
-                            return None
-                except (KeyboardInterrupt, LifecycleError):
-                    raise
-                except BaseException as exc:  # noqa: BLE001  (as in _steady_step: the reference takes the unit)
-                    self._fail_unit(units[n], exc)
-                    return None
-                for c in counters:
-                    c.replays += 1
-            return outputs.copy()
+                ok = self._steady is steady and cell[0] == epoch
+                if ok:
+                    n = 0
+                    try:
+                        for n, call in enumerate(calls):  # noqa: B007  (n: read on a raise)
+                            if call() is False:
+                                failed(n, None)
+                                ok = False
+                                break
+                    except (KeyboardInterrupt, LifecycleError):
+                        raise
+                    except BaseException as exc:  # noqa: BLE001  (as in _steady_step)
+                        failed(n, exc)
+                        ok = False
+                    if ok:
+                        self.executions += 1
+                        for c in counters:
+                            c.replays += 1
+            if not ok:
+                return full()
+            return outputs.copy() if convert is None else convert(outputs)
 
-        return step, buffers
+        return steps, buffers
 
     def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]]) -> list[Any]:
         constants = self.plan.constants
