@@ -97,6 +97,26 @@ class AllocationTrace:
         return [Interval(s, a, e if e is not None else end) for s, a, e in zip(self.sizes, self.starts, self.ends)]
 
 
+def _free_callback(live: dict[int, tuple[int, Any]], trace: AllocationTrace) -> Any:
+    """The free callback of a TracingAllocator: records the free of a traced allocation.
+
+    An array outliving its warm-up is freed whenever it dies, at the latest when the
+    interpreter exits, after the modules and even the builtins are torn down: a callback
+    that then looks up a global or a builtin, or raises (and so has ``except`` look up the
+    exception class), crashes the process (SIGSEGV at exit on the H200, in a cold TRITON
+    pipeline's process). So it holds what it needs in its closure, never touches the
+    allocator object (whose attributes a garbage collector may have cleared), calls no
+    builtin and cannot raise: ``ptr`` comes as an int, ``pop`` has a default.
+    """
+
+    def free(ptr: int, *_device: Any) -> None:
+        entry = live.pop(ptr, None)
+        if entry is not None:
+            trace.free(entry[0])
+
+    return free
+
+
 class TracingAllocator:
     """A CuPy allocator (for ``cupy.cuda.using_allocator``) that records an AllocationTrace."""
 
@@ -104,25 +124,12 @@ class TracingAllocator:
         self.trace = AllocationTrace()
         self._pool = cupy.cuda.MemoryPool()  # private: the warm-up's memory goes back here
         self._live: dict[int, tuple[int, Any]] = {}
-        self.allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, self._free)
+        self.allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, _free_callback(self._live, self.trace))
 
     def _malloc(self, size: int, *_device: Any) -> int:
         mem = self._pool.malloc(size)
         self._live[int(mem.ptr)] = (self.trace.alloc(size), mem)
         return int(mem.ptr)
-
-    def _free(self, ptr: int, *_device: Any) -> None:
-        # An array outliving its warm-up can be freed after the garbage collector has cleared
-        # this object's attributes (the allocator and its bound methods form a cycle), or at
-        # interpreter exit, when even its ``__dict__`` is gone: then there is no trace left to
-        # record the free in, and a free callback must not raise (CuPy prints what it raises).
-        try:
-            live = self.__dict__.get("_live")
-            entry = live.pop(int(ptr), None) if live is not None else None
-            if entry is not None:
-                self.trace.free(entry[0])
-        except AttributeError:
-            return
 
     def close(self) -> None:
         """Give the warm-up's memory back (the arrays still alive keep theirs until they die)."""
