@@ -252,3 +252,26 @@ def test_a_declined_graph_binds_to_copies_on_the_legacy_interpreter(monkeypatch:
     assert not binding.bound and model.last_live is None
     binding.inputs["c"][...] = False
     np.testing.assert_array_equal(binding.run()["y"], [-1.0, -0.0])
+
+
+def test_a_step_kept_past_its_binding_says_so(mlp_graph: dsp.Graph) -> None:
+    """``binding.run`` is the bound step itself; kept past the binding's collection it still
+    replays, but where it would fall back to the full path it says the binding is gone."""
+    import gc
+
+    from dsp_core import diag
+
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    binding = model.bind({"x": x_of(2)})
+    step = binding.run
+    x = x_of(2)
+    binding.inputs["x"][...] = x
+    np.testing.assert_allclose(step()["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    del binding
+    gc.collect()
+    diag.enable("EXECUTE", "detailed")  # the step's check fails: it would take the full path
+    try:
+        with pytest.raises(InputError, match="this binding was collected"):
+            step()
+    finally:
+        diag.disable()

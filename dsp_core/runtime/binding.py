@@ -86,8 +86,7 @@ class Binding:
         runtime = self._runtime
         made = None
         if runtime is not None and self._pin is not None:
-            ref = weakref.ref(self)  # the step keeps no strong reference: dropping the binding unpins
-            full = lambda: Binding._full_run(ref())  # type: ignore[arg-type]  # noqa: E731
+            full = _full_path(weakref.ref(self))  # no strong reference: dropping the binding unpins
             made = runtime.bound_step(self._names, full)
             if made is not None and any(b.__class__ is not np.ndarray for b in made[1]):
                 made = runtime.bound_step(self._names, full, _handed_over(self._model))
@@ -154,3 +153,15 @@ def _handed_over(model: CompiledModel) -> Callable[[dict[str, Any]], dict[str, A
         return {k: r if r.__class__ is np.ndarray else _as_output(r, on_device) for k, r in results.items()}
 
     return convert
+
+
+def _full_path(ref: weakref.ref[Binding]) -> Callable[[], dict[str, Any]]:
+    """What a bound step runs when its program is not current: the binding's full path."""
+
+    def full() -> dict[str, Any]:
+        binding = ref()
+        if binding is None:  # a step kept (``f = binding.run``) past its binding's collection
+            raise InputError("this binding was collected: its step can no longer fall back to the full path")
+        return binding._full_run()
+
+    return full
