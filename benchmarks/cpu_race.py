@@ -7,8 +7,9 @@ and OpenVINO with shared inputs; each as a ratio to the best peer (the faster of
 Runtime and OpenVINO), and each one's max abs difference from ONNX Runtime's outputs.
 Each thread count runs in its own process (BLAS, ONNX Runtime and OpenVINO all read
 their thread settings once). A model's contenders are timed interleaved, in turns of about
-a millisecond going round them for about 3 s each (at least ``--runs`` calls), each figure
-the median of all its calls, so a noisy moment of the shared machine falls on all of them.
+20 ms going round them for about 3 s each (at least ``--runs`` calls; a short call's first
+in each turn not counted), each figure the median of its counted calls, so a noisy moment of
+the shared machine falls on all of them.
 
     python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
@@ -93,15 +94,19 @@ MODELS: dict[str, tuple[str, Callable[[int], tuple[Any, dict[str, np.ndarray]]]]
 
 # -- timing -------------------------------------------------------------------------------
 def _interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0) -> dict:
-    """Each contender's median call, the contenders timed in short alternating turns.
+    """Each contender's median call, the contenders timed in alternating turns.
 
-    A turn is about a millisecond of one contender's calls (one call where a call is longer);
-    turns go round the contenders (the order rotating each cycle) until each has had about
-    ``budget_s`` of calls, and at least ``runs``. So every contender is sampled across the
-    whole window, in step with the others: a noisy moment of the shared machine falls on all
-    of them alike, and the ratios hold where timing a contender's calls in one block (as this
-    race did before, the best of three blocks of 30) moved a ratio by several per cent.
-    Returns name -> {"us": median, "runs": calls timed}.
+    A turn is about 20 ms of one contender's calls (at least two); the first call of a turn is
+    not counted where calls are short (under 5 ms): it pays for the turn before it (caches
+    another model's, another runtime's thread pool still spinning at two threads). Turns go
+    round the contenders (the order rotating each cycle) until each has had about ``budget_s``
+    of counted calls, and at least ``runs``. So every contender is sampled across the whole
+    window, in step with the others: a noisy moment of the shared machine falls on all of them
+    alike, where timing each contender's calls in one block (the best of three blocks of 30, as
+    this race did before) moved a ratio by several per cent. Turns of one millisecond with every
+    call counted (tried first) measured the handover instead: at two threads every contender
+    after a spinning ONNX Runtime pool ran 1.5-14x slower.
+    Returns name -> {"us": median, "runs": calls counted}.
     """
     once: dict[str, float] = {}
     for name, step in steps.items():
@@ -110,7 +115,8 @@ def _interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: fl
         start = time.perf_counter()
         step()
         once[name] = max(time.perf_counter() - start, 1e-7)
-    turn = {name: max(1, min(64, int(1e-3 / t))) for name, t in once.items()}
+    turn = {name: max(2, min(512, int(20e-3 / t))) for name, t in once.items()}
+    skip = {name: 1 if t < 5e-3 else 0 for name, t in once.items()}
     wanted = {name: max(runs, int(budget_s / t)) for name, t in once.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     names, cycle = list(steps), 0
@@ -121,11 +127,12 @@ def _interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: fl
         for name in order:
             if len(times[name]) >= wanted[name]:
                 continue
-            step, got = steps[name], times[name]
-            for _ in range(turn[name]):
+            step, got, first = steps[name], times[name], skip[name]
+            for k in range(turn[name]):
                 t = clock()
                 step()
-                got.append(clock() - t)
+                if k >= first:
+                    got.append(clock() - t)
     return {name: {"us": float(np.median(t)) * 1e6, "runs": len(t)} for name, t in times.items()}
 
 
