@@ -6,6 +6,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,46 @@ def torch_flushed_us(body: Any, launches: int = 20, runs: int = 10) -> float:
         return float(begin.elapsed_time(end)) * 1000 / (runs * launches)
 
     return max(timed(True) - timed(False), 0.0)
+
+
+def interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0) -> dict:
+    """Each contender's median call, the contenders timed in alternating turns.
+
+    A turn is about 20 ms of one contender's calls (at least two); the first call of a turn is
+    not counted where calls are short (under 5 ms): it pays for the turn before it (caches
+    another model's, another runtime's thread pool still spinning at two threads). Turns go
+    round the contenders (the order rotating each cycle) until each has had about ``budget_s``
+    of counted calls, and at least ``runs``. So every contender is sampled across the whole
+    window, in step with the others: a noisy moment of the shared machine falls on all of them
+    alike, where timing each contender's calls in one block (the best of three blocks of 30, as
+    this race did before) moved a ratio by several per cent. Turns of one millisecond with every
+    call counted (tried first) measured the handover instead: at two threads every contender
+    after a spinning ONNX Runtime pool ran 1.5-14x slower.
+    Returns name -> {"us": median, "runs": calls counted}.
+    """
+    once: dict[str, float] = {}
+    for name, step in steps.items():
+        for _ in range(3):
+            step()
+        start = time.perf_counter()
+        step()
+        once[name] = max(time.perf_counter() - start, 1e-7)
+    turn = {name: max(2, min(512, int(20e-3 / t))) for name, t in once.items()}
+    skip = {name: 1 if t < 5e-3 else 0 for name, t in once.items()}
+    wanted = {name: max(runs, int(budget_s / t)) for name, t in once.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names, cycle = list(steps), 0
+    clock = time.perf_counter
+    while any(len(times[n]) < wanted[n] for n in names):
+        order = names[cycle % len(names) :] + names[: cycle % len(names)]
+        cycle += 1
+        for name in order:
+            if len(times[name]) >= wanted[name]:
+                continue
+            step, got, first = steps[name], times[name], skip[name]
+            for k in range(turn[name]):
+                t = clock()
+                step()
+                if k >= first:
+                    got.append(clock() - t)
+    return {name: {"us": float(np.median(t)) * 1e6, "runs": len(t)} for name, t in times.items()}

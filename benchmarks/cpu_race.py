@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_meta, runtime_versions, write_results  # noqa: E402
+from common import interleaved_us, machine_meta, runtime_versions, write_results  # noqa: E402
 from cpu_overhead import mlp3_model  # noqa: E402
 
 DSP_MODES = ("auto", "openvino", "onnxruntime", "numpy_replay", "slot_by_slot")
@@ -93,49 +93,6 @@ MODELS: dict[str, tuple[str, Callable[[int], tuple[Any, dict[str, np.ndarray]]]]
 
 
 # -- timing -------------------------------------------------------------------------------
-def _interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0) -> dict:
-    """Each contender's median call, the contenders timed in alternating turns.
-
-    A turn is about 20 ms of one contender's calls (at least two); the first call of a turn is
-    not counted where calls are short (under 5 ms): it pays for the turn before it (caches
-    another model's, another runtime's thread pool still spinning at two threads). Turns go
-    round the contenders (the order rotating each cycle) until each has had about ``budget_s``
-    of counted calls, and at least ``runs``. So every contender is sampled across the whole
-    window, in step with the others: a noisy moment of the shared machine falls on all of them
-    alike, where timing each contender's calls in one block (the best of three blocks of 30, as
-    this race did before) moved a ratio by several per cent. Turns of one millisecond with every
-    call counted (tried first) measured the handover instead: at two threads every contender
-    after a spinning ONNX Runtime pool ran 1.5-14x slower.
-    Returns name -> {"us": median, "runs": calls counted}.
-    """
-    once: dict[str, float] = {}
-    for name, step in steps.items():
-        for _ in range(3):
-            step()
-        start = time.perf_counter()
-        step()
-        once[name] = max(time.perf_counter() - start, 1e-7)
-    turn = {name: max(2, min(512, int(20e-3 / t))) for name, t in once.items()}
-    skip = {name: 1 if t < 5e-3 else 0 for name, t in once.items()}
-    wanted = {name: max(runs, int(budget_s / t)) for name, t in once.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    names, cycle = list(steps), 0
-    clock = time.perf_counter
-    while any(len(times[n]) < wanted[n] for n in names):
-        order = names[cycle % len(names) :] + names[: cycle % len(names)]
-        cycle += 1
-        for name in order:
-            if len(times[name]) >= wanted[name]:
-                continue
-            step, got, first = steps[name], times[name], skip[name]
-            for k in range(turn[name]):
-                t = clock()
-                step()
-                if k >= first:
-                    got.append(clock() - t)
-    return {name: {"us": float(np.median(t)) * 1e6, "runs": len(t)} for name, t in times.items()}
-
-
 def _ort_session(path: Path, threads: int) -> Any:
     import onnxruntime as ort
 
@@ -236,7 +193,7 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
                 row["dsp_auto_bound"], steps["dsp_auto_bound"] = _dsp_bound(Path(path), feeds, names, want)
             except Exception as exc:  # noqa: BLE001
                 row["dsp_auto_bound"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-            for name, timed in _interleaved_us(steps, runs).items():
+            for name, timed in interleaved_us(steps, runs).items():
                 row[name].update(timed)
             best = min(row["ort_run"]["us"], row["ort_iobinding"]["us"], row["openvino_direct"]["us"])
             for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES), "dsp_auto_bound"):
