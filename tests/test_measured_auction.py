@@ -225,7 +225,13 @@ def test_the_trial_judges_each_candidate_by_its_median_run_taken_in_turns(monkey
     assert times == pytest.approx({"lucky": 0.010, "steady": 0.005})
     assert order[:12] == ["lucky"] * 6 + ["steady"] * 6
     assert order[12:24] == ["steady"] * 6 + ["lucky"] * 6  # the next round's order rotated
-    assert len(order) == 2 * auction.TRIAL_ROUNDS * 6  # within the budget: every round
+    # rounds while the budget lasts: 0.09 s each, the sixth passes 0.5 s
+    assert auction.TRIAL_BUDGET_S == 0.5 and len(order) == 6 * 2 * 6
+    # steps that cost nothing: TRIAL_ROUNDS rounds, then the trial stops
+    clock[0], order[:] = 0.0, []
+    free = {"a": step("a", 0.0), "b": step("b", 0.0)}
+    auction._timed_turns(free, 5, 0)
+    assert len(order) == auction.TRIAL_ROUNDS * 2 * 6
     # slow steps: one round each, then the budget stops the trial
     clock[0], order[:] = 0.0, []
     slow = {"a": step("a", 0.1), "b": step("b", 0.2)}
