@@ -464,7 +464,7 @@ TIE = 0.05
 # Rounds are taken while the budget lasts, not three at most: a short segment's three rounds were
 # 15 runs in 10 ms, and one noisy moment then gave the CNN fixture's batch-8 segment to OpenVINO
 # (399 us a call against ONNX Runtime's 312: benchmarks/results/cpu_race_2026-12-04d/).
-TRIAL_ROUNDS = 30
+TRIAL_ROUNDS = 12  # 60 counted runs each at the default 5: a 300 us segment is timed in ~45 ms
 TRIAL_BUDGET_S = 0.5
 # 4: rounds while the budget lasts; 3: medians of bursts in turns, three rounds at most (2: of runs
 # in turns; 1: best runs). A trial kept under an older format is timed again.
