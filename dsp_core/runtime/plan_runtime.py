@@ -411,7 +411,9 @@ class PlanRuntime:
             else:
                 self._fail_unit(units[n], exc)
 
-        if len(calls) == 1:  # the common case (one native call), without the loop
+        # The common case, one native call, without the loops: merged into the loop below, DSP's own
+        # bound step on the 3-node MLP went from 0.38-0.40 to 0.55-0.57 µs (cpu_overhead.py --per-call).
+        if len(calls) == 1:
             (call,), (counter,) = calls, counters
 
             def step() -> dict[str, Any]:
