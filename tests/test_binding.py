@@ -141,12 +141,14 @@ def test_diagnostics_on_take_the_full_path(mlp_graph: dsp.Graph) -> None:
     model = dsp.compile(mlp_graph, mode="onnxruntime")
     binding = model.bind({"x": x_of(2)})
     runtime = runtime_of(model)
+    buffer = binding.run()["y"]  # bound: the plan's own output buffer
     copies = runtime.staging.copies
     x = x_of(2)
     binding.inputs["x"][...] = x
     diag.enable("EXECUTE", "detailed")
     try:
         got = binding.run()["y"]
+        assert got is not buffer  # the full path's owned copy: the step made before diagnostics stood aside
     finally:
         diag.disable()
     np.testing.assert_allclose(got, mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
