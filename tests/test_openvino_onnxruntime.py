@@ -224,8 +224,11 @@ def test_onnxruntimes_kernel_table_is_kept_so_discovery_does_not_import_it(tmp_p
     )
     runs = [subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True) for _ in range(2)]
     assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr[-2000:] for r in runs]
-    (kept,) = (tmp_path / "onnxruntime").glob("kernels-*.json")
+    (kept,) = (tmp_path / "onnxruntime").glob("kernels-*-CPUExecutionProvider.json")
     assert plugin._read_table(kept) == plugin._table_from_onnxruntime()
+    # the CUDA provider's table (asked by onnxruntime-cuda's predicate) is kept too, empty in a CPU build
+    (cuda,) = (tmp_path / "onnxruntime").glob("kernels-*-CUDAExecutionProvider.json")
+    assert plugin._read_table(cuda) == plugin._table_from_onnxruntime(plugin.CUDA_PROVIDER)
     kept.write_bytes(kept.read_bytes()[:-40])  # cut short: damaged
     assert plugin._read_table(kept) is None
     again = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
@@ -490,3 +493,36 @@ def test_a_cached_blob_that_fails_its_probe_is_compiled_afresh_and_not_cached_ag
         got = again.run({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert list((tmp_path / "cache").rglob(segment._NO_CACHE)), "the failing model is not marked"
+
+
+def test_the_cuda_provider_lists_as_unavailable_here_with_the_reason(mlp_graph: dsp.Graph) -> None:
+    """onnxruntime-cuda (the CUDA provider of onnxruntime-gpu) registers everywhere; on a machine
+    without CuPy, a CUDA device or onnxruntime-gpu it says which is missing, and ``mode="onnxruntime"``
+    runs on the CPU provider."""
+    backend = next(b for b in discover().backends if b.name == "onnxruntime-cuda")
+    assert backend.platform == "cuda" and backend.mode.name == "ONNXRUNTIME"
+    avail = backend.availability()
+    if avail.ok:
+        pytest.skip("onnxruntime-cuda is available on this machine: tests/gpu/test_onnxruntime_cuda_gpu.py covers it")
+    assert "pip install" in avail.reason or "CUDA device" in avail.reason, avail.reason
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    assert model.resolved_backends() == ["onnxruntime"]
+
+
+def test_the_cuda_backend_takes_what_either_provider_has_and_leaves_kv_stores_out() -> None:
+    """A session places a node the CUDA provider lacks on its CPU provider, so the CUDA backend's
+    table is both providers' kernels; a KV store (written in place after the call) it declines."""
+    from dataclasses import replace
+
+    from dsp_onnxruntime import plugin
+
+    from dsp_core.backends.base import SlotView
+    from dsp_core.ops.registry import Trait
+
+    slot = SlotView(0, "Relu", "", Trait(0), {}, ("float32",), ("float32",), opset=17)
+    assert plugin._kernel_decline(slot, 17, (plugin.CUDA_PROVIDER, plugin.PROVIDER)) is None
+    missing = plugin._kernel_decline(replace(slot, op="NoSuchOp"), 17, (plugin.CUDA_PROVIDER, plugin.PROVIDER))
+    assert missing is not None and "CUDA or CPU provider has no NoSuchOp" in missing.detail
+    store = replace(slot, op="KVScatter", domain="dsp")
+    declined = plugin.OnnxRuntimeCudaBackend()._supports(store)
+    assert declined is not None and "KV store" in declined.detail

@@ -255,12 +255,19 @@ class WholeSegment(CompiledSegment):
             self._seal(values)
             return
         compiled = self.compiled_for(values)
-        c_order = self._subgraph.c_order
-        outs = self._infer(compiled, [c_order(values[i]) for i in self._inputs])
+        outs = self._infer(compiled, [self._eager_input(values[i]) for i in self._inputs])
         for flat, out in zip(self._outputs, outs):
             if flat not in self.in_place:  # an updated buffer: the real one gets the rows below
-                values[flat] = out
+                values[flat] = self._eager_output(flat, out)
         self._store(values)
+
+    def _eager_input(self, x: Any) -> Any:
+        """An input as ``_infer`` takes it: a C-ordered host array (a device runtime copies device arrays)."""
+        return self._subgraph.c_order(x)
+
+    def _eager_output(self, flat: int, out: Any) -> Any:
+        """An eager output as the plan keeps it (a device runtime moves it to the device)."""
+        return out
 
     def _store(self, values: list[Any], skip: dict[int, int] | None = None) -> None:
         """The KV stores' writes, after the runtime's call: their rows into their buffers, in place

@@ -27,6 +27,7 @@ from dsp_core.backends.base import (
 )
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.backends.whole import common_decline, written_view
+from dsp_core.ops.llm import is_kv_store
 from dsp_core.plan.plan import Plan, Segment
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ _ONNX_TYPE = {
     "bool": "tensor(bool)",
 }
 PROVIDER = "CPUExecutionProvider"
+CUDA_PROVIDER = "CUDAExecutionProvider"
+_SHORT = {PROVIDER: "CPU", CUDA_PROVIDER: "CUDA"}
+# The CUDA provider computes float16 and bfloat16 as well (the CPU provider has few such kernels).
+CUDA_DTYPES = DTYPES | {"float16", "bfloat16"}
+_ONNX_TYPE.update({"float16": "tensor(float16)", "bfloat16": "tensor(bfloat16)"})
 # Domains of ops it takes: ONNX's, and ONNX Runtime's own contrib ops.
 DOMAINS = frozenset({"", "com.microsoft"})
 
@@ -53,32 +59,32 @@ Table = dict[tuple[str, str], list[tuple[int, int, frozenset[str]]]]
 TABLE_FORMAT = 1  # the layout of the kernel table's file
 
 
-@functools.lru_cache(maxsize=1)
-def kernel_table() -> Table:
-    """(op, domain) -> [(first opset, last opset, tensor types)] of the CPU provider's kernels.
+@functools.lru_cache(maxsize=2)
+def kernel_table(provider: str = PROVIDER) -> Table:
+    """(op, domain) -> [(first opset, last opset, tensor types)] of ``provider``'s kernels.
 
     Asking ONNX Runtime costs its import and a walk of every kernel definition (about 55 ms,
     paid by every process that discovers the backends, even where AUTO leaves this one out),
     so the table is kept under DSP's cache directory per installed onnxruntime version. A
     file that does not read back whole is made again.
     """
-    path = _table_file()
+    path = _table_file(provider)
     if path is not None:
         got = _read_table(path)
         if got is not None:
             return got
-    table = _table_from_onnxruntime()
+    table = _table_from_onnxruntime(provider)
     if path is not None:
         _write_table(path, table)
     return table
 
 
-def _table_from_onnxruntime() -> Table:
+def _table_from_onnxruntime(provider: str = PROVIDER) -> Table:
     from onnxruntime.capi import _pybind_state as C
 
     table: Table = {}
     for k in C.get_all_opkernel_def():
-        if k.provider != PROVIDER:
+        if k.provider != provider:
             continue
         domain = "" if k.domain == "ai.onnx" else k.domain
         types = frozenset(t for ts in k.type_constraints.values() for t in ts)
@@ -87,21 +93,31 @@ def _table_from_onnxruntime() -> Table:
     return table
 
 
-def _table_file() -> Path | None:
+def _installed_version() -> str | None:
+    """The installed onnxruntime distribution's version: the GPU build's where it is installed (it
+    provides the same module and is meant to replace the CPU build), else the CPU build's."""
+    for dist in ("onnxruntime-gpu", "onnxruntime"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _table_file(provider: str = PROVIDER) -> Path | None:
     """Where the table of the installed onnxruntime is kept; None without a disk cache or a version."""
     from dsp_core import config
     from dsp_core.cache.disk import default_cache_dir
 
     if not config.get("disk_cache"):
         return None
-    try:
-        version = importlib.metadata.version("onnxruntime")
-    except importlib.metadata.PackageNotFoundError:
+    version = _installed_version()
+    if version is None:
         return None  # a build without its metadata: ask it every time
     root = config.get("cache_dir")
     base = Path(root).expanduser() if root else default_cache_dir(os.environ)
     safe = "".join(c if c.isalnum() or c in ".-_+" else "_" for c in version)
-    return base / "onnxruntime" / f"kernels-{safe}-{PROVIDER}.json"
+    return base / "onnxruntime" / f"kernels-{safe}-{provider}.json"
 
 
 def _read_table(path: Path) -> Table | None:
@@ -112,7 +128,7 @@ def _read_table(path: Path) -> Table | None:
         table: Table = {}
         for op, domain, lo, hi, types in doc["kernels"]:
             table.setdefault((str(op), str(domain)), []).append((int(lo), int(hi), frozenset(map(str, types))))
-        return table if table else None
+        return table  # empty for a provider the installed build lacks (the CPU build's CUDA table)
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None  # absent or damaged: asked again and written anew
 
@@ -167,17 +183,18 @@ class OnnxRuntimeBackend(Backend):
         return OnnxRuntimeSegment(self, plan, segment)
 
 
-def _kernel_decline(slot: SlotView, opset: int) -> Decline | None:
-    """A decline unless the CPU provider registers a kernel for the op, its opset and the slot's dtypes."""
-    kernels = kernel_table().get((slot.op, slot.domain))
+def _kernel_decline(slot: SlotView, opset: int, providers: tuple[str, ...] = (PROVIDER,)) -> Decline | None:
+    """A decline unless one of ``providers`` registers a kernel for the op, its opset and the slot's
+    dtypes (a session places each node on the first provider that has its kernel)."""
+    where = " or ".join(_SHORT.get(p, p) for p in providers)
+    kernels = [k for p in providers for k in kernel_table(p).get((slot.op, slot.domain), ())]
     if not kernels:
-        return Decline(DeclineReason.UNSUPPORTED_OP, f"ONNX Runtime's CPU provider has no {slot.op} kernel")
+        return Decline(DeclineReason.UNSUPPORTED_OP, f"ONNX Runtime's {where} provider has no {slot.op} kernel")
     if opset:
         kernels = [k for k in kernels if k[0] <= opset <= k[1]]
         if not kernels:
-            return Decline(
-                DeclineReason.UNSUPPORTED_OP, f"ONNX Runtime's CPU provider has no {slot.op} kernel for opset {opset}"
-            )
+            detail = f"ONNX Runtime's {where} provider has no {slot.op} kernel for opset {opset}"
+            return Decline(DeclineReason.UNSUPPORTED_OP, detail)
     types: set[str] = set()
     for _, _, ts in kernels:
         types |= ts
@@ -191,7 +208,86 @@ def _kernel_decline(slot: SlotView, opset: int) -> Decline | None:
     return None
 
 
+class OnnxRuntimeCudaBackend(OnnxRuntimeBackend):
+    """The same pattern on ONNX Runtime's CUDA provider (onnxruntime-gpu): a segment is one session
+    whose nodes run on the GPU, its inputs and outputs bound once to CuPy device buffers.
+
+    Mode ONNXRUNTIME, platform ``cuda``: ``mode="onnxruntime"`` on a machine where this backend is
+    available runs on it (it is listed before the CPU one); AUTO's CUDA chain leaves it out (its
+    own backends fuse and capture). Nodes the CUDA provider has no kernel for run on ONNX Runtime's
+    CPU provider inside the same session, as ONNX Runtime places them.
+    """
+
+    name = "onnxruntime-cuda"
+    platform = "cuda"
+    contract = ModeContract(
+        deterministic=False,  # cuDNN and cuBLAS may pick other algorithms in another process
+        needs_stable_addresses=True,
+        can_update_in_place=True,
+        tf32=False,  # the provider's use_tf32 is turned off: float32 products stay float32
+        dtypes=CUDA_DTYPES,
+        tolerance=1e-4,
+    )
+
+    def _availability_probe(self) -> Availability:
+        try:
+            import cupy
+        except ImportError:
+            return Availability.no("cupy is not installed (its buffers are CuPy arrays): pip install cupy-cuda13x")
+        try:
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                return Availability.no("CuPy sees no CUDA device")
+        except Exception as exc:  # noqa: BLE001  (no cupy, no driver, no device: all mean "no GPU here")
+            return Availability.no(f"no CUDA device through CuPy ({type(exc).__name__}: {exc})")
+        try:
+            import onnxruntime
+        except ImportError as exc:
+            return Availability.no(f"onnxruntime is not installed ({exc}): pip install onnxruntime-gpu")
+        if CUDA_PROVIDER not in onnxruntime.get_available_providers():
+            return Availability.no(
+                f"onnxruntime {onnxruntime.__version__} is the CPU build (no {CUDA_PROVIDER}): "
+                "pip uninstall onnxruntime && pip install onnxruntime-gpu (the build for this machine's CUDA)"
+            )
+        from dsp_onnxruntime.segment import cuda_probe
+
+        problem = cuda_probe()
+        return Availability.no(problem) if problem else Availability.yes()
+
+    def _supports(self, slot: SlotView) -> Decline | None:
+        if is_kv_store(slot):
+            # The KV store writes a DSP buffer in place after the runtime's call; on the device that
+            # is the GPU backends' kernel (or the reference's), not a session's.
+            return Decline(DeclineReason.UNSUPPORTED_OP, "a KV store runs outside ONNX Runtime's CUDA session")
+        slot = written_view(slot)
+        common = common_decline(self, slot, DOMAINS)
+        if common is not None:
+            return common
+        return _kernel_decline(slot, slot.opset, (CUDA_PROVIDER, PROVIDER))
+
+    def _compile(self, plan: Plan, segment: Segment) -> CompiledSegment:
+        from dsp_onnxruntime.segment import OnnxRuntimeCudaSegment
+
+        return OnnxRuntimeCudaSegment(self, plan, segment)
+
+    # Fed arrays that only this backend's segments read are staged on the device by the core.
+    def stage_buffer(self, value: Any) -> Any | None:
+        """A device buffer for a fed array this backend's segments read."""
+        import cupy
+
+        return cupy.empty(value.shape, dtype=value.dtype)
+
+    def stage_into(self, buffer: Any, value: Any) -> None:
+        """Copy a fed array (host or device) into its device buffer."""
+        import numpy as np
+
+        if isinstance(value, np.ndarray):
+            buffer.set(np.ascontiguousarray(value))
+        else:
+            buffer[...] = value
+
+
 @hookimpl
 def dsp_register_backends() -> list[Any]:
-    """dsp-onnxruntime's backend."""
-    return [OnnxRuntimeBackend()]
+    """dsp-onnxruntime's backends: the CUDA provider's first, so ``mode="onnxruntime"`` takes the GPU
+    where it is there (unavailable, with its reason, everywhere else), then the CPU provider's."""
+    return [OnnxRuntimeCudaBackend(), OnnxRuntimeBackend()]

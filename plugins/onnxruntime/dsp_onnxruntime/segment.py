@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from dsp_core.backends.base import Backend
+from dsp_core.backends.auction import slot_view
+from dsp_core.backends.base import Backend, CaptureFailed
 from dsp_core.backends.whole import ShapeKey, WholeSegment, cpu_threads, runtime_cache_dir
 from dsp_core.plan.plan import Plan, Segment
 from dsp_core.plan.subgraph import name_of
@@ -40,14 +41,28 @@ def session_options(threads: int, alone: bool = False) -> ort.SessionOptions:
     return opts
 
 
-def cached_session(model: bytes, alone: bool = False) -> ort.InferenceSession:
+def cuda_providers(device: int) -> list[Any]:
+    """The providers of a session on CUDA device ``device``: CUDA first, the CPU for nodes it lacks.
+
+    use_tf32 off: DSP's contract keeps float32 products in float32 (ONNX Runtime allows TF32 by
+    default on GPUs that have it).
+    """
+    return [("CUDAExecutionProvider", {"device_id": str(device), "use_tf32": "0"}), "CPUExecutionProvider"]
+
+
+def cached_session(model: bytes, alone: bool = False, device: int | None = None) -> ort.InferenceSession:
     """A session over ``model``; its optimized form is kept under DSP's cache and loaded next time.
 
     The optimized file depends on the model, ONNX Runtime's version, the thread count
     and the machine (level-ALL optimisations choose CPU-specific layouts), so all four
     name it. A later process loads it with optimisations off: they are already applied.
+
+    ``device``: a session on that CUDA device (onnxruntime-gpu). It is not kept on disk: an
+    optimized model of the CUDA provider holds nodes fused for that provider and GPU.
     """
     threads = cpu_threads()
+    if device is not None:
+        return ort.InferenceSession(model, session_options(threads, alone), providers=cuda_providers(device))
     folder = runtime_cache_dir("onnxruntime")
     providers = ["CPUExecutionProvider"]
     if folder is None:
@@ -70,6 +85,47 @@ def cached_session(model: bytes, alone: bool = False) -> ort.InferenceSession:
     except OSError:
         pass
     return session
+
+
+def cuda_probe() -> str | None:
+    """None when a session on the current CUDA device runs its nodes on the CUDA provider; else why not.
+
+    onnxruntime-gpu lists the provider whenever its library is installed; whether it loads (the
+    CUDA, cuBLAS and cuDNN libraries it links) shows only when a session asks for it, and a session
+    that cannot have it silently runs on the CPU. ``preload_dlls`` first loads those libraries from
+    the NVIDIA wheels (nvidia-cublas, nvidia-cudnn, ...) where they are installed.
+    """
+    import cupy
+    from onnx import TensorProto, helper
+
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        try:
+            preload(cuda=True, cudnn=True, msvc=False)
+        except Exception:  # noqa: BLE001  (not there: the system's libraries may still be found)
+            pass
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])],
+        "dsp_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    try:
+        session = ort.InferenceSession(
+            model.SerializeToString(),
+            session_options(1),
+            providers=cuda_providers(int(cupy.cuda.Device().id)),
+        )
+    except Exception as exc:  # noqa: BLE001  (any failure to load the provider is the answer)
+        return f"onnxruntime {ort.__version__} cannot start its CUDA provider: {type(exc).__name__}: {exc}"
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        return (
+            f"onnxruntime {ort.__version__} lists its CUDA provider but could not load it (missing CUDA or cuDNN "
+            "libraries for this build: pip install nvidia-cudnn-cu13 nvidia-cublas, or the build matching this CUDA)"
+        )
+    return None
 
 
 class OnnxRuntimeSegment(WholeSegment):
@@ -100,3 +156,109 @@ class OnnxRuntimeSegment(WholeSegment):
             binding.bind_output(name, "cpu", 0, b.dtype, list(b.shape), b.ctypes.data)
         # The C++ call itself, as a partial: no Python frame, no wrapper per replay.
         return functools.partial(compiled._sess.run_with_iobinding, binding._iobinding, None)
+
+
+class OnnxRuntimeCudaSegment(OnnxRuntimeSegment):
+    """``OnnxRuntimeSegment`` on the CUDA provider: the session reads and writes CuPy device arrays.
+
+    - ``run`` (eager) feeds host copies of the inputs (``session.run`` moves them) and keeps each
+      output on the device, except those a CPU segment reads (``host_outputs``), which stay on the host;
+    - ``capture`` binds device buffers once: an input that is a device array in place, a host one
+      through a device buffer of its own that each replay fills; every output into a device buffer,
+      and a host output is also copied to a host buffer after the call;
+    - a replay waits for the device (the inputs other segments or the staging copies wrote on their
+      streams are complete), makes the one ``run_with_iobinding`` call (which returns once the
+      provider's stream is done), then copies the host outputs.
+    """
+
+    in_place_stores = False  # the backend declines KV stores
+
+    def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
+        super().__init__(backend, plan, segment)
+        import cupy
+
+        self._cp = cupy
+        self._device = int(cupy.cuda.Device().id)
+        mine = set(segment.slots)
+        readers = [s for s in range(len(plan.slots)) if s not in mine]
+        self.host_outputs: frozenset[int] = frozenset(
+            o
+            for o in self._outputs
+            if any(
+                plan.flat(r) == o and backend.supports(slot_view(plan, s)) is not None
+                for s in readers
+                for r in plan.slots[s].inputs
+                if r is not None
+            )
+        )
+        self._host_buffers: dict[int, np.ndarray] = {}
+
+    def _build(self, model: bytes, key: ShapeKey) -> Any:
+        return cached_session(model, self.alone, device=self._device)
+
+    def _eager_input(self, x: Any) -> Any:
+        if isinstance(x, self._cp.ndarray):
+            return self._cp.asnumpy(x)
+        return super()._eager_input(x)
+
+    def _eager_output(self, flat: int, out: Any) -> Any:
+        return out if flat in self.host_outputs else self._cp.asarray(out)
+
+    def _prepare(self, values: list[Any]) -> None:
+        current = self._warm_outputs
+        cp = self._cp
+        if current is None or any(not isinstance(a, np.ndarray | cp.ndarray) for a in current):
+            raise CaptureFailed(f"{self.backend.name}: an output of segment {self.segment.index} is not an array")
+        if len(self._buffers) != len(current) or any(
+            b.shape != a.shape or b.dtype != a.dtype for b, a in zip(self._buffers, current)
+        ):
+            self._buffers = [cp.empty(a.shape, a.dtype) for a in current]
+            self._host_buffers = {
+                k: np.empty(a.shape, a.dtype)
+                for k, (o, a) in enumerate(zip(self._outputs, current))
+                if o in self.host_outputs
+            }
+        self._warm_outputs = None
+
+    def _capture(self, values: list[Any]) -> None:
+        if not self._slots:
+            super()._capture(values)
+            return
+        cp = self._cp
+        inputs = [values[i] for i in self._inputs]
+        staged: list[tuple[np.ndarray, Any]] = []
+        device_inputs = []
+        for flat, a in zip(self._inputs, inputs):
+            if isinstance(a, cp.ndarray) and a.flags.c_contiguous:
+                device_inputs.append(a)
+            elif isinstance(a, np.ndarray) and a.flags.c_contiguous:
+                d = cp.empty(a.shape, a.dtype)
+                staged.append((a, d))
+                device_inputs.append(d)
+            else:
+                raise CaptureFailed(
+                    f"{self.backend.name}: input v{flat} of segment {self.segment.index} is not a C-contiguous "
+                    "array, so it cannot be bound in place"
+                )
+        compiled = self.compiled_for(values)
+        binding = compiled.io_binding()
+        for name, d in zip(self._in_names, device_inputs):
+            binding.bind_input(name, "cuda", self._device, d.dtype, list(d.shape), d.data.ptr)
+        buffers: list[Any] = list(self._buffers)  # CuPy arrays
+        for name, d in zip(self._out_names, buffers):
+            binding.bind_output(name, "cuda", self._device, d.dtype, list(d.shape), d.data.ptr)
+        call = functools.partial(compiled._sess.run_with_iobinding, binding._iobinding, None)
+        downloads = [(buffers[k], h) for k, h in self._host_buffers.items()]
+        wait = cp.cuda.runtime.deviceSynchronize
+
+        def step() -> None:
+            for host, dev in staged:
+                dev.set(host)
+            wait()
+            call()
+            for dev, host in downloads:
+                dev.get(out=host)
+
+        self._bound = step
+        self._bound_inputs = tuple(inputs)
+        self._bound_outputs = tuple(self._host_buffers.get(k, b) for k, b in enumerate(self._buffers))
