@@ -526,3 +526,23 @@ def test_the_cuda_backend_takes_what_either_provider_has_and_leaves_kv_stores_ou
     store = replace(slot, op="KVScatter", domain="dsp")
     declined = plugin.OnnxRuntimeCudaBackend()._supports(store)
     assert declined is not None and "KV store" in declined.detail
+
+
+def test_a_gpu_build_lists_its_kernels_in_a_child_and_a_crash_there_leaves_the_schemas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """onnxruntime-gpu 1.31's get_all_opkernel_def segfaults where TensorRT is not installed (seen on
+    the H200): a build with more providers than the CPU's is asked in a child process, and where
+    that child dies the ops' schemas stand in (every op, no dtype declined)."""
+    import onnxruntime
+    from dsp_onnxruntime import plugin
+
+    in_process = plugin._table_from_onnxruntime()
+    monkeypatch.setattr(
+        onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    assert plugin._table_from_onnxruntime() == in_process  # the child's answer, the same table
+    monkeypatch.setattr(plugin, "_KERNELS_AS_JSON", "import os; os.abort()")  # the crash
+    table = plugin._table_from_onnxruntime()
+    assert table == plugin._schema_table() and table != in_process
+    assert (1, 5, frozenset()) in table[("Relu", "")] and ("Attention", "com.microsoft") in table

@@ -79,17 +79,82 @@ def kernel_table(provider: str = PROVIDER) -> Table:
     return table
 
 
+# Every kernel definition as JSON rows [provider, op, domain, first, last, [types]]: what the
+# query below prints in a child process.
+_KERNELS_AS_JSON = (
+    "import json; from onnxruntime.capi import _pybind_state as C; print(json.dumps([[k.provider, k.op_name, "
+    "k.domain, *k.version_range, sorted({t for ts in k.type_constraints.values() for t in ts})] "
+    "for k in C.get_all_opkernel_def()]))"
+)
+
+
 def _table_from_onnxruntime(provider: str = PROVIDER) -> Table:
+    """``provider``'s kernel table, from ONNX Runtime's kernel definitions.
+
+    A build with providers beyond the CPU's (onnxruntime-gpu) is asked in a child process:
+    onnxruntime-gpu 1.31's ``get_all_opkernel_def`` loads every provider it was built with and
+    crashes the process (SIGSEGV, after "Failed to load library ...tensorrt.so") where TensorRT
+    is not installed, the usual case. Where the child dies, the table is the ops' schemas
+    (``_schema_table``): no dtype is declined, and a node neither provider can run fails the
+    session's creation, which the core meets as a fault of this backend (the next one runs it).
+    """
+    import onnxruntime
+
+    if set(onnxruntime.get_available_providers()) <= {PROVIDER}:
+        from onnxruntime.capi import _pybind_state as C
+
+        rows = [
+            [k.provider, k.op_name, k.domain, *k.version_range, [t for ts in k.type_constraints.values() for t in ts]]
+            for k in C.get_all_opkernel_def()
+        ]
+    else:
+        rows = _rows_in_a_child()
+        if rows is None:
+            return _schema_table()
+    table: Table = {}
+    for prov, op, domain, lo, hi, types in rows:
+        if prov != provider:
+            continue
+        key = (str(op), "" if domain == "ai.onnx" else str(domain))
+        table.setdefault(key, []).append((int(lo), int(hi), frozenset(map(str, types))))
+    return table
+
+
+def _rows_in_a_child() -> list[Any] | None:
+    """The kernel rows as a child process prints them; None where it fails (see above)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _KERNELS_AS_JSON], capture_output=True, text=True, timeout=120, check=False
+        )
+        if done.returncode == 0:
+            return list(json.loads(done.stdout.strip().splitlines()[-1]))
+        log.info(
+            "DSP onnxruntime: listing the kernels failed (exit %s: %s); the ops' schemas stand in",
+            done.returncode,
+            done.stderr.strip()[-300:],
+        )
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+        log.info("DSP onnxruntime: listing the kernels failed (%s); the ops' schemas stand in", exc)
+    return None
+
+
+def _schema_table() -> Table:
+    """Every op ONNX Runtime has a schema for (ONNX's and its contrib ops), each version of it up
+    to the next, with no dtype constraint: what stands in where the kernels cannot be listed."""
     from onnxruntime.capi import _pybind_state as C
 
+    versions: dict[tuple[str, str], set[int]] = {}
+    for schema in C.get_all_operator_schema():
+        domain = "" if schema.domain == "ai.onnx" else schema.domain
+        versions.setdefault((schema.name, domain), set()).add(int(schema.since_version))
     table: Table = {}
-    for k in C.get_all_opkernel_def():
-        if k.provider != provider:
-            continue
-        domain = "" if k.domain == "ai.onnx" else k.domain
-        types = frozenset(t for ts in k.type_constraints.values() for t in ts)
-        lo, hi = k.version_range
-        table.setdefault((k.op_name, domain), []).append((int(lo), int(hi), types))
+    for key, since in versions.items():
+        starts = sorted(since)
+        ends = [s - 1 for s in starts[1:]] + [2**31 - 1]
+        table[key] = [(lo, hi, frozenset()) for lo, hi in zip(starts, ends)]
     return table
 
 
