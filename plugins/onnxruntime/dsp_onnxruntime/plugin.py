@@ -286,7 +286,7 @@ class OnnxRuntimeCudaBackend(OnnxRuntimeBackend):
     name = "onnxruntime-cuda"
     platform = "cuda"
     contract = ModeContract(
-        deterministic=False,  # cuDNN and cuBLAS may pick other algorithms in another process
+        deterministic=True,  # sessions use ONNX Runtime's deterministic compute (cuDNN's deterministic algorithms)
         needs_stable_addresses=True,
         can_update_in_place=True,
         tf32=False,  # the provider's use_tf32 is turned off: float32 products stay float32

@@ -62,7 +62,11 @@ def cached_session(model: bytes, alone: bool = False, device: int | None = None)
     """
     threads = cpu_threads()
     if device is not None:
-        return ort.InferenceSession(model, session_options(threads, alone), providers=cuda_providers(device))
+        opts = session_options(threads, alone)
+        # Same inputs, same outputs (the contract's ``deterministic``): without it, a unit's outputs
+        # are checked every step, and the plan never settles into its bound steady program.
+        opts.use_deterministic_compute = True
+        return ort.InferenceSession(model, opts, providers=cuda_providers(device))
     folder = runtime_cache_dir("onnxruntime")
     providers = ["CPUExecutionProvider"]
     if folder is None:
