@@ -546,3 +546,47 @@ def test_a_gpu_build_lists_its_kernels_in_a_child_and_a_crash_there_leaves_the_s
     table = plugin._table_from_onnxruntime()
     assert table == plugin._schema_table() and table != in_process
     assert (1, 5, frozenset()) in table[("Relu", "")] and ("Attention", "com.microsoft") in table
+
+
+def test_an_opset_is_raised_only_where_every_op_keeps_its_meaning() -> None:
+    """TensorScatter needs opset 24: a segment's opset is raised to it only where each of its ops'
+    newer versions only add types, optional inputs or optional attributes."""
+    from dsp_core.plan.subgraph import raises_cleanly
+
+    assert raises_cleanly({"Reshape", "Transpose", "Shape", "Add", "Gemm", "Cast"}, 18, 24)
+    assert not raises_cleanly({"Split"}, 11, 24)  # Split-13 made ``split`` an input: not the same op
+    assert not raises_cleanly({"Reshape", "NoSuchOp"}, 18, 24)
+
+
+@pytest.mark.parametrize("name", ["gpt2_eager", "llama_eager"])
+def test_onnxruntime_writes_the_kv_stores_as_tensor_scatter_in_place(
+    name: str, cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ONNX Runtime's ScatterElements copies the whole buffer even with its output bound onto it;
+    its TensorScatter (opset 24) writes only the rows. The decode segment's model is written with
+    TensorScatter, one set of position nodes for all stores, and the tokens are the reference's."""
+    import onnx
+    from dsp_onnxruntime import segment as ort_segment
+
+    built: list[bytes] = []
+    real = ort_segment.cached_session
+
+    def keep(model: bytes, alone: bool = False, device: int | None = None) -> Any:
+        built.append(model)
+        return real(model, alone, device)
+
+    monkeypatch.setattr(ort_segment, "cached_session", keep)
+    want, _, want_kv = _decode_run(name, "slot_by_slot")
+    got, _, got_kv = _decode_run(name, "onnxruntime")
+    assert got == want
+    for g, w in zip(got_kv, want_kv):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    decode = [onnx.load_from_string(b) for b in built]
+    decode = [m for m in decode if any(n.op_type == "TensorScatter" for n in m.graph.node)]
+    assert decode, "no segment model wrote its KV stores as TensorScatter"
+    model = decode[-1]
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("TensorScatter") == 4 and "ScatterElements" not in ops
+    # the write positions: made once, for all four stores
+    assert len([n for n in model.graph.node if n.op_type == "Expand" and "_kvw" in n.name]) == 1
+    assert {o.domain: o.version for o in model.opset_import}[""] == 24

@@ -163,6 +163,11 @@ class WholeSegment(CompiledSegment):
         """A callable that runs ``compiled`` reading ``inputs`` and writing ``outputs`` in place."""
         raise NotImplementedError
 
+    def _tensor_scatter(self) -> bool:
+        """Whether the KV stores are written as TensorScatter (opset 24, where the segment's ops
+        allow it: ``subgraph.segment_model``), for a runtime that runs it; ScatterElements if not."""
+        return False
+
     # -- the model for this call's shapes -----------------------------------------------
     def _share(self, compiled: Any) -> Any:
         """This segment's handle on a model another segment compiled (the same model: its slots, I/O,
@@ -189,7 +194,9 @@ class WholeSegment(CompiledSegment):
                 compiled = self._share(base)
             else:
                 feeds = {f: (dtypes.normalize(a.dtype), tuple(a.shape)) for f, a in zip(self._inputs, arrays)}
-                model = self._subgraph.segment_model(self.plan, self._slots, self.io, feeds, constants)
+                model = self._subgraph.segment_model(
+                    self.plan, self._slots, self.io, feeds, constants, tensor_scatter=self._tensor_scatter()
+                )
                 compiled = self._build(self._subgraph.serialized(model), key)
                 if shared is not None:
                     _keep_shared(shared, sealed, compiled)

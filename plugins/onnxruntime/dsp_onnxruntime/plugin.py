@@ -158,6 +158,12 @@ def _schema_table() -> Table:
     return table
 
 
+def kernels_at(ops: set[str], opset: int, provider: str = PROVIDER) -> bool:
+    """True when ``provider`` has a kernel of each ONNX op of ``ops`` at ``opset``."""
+    table = kernel_table(provider)
+    return all(any(lo <= opset <= hi for lo, hi, _ in table.get((op, ""), ())) for op in ops)
+
+
 def _installed_version() -> str | None:
     """The installed onnxruntime distribution's version: the GPU build's where it is installed (it
     provides the same module and is meant to replace the CPU build), else the CPU build's."""
