@@ -225,7 +225,7 @@ def _store_shape(plan: Plan, s: int, feeds: Mapping[int, tuple[str, tuple[int, .
         return None
     if int(slot.attrs.get("axis", -2)) % len(shape) == 0:
         return None
-    return tuple(int(d) for d in shape)
+    return tuple(d for d in shape if isinstance(d, int))
 
 
 def _tensor_scatter_nodes(

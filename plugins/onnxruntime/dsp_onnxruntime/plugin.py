@@ -100,6 +100,7 @@ def _table_from_onnxruntime(provider: str = PROVIDER) -> Table:
     """
     import onnxruntime
 
+    rows: list[Any] | None
     if set(onnxruntime.get_available_providers()) <= {PROVIDER}:
         from onnxruntime.capi import _pybind_state as C
 
