@@ -295,7 +295,8 @@ OPTIONS: tuple[Option, ...] = (
         "bool",
         True,
         "ONNX Runtime's replays bind each KV store's updated buffer onto the KV buffer itself, so its "
-        "ScatterElements writes only the new rows instead of copying the whole buffer every step "
+        "TensorScatter (opset 24, where the segment allows it; else ScatterElements, which still passes over "
+        "the buffer) writes only the new rows instead of copying the whole buffer every step "
         "(docs/cpu-backends.md); off: the buffer is copied inside the call and the rows written after it.",
     ),
     Option(

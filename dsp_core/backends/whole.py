@@ -28,11 +28,13 @@ reference does (``DSP_RUNTIME_KV_STORE=0``: the stores end segments and run on t
 reference, as before).
 
 A runtime whose scatter writes in place when its output is its input's memory
-(``in_place_stores``: ONNX Runtime's ScatterElements skips its copy then) replays with each
-store's updated buffer bound as an output onto the buffer itself, where the store's buffer
-is read by nothing else in the segment: the call writes only the new rows, where it copied
-the whole buffer into a new tensor every step (GPT-2 124M: 24 buffers, 11.8 MB a token at
-160 positions), and nothing is written after it. Eager calls keep the rows' path.
+(``in_place_stores``: ONNX Runtime) replays with each store's updated buffer bound as an
+output onto the buffer itself, where the store's buffer is read by nothing else in the
+segment, and nothing is written after the call. Its ScatterElements still passes over the
+whole buffer so bound; its TensorScatter (ONNX opset 24, used where the segment's ops allow
+it: ``_tensor_scatter``) writes only the new rows, where a copy into a new tensor moved the
+whole buffer every step (GPT-2 124M: 24 buffers, 11.8 MB a token at 160 positions). Eager
+calls keep the rows' path.
 """
 
 from __future__ import annotations
