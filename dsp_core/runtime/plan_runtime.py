@@ -354,8 +354,9 @@ class PlanRuntime:
 
     # -- the steady state: a short path for the common replay ------------------------------
     # Once the plan is REPLAYING and a step was clean, with every unit an island replaying
-    # its recording, every feed a staged placeholder (no variable: nothing whose address can
-    # drift) and diagnostics off, a step needs only: copy the feeds into their staging
+    # its recording, every feed a staged placeholder or a variable fed as the same array as
+    # the step the program was made from (so at the same address: a decode step's KV
+    # buffers), and diagnostics off, a step needs only: copy the feeds into their staging
     # buffers, check that no constant was replaced, replay each unit, copy the outputs out.
     # The identity keys cannot drift there (every input a unit reads is a staging buffer or
     # a buffer another unit owns), so they are not recomputed; the constants' table counts
@@ -477,7 +478,10 @@ class PlanRuntime:
         copies = 0
         for (_, array), (buf, fill) in zip(feeds, steady.buffers):
             if array is buf:
-                continue  # a binding's input: written in place
+                continue  # a binding's input (written in place), or the variable the program reads
+            if fill is READ_IN_PLACE:  # another array for a variable: the full path checks its address
+                self._steady = None
+                return self._frozen_step(feeds)
             if fill is None:
                 buf[...] = array
             else:
@@ -946,6 +950,10 @@ def _replayed(compiled: Any, values: list[Any]) -> bool:
     return compiled.replay(values) is ReplayStatus.OK
 
 
+# The "fill" of a variable's entry in a steady program: read in place, never copied.
+READ_IN_PLACE: Any = object()
+
+
 class _Steady:
     """What ``PlanRuntime._steady_step`` needs, computed once when the plan settles into replaying.
 
@@ -955,9 +963,10 @@ class _Steady:
     """
 
     def __init__(self, runtime: PlanRuntime, flats: list[int], values: list[Any]) -> None:
-        fills = runtime.staging.fills
-        # per feed, in feed order: its staging buffer and the fill of a device buffer (None: host)
-        self.buffers = [(values[f], fills.get(f)) for f in flats]
+        fills, staged = runtime.staging.fills, runtime._staged_flats
+        # per feed, in feed order: its staging buffer and the fill of a device buffer (None: host);
+        # a variable's array, read in place, and READ_IN_PLACE (a step feeding another array leaves)
+        self.buffers = [(values[f], fills.get(f) if f in staged else READ_IN_PLACE) for f in flats]
         self.values = values
         self.units = [(u, u.compiled.replay_call(values)) for u in runtime.units]
         self.outputs = runtime.executor.output_flat
@@ -974,9 +983,16 @@ class _Steady:
             return None  # a table that does not count its changes: every step checks each constant
         staged, staging = runtime._staged_flats, runtime.staging
         flats = [flat for flat, _, _ in runtime.feed_shapes]
-        if any(f not in staged or f in staging.devices for f in flats):
-            return None  # a variable (read in place), or a feed placed on one of several devices
+        if any(f in staging.devices for f in flats):
+            return None  # a feed placed on one of several devices
         for f in flats:
+            if f not in staged:
+                # A variable, read in place (a decode step's KV buffers): the program reads this array,
+                # and a step that feeds it again (the same object, so the same memory) replays it;
+                # one that feeds another array takes the full path, which checks its address.
+                if not hasattr(values[f], "shape"):
+                    return None
+                continue
             buf = staging.buffers.get(f)
             if buf is None or values[f] is not buf:
                 return None
