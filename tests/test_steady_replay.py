@@ -321,3 +321,26 @@ def test_a_variable_fed_as_the_same_array_takes_the_steady_path(mode: str, mlp_g
         other[...] = x_of(3)
         np.testing.assert_allclose(model.run({"x": other})["y"], mlp_reference(mlp_graph, other), rtol=1e-4, atol=1e-5)
     assert runtime._steady is not None  # settled again on the new array
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stepper_steps_on_the_same_arrays_and_hands_out_the_plans_buffers(mode: str, mlp_graph: dsp.Graph) -> None:
+    """``model.stepper`` (GenerationPipeline's decode loop): the first step is a ``run``; later ones
+    skip the feed checks, keep the live plan pinned, and on the steady path return the plan's own
+    output buffers (read before the next step); ``close`` unpins. Every step is right."""
+    model = dsp.compile(mlp_graph, mode=mode)
+    x = x_of(3)
+    feeds = {"x": x}
+    outs = []
+    with model.stepper(feeds) as stepper:
+        for _ in range(10):
+            x[...] = x_of(3)  # the same array, new contents
+            out = stepper.step()
+            np.testing.assert_allclose(out["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+            outs.append(out["y"])
+        live = model.last_live
+        assert live is not None and live.pins == 1  # pinned by the stepper alone between steps
+        assert runtime_of(model)._steady is not None
+        assert outs[-1] is outs[-2]  # the steady program's buffer, not a copy
+    assert live.pins == 0
+    assert model.run(feeds)["y"] is not outs[-1]  # run() still hands out copies

@@ -313,6 +313,15 @@ class CompiledModel:
             flight.record_failure(exc, self.last_live.runtime.diag_id if self.last_live is not None else -1)
             raise
 
+    def stepper(self, feeds: Mapping[str, Any]) -> Stepper:
+        """Steps on ``feeds`` whose arrays stay the same objects (written in place between steps),
+        for a loop that reads each step's outputs before the next (``GenerationPipeline``'s decode):
+        the first step takes ``run``; later ones skip the feed checks it passed, keep the live plan
+        pinned (``close`` releases it) and return the plan's output buffers without copies (valid
+        until the next step). Unlike ``bind``, the arrays are the caller's (variables are read in
+        place), and a step is never run to warm up."""
+        return Stepper(self, feeds)
+
     def bind(self, feeds: Mapping[str, Any], settle: int = 8) -> Binding:
         """IO binding: warm the plan up on ``feeds`` (up to ``settle`` real steps, until it replays)
         and return a ``Binding`` whose ``inputs`` are the plan's own staging buffers (write the next
@@ -469,6 +478,61 @@ class CompiledModel:
         for spec in self._feeds:
             if spec.name not in feeds:
                 raise InputError(f"missing input {spec.name!r}; the model needs {', '.join(self.input_names)}")
+
+
+class Stepper:
+    """See ``CompiledModel.stepper``."""
+
+    def __init__(self, model: CompiledModel, feeds: Mapping[str, Any]) -> None:
+        self.model = model
+        self.feeds = feeds
+        self._live: LivePlan | None = None
+        self._staged: list[tuple[int, Any]] = []
+
+    def step(self) -> dict[str, Any]:
+        """One step: output name -> array (the plan's buffer on the steady path)."""
+        live = self._live
+        if live is None:
+            out = self.model.run(self.feeds)
+            self._pin()
+            return out
+        try:
+            results = live.runtime.execute(self._staged, owned=False)
+        except Exception as exc:  # diag: as in run()
+            flight.record_failure(exc, live.runtime.diag_id)
+            raise
+        for r in results:
+            if r.__class__ is not np.ndarray:  # a sequence, None, a device array: as run() returns them
+                on_device = self.model.outputs_on_device
+                return {name: _as_output(r, on_device) for name, r in zip(self.model._default_outputs, results)}
+        return dict(zip(self.model._default_outputs, results))
+
+    def _pin(self) -> None:
+        """After the first step: the repeat path's checked feeds, if the call left them (the same
+        arrays as ``feeds`` holds now), and the live plan pinned."""
+        model, repeat = self.model, self.model._repeat
+        if repeat is None or model.last_live is None or model.last_live.signature != repeat.signature:
+            return
+        feeds = self.feeds
+        if feeds.__class__ is not dict or len(feeds) != repeat.count:
+            return
+        staged = [(flat, feeds[name]) for name, flat, *_ in repeat.feeds]
+        live = model.cache.acquire(repeat.signature)
+        if live is None:
+            return
+        self._live, self._staged = live, staged
+
+    def close(self) -> None:
+        """Release the pinned plan (later steps take ``run`` again)."""
+        if self._live is not None:
+            self.model.cache.release(self._live)
+            self._live = None
+
+    def __enter__(self) -> Stepper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

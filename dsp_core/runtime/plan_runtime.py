@@ -167,15 +167,17 @@ class PlanRuntime:
         return total
 
     # -- execution -------------------------------------------------------------------------
-    def execute(self, feeds: list[tuple[int, Any]]) -> list[Any]:
-        """Run one step; returns the plan's outputs (owned by the caller)."""
+    def execute(self, feeds: list[tuple[int, Any]], owned: bool = True) -> list[Any]:
+        """Run one step; returns the plan's outputs (owned by the caller). ``owned=False``: on the
+        steady path, the replay buffers themselves (valid until the plan's next step; see
+        ``CompiledModel.stepper``)."""
         with self.lock:
             self.executions += 1
             if diag.ON:
                 diag.emit(Category.EXECUTE, Level.DETAILED, "step", self.phase.name, self.executions, self.diag_id)
             steady = self._steady
             if steady is not None and not diag.ON:
-                return self._steady_step(steady, feeds)
+                return self._steady_step(steady, feeds, owned)
             if self.phase is PlanPhase.SLOT_BY_SLOT:
                 if not self._should_freeze():
                     return self.executor.run(feeds)
@@ -466,7 +468,7 @@ class PlanRuntime:
 
         return steps, buffers
 
-    def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]]) -> list[Any]:
+    def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]], owned: bool = True) -> list[Any]:
         constants = self.plan.constants
         if (
             _STAGING_FAULT in _ENVIRON  # the test switch, looked up without os.environ's key encoding
@@ -503,6 +505,8 @@ class PlanRuntime:
         except BaseException as exc:  # noqa: BLE001  (as in _frozen_step: the reference takes the unit)
             self._fail_unit(unit, exc)
             return self._frozen_step(feeds)
+        if not owned:
+            return [values[i] for i in steady.outputs]
         # replay buffers: the caller gets copies
         out = []
         for i in steady.outputs:
