@@ -205,7 +205,7 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
 
 
 # -- GPT-2 124M greedy decode: GenerationPipeline vs an ONNX Runtime loop ----------------------
-DECODE_TOKENS = 128
+DECODE_TOKENS = 256  # lateSteady is quoted from runs of at least 256 tokens
 DECODE_PROMPT = 16
 
 
@@ -239,7 +239,7 @@ def _ort_decode_tokens_per_s(path: Path, prompt: np.ndarray, threads: int, token
     return len(late) / sum(late), out
 
 
-DECODE_ROUNDS = 3
+DECODE_ROUNDS = 9  # paired rounds: the 2-thread rates moved 53-75 tok/s between rounds here
 
 
 def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: int = DECODE_ROUNDS) -> dict[str, Any]:
