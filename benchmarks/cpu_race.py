@@ -249,10 +249,12 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: i
     ``rounds`` turns of ``tokens`` tokens each, the loop first in each round; each figure is the
     median of its rounds (one pair of runs on a shared machine moved 0.9-1.1x between pairs).
     """
+    import gc
     import statistics
 
     from dsp_core.llm import GenerationPipeline
 
+    gc.collect()  # the model rows' sessions and compiled models (their thread pools) go first
     prompt = np.random.default_rng(0).integers(0, 50000, DECODE_PROMPT).astype(np.int64)
     pipe = GenerationPipeline(path, max_length=DECODE_PROMPT + tokens + 8)
     pipe.generate(prompt, 24)  # warm-up: plans, freeze, trials, capture
