@@ -1,5 +1,5 @@
-"""Checks the GPU tests of fused backends share: their fusion reports, and a model's calls equal to
-the reference through every phase until it replays."""
+"""Checks the GPU tests share: outputs equal to the reference's within a tolerance, fused backends'
+fusion reports, and a model's calls equal to the reference through every phase until it replays."""
 
 from __future__ import annotations
 
@@ -9,6 +9,18 @@ import numpy as np
 
 import dsp_core as dsp
 from dsp_core.runtime.lifecycle import PlanPhase
+
+
+def outputs_close(got: dict[str, Any], want: dict[str, np.ndarray], tol: float, what: str) -> None:
+    """Every output of ``want`` in ``got``: same shape and dtype, values within ``tol`` (relative, and
+    absolute times the output's scale)."""
+    for name, ref in want.items():
+        out = np.asarray(got[name])
+        assert out.shape == ref.shape and out.dtype == ref.dtype, (
+            f"{what} {name}: {out.dtype}{out.shape} vs {ref.dtype}{ref.shape}"
+        )
+        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
+        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale, err_msg=f"{what} {name}")
 
 
 def fusion_reports(model: dsp.CompiledModel) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.units import UnitKind
 
 from .fused_checks import fusion_reports as _reports
+from .fused_checks import outputs_close as _close
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
@@ -43,14 +44,6 @@ def _tolerance(mode: str) -> float:
     from dsp_nvrtc.plugin import NvrtcBackend, PtxBackend
 
     return (NvrtcBackend() if mode == "nvrtc_jit" else PtxBackend()).contract.tolerance
-
-
-def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol: float, what: str) -> None:
-    for name, ref in want.items():
-        out = np.asarray(got[name])
-        assert out.shape == ref.shape and out.dtype == ref.dtype, f"{what} {name}"
-        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
-        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale, err_msg=f"{what} {name}")
 
 
 def _feeds(name: str, step: int | None) -> dict[str, np.ndarray]:

@@ -17,6 +17,8 @@ from onnx import TensorProto
 import dsp_core as dsp
 from dsp_core.backends.discovery import discover
 
+from .fused_checks import outputs_close
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
@@ -33,12 +35,7 @@ def _needs_the_cuda_provider(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
 
 
 def _close(got: dict[str, Any], want: dict[str, np.ndarray], what: str) -> None:
-    tol = _backend().contract.tolerance
-    for name, ref in want.items():
-        out = np.asarray(got[name])
-        assert out.shape == ref.shape and out.dtype == ref.dtype, f"{what} {name}"
-        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
-        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale, err_msg=f"{what} {name}")
+    outputs_close(got, want, _backend().contract.tolerance, what)
 
 
 def _replayed(model: dsp.CompiledModel) -> list[Any]:

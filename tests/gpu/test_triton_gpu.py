@@ -15,7 +15,7 @@ from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.units import UnitKind
 
 from .fused_checks import fusion_reports as _reports
-from .fused_checks import replays_match
+from .fused_checks import outputs_close, replays_match
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DECODERS = ["gpt2_eager", "gpt2_sdpa23", "llama_eager", "llama_sdpa23"]
@@ -27,13 +27,8 @@ def _backend() -> Any:
     return TritonBackend()
 
 
-def _close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
-    tol = _backend().contract.tolerance
-    for name, ref in want.items():
-        out = np.asarray(got[name])
-        assert out.shape == ref.shape and out.dtype == ref.dtype, f"{what} {name}"
-        scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
-        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale, err_msg=f"{what} {name}")
+def _close(got: dict[str, Any], want: dict[str, np.ndarray], what: str) -> None:
+    outputs_close(got, want, _backend().contract.tolerance, what)
 
 
 def test_available_here() -> None:
