@@ -83,16 +83,18 @@ def segment_model(
             f"a KV store in a segment of ONNX opset {opsets['']}: it is written with ScatterElements and Range, "
             f"which need opset {KV_STORE_OPSET}"
         )
-    scatter: dict[str, list[onnx.NodeProto]] | None = None
-    if tensor_scatter and stores and all(_store_shape(plan, s, feeds) is not None for s in stores):
+    shapes = {s: _store_shape(plan, s, feeds) for s in stores} if tensor_scatter else {}
+    scatter: set[str] | None = None  # the write positions made so far: once per (position, length, batch)
+    if stores and shapes and all(shape is not None for shape in shapes.values()):
         ops = {plan.slots[s].op for s in slots if plan.slots[s].domain in ("", "ai.onnx") and s not in stores}
         if opsets[""] >= TENSOR_SCATTER_OPSET or raises_cleanly(ops, opsets[""], TENSOR_SCATTER_OPSET):
             opsets[""] = max(opsets[""], TENSOR_SCATTER_OPSET)
-            scatter = {}  # the write positions, made once per (position, buffer length, batch)
+            scatter = set()
     nodes = []
     for s in slots:
-        if scatter is not None and is_kv_store(plan.slots[s]):
-            nodes.extend(_tensor_scatter_nodes(plan, s, feeds, scatter))
+        shape = shapes.get(s)
+        if scatter is not None and shape is not None:
+            nodes.extend(_tensor_scatter_nodes(plan, s, shape, scatter))
         else:
             nodes.extend(_nodes(plan, s, opsets[""]))
     graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
@@ -228,19 +230,16 @@ def _store_shape(plan: Plan, s: int, feeds: Mapping[int, tuple[str, tuple[int, .
     return tuple(d for d in shape if isinstance(d, int))
 
 
-def _tensor_scatter_nodes(
-    plan: Plan, s: int, feeds: Mapping[int, tuple[str, tuple[int, ...] | None]], made: dict[str, list[onnx.NodeProto]]
-) -> list[onnx.NodeProto]:
+def _tensor_scatter_nodes(plan: Plan, s: int, shape: tuple[int, ...], made: set[str]) -> list[onnx.NodeProto]:
     """``dsp::KVScatter(buffer, rows, position)`` as one TensorScatter of ``rows`` into the buffer at
     ``position[0]`` (a negative start counted from the end, as the reference wraps it), every batch
-    entry at the same start. The write positions are made once per (position, length, batch) and
-    shared by the stores that read them (a decode step's 24 stores: one set of nodes)."""
+    entry at the same start; ``shape`` is the buffer's (``_store_shape``). The write positions are
+    made once per (position, length, batch), the keys in ``made``, and shared by the stores that
+    read them (a decode step's 24 stores: one set of nodes)."""
     slot = plan.slots[s]
     buffer, rows, position = (name_of(plan.flat(r)) if r is not None else "" for r in slot.inputs[:3])
     out = slot.outputs[0]
     assert out is not None and buffer and rows and position, "a KV store reads its buffer, rows and position"
-    shape = _store_shape(plan, s, feeds)
-    assert shape is not None, "checked by segment_model"
     axis = int(slot.attrs.get("axis", -2)) % len(shape)
     length, batch = shape[axis], shape[0]
     key = f"{position}_kvw{length}x{batch}"
@@ -265,7 +264,7 @@ def _tensor_scatter_nodes(
             helper.make_node("Where", [t + "neg", t + "wrapped", t + "start"], [t + "s"], name=t + "s"),
             helper.make_node("Expand", [t + "s", t + "batch"], [key], name=key),
         ]
-        made[key] = nodes
+        made.add(key)
     nodes.append(
         helper.make_node("TensorScatter", [buffer, rows, key], [name_of(plan.flat(out))], name=f"s{s}", axis=axis)
     )

@@ -79,13 +79,24 @@ def kernel_table(provider: str = PROVIDER) -> Table:
     return table
 
 
-# Every kernel definition as JSON rows [provider, op, domain, first, last, [types]]: what the
-# query below prints in a child process.
-_KERNELS_AS_JSON = (
-    "import json; from onnxruntime.capi import _pybind_state as C; print(json.dumps([[k.provider, k.op_name, "
-    "k.domain, *k.version_range, sorted({t for ts in k.type_constraints.values() for t in ts})] "
-    "for k in C.get_all_opkernel_def()]))"
-)
+def kernel_rows() -> list[list[Any]]:
+    """Every kernel definition of the installed onnxruntime: [provider, op, domain, first, last, [types]]."""
+    from onnxruntime.capi import _pybind_state as C
+
+    return [
+        [
+            k.provider,
+            k.op_name,
+            k.domain,
+            *k.version_range,
+            sorted({t for ts in k.type_constraints.values() for t in ts}),
+        ]
+        for k in C.get_all_opkernel_def()
+    ]
+
+
+# What a child process runs to list them (see _table_from_onnxruntime).
+_KERNELS_AS_JSON = "import json; from dsp_onnxruntime.plugin import kernel_rows; print(json.dumps(kernel_rows()))"
 
 
 def _table_from_onnxruntime(provider: str = PROVIDER) -> Table:
@@ -102,12 +113,7 @@ def _table_from_onnxruntime(provider: str = PROVIDER) -> Table:
 
     rows: list[Any] | None
     if set(onnxruntime.get_available_providers()) <= {PROVIDER}:
-        from onnxruntime.capi import _pybind_state as C
-
-        rows = [
-            [k.provider, k.op_name, k.domain, *k.version_range, [t for ts in k.type_constraints.values() for t in ts]]
-            for k in C.get_all_opkernel_def()
-        ]
+        rows = kernel_rows()
     else:
         rows = _rows_in_a_child()
         if rows is None:
