@@ -240,14 +240,76 @@ def _ort_decode_tokens_per_s(path: Path, prompt: np.ndarray, threads: int, token
 
 
 DECODE_ROUNDS = 9  # paired rounds: the 2-thread rates moved 53-75 tok/s between rounds here
+# glibc's own switch for huge pages: its malloc advises MADV_HUGEPAGE on what it maps (glibc 2.35+)
+HUGE_PAGES_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+class LoopWorker:
+    """The ONNX Runtime loop in a process of its own, run a round at a time on request.
+
+    Its own process: DSP advises huge pages for the memory its runtimes allocate
+    (dsp_core/runtime/hugepages.py), and an ONNX Runtime session made later in the same process
+    can reuse that memory, so a loop run beside DSP in one process is not the plain loop a user
+    runs. ``env`` adds to the race's environment (``HUGE_PAGES_ENV``: the loop with glibc's own
+    huge pages, the peer given what DSP does).
+    """
+
+    def __init__(self, path: Path, threads: int, tokens: int, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, __file__, "--loop-worker", str(path), "--threads", str(threads)]
+        self.proc = subprocess.Popen(
+            cmd + ["--decode-tokens", str(tokens)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def run(self) -> tuple[float, list[int]]:
+        """One loop of the worker's tokens: lateSteady tokens/s and the tokens."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the ONNX Runtime loop worker exited ({self.proc.wait()})")
+        got = json.loads(line)
+        return float(got["rate"]), list(got["tokens"])
+
+    def close(self) -> None:
+        """Ask the worker to leave (not by closing its stdin: a process DSP forks holds the pipe too)."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def loop_worker(path: Path, threads: int, tokens: int) -> int:
+    """The worker's side: a loop each time a line comes on stdin, its result a JSON line."""
+    prompt = decode_prompt()
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        rate, out = _ort_decode_tokens_per_s(path, prompt, threads, tokens)
+        print(json.dumps({"rate": rate, "tokens": out}), flush=True)
+    return 0
+
+
+def decode_prompt() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 50000, DECODE_PROMPT).astype(np.int64)
 
 
 def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: int = DECODE_ROUNDS) -> dict[str, Any]:
     """GenerationPipeline (AUTO) vs the ONNX Runtime loop on ``path``: lateSteady tokens/s and token agreement.
 
-    One pipeline (compiled, frozen and its trials run once, as a server would) and the loop take
-    ``rounds`` turns of ``tokens`` tokens each, the loop first in each round; each figure is the
-    median of its rounds (one pair of runs on a shared machine moved 0.9-1.1x between pairs).
+    One pipeline (compiled, frozen and its trials run once, as a server would) and two loops,
+    each in a process of its own (``LoopWorker``): the plain loop, the issue's peer, and the loop
+    with glibc's huge pages, take ``rounds`` turns of ``tokens`` tokens each, the loops first in
+    each round; each figure is the median of its rounds (one pair of runs on a shared machine
+    moved 0.9-1.1x between pairs).
     """
     import gc
     import statistics
@@ -255,26 +317,39 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: i
     from dsp_core.llm import GenerationPipeline
 
     gc.collect()  # the model rows' sessions and compiled models (their thread pools) go first
-    prompt = np.random.default_rng(0).integers(0, 50000, DECODE_PROMPT).astype(np.int64)
+    loops = {
+        "plain": LoopWorker(path, threads, tokens),
+        "huge_pages": LoopWorker(path, threads, tokens, HUGE_PAGES_ENV),
+    }
+    prompt = decode_prompt()
     pipe = GenerationPipeline(path, max_length=DECODE_PROMPT + tokens + 8)
     pipe.generate(prompt, 24)  # warm-up: plans, freeze, trials, capture
-    ort_rates: list[float] = []
+    loop_rates: dict[str, list[float]] = {name: [] for name in loops}
     dsp_rates: list[float] = []
     agree: list[float] = []
-    for _ in range(rounds):
-        ort_rate, ort_tokens = _ort_decode_tokens_per_s(path, prompt, threads, tokens)
-        pipe.reset_position()
-        result = pipe.generate(prompt, tokens)
-        dsp_tokens = result.token_list()[-tokens:]  # the generated tokens (the prompt is not in them)
-        rates = result.metrics.rates
-        ort_rates.append(ort_rate)
-        dsp_rates.append(rates.get("lateSteady") or result.metrics.effective[1] or 0.0)
-        agree.append(sum(a == b for a, b in zip(dsp_tokens, ort_tokens)) / max(len(ort_tokens), 1))
-    dsp_rate, ort_rate = statistics.median(dsp_rates), statistics.median(ort_rates)
-    # Each round's two runs are back to back: their ratio shares the machine's moment (at 2 threads
+    try:
+        for _ in range(rounds):
+            for name, worker in loops.items():
+                rate, loop_tokens = worker.run()
+                loop_rates[name].append(rate)
+            pipe.reset_position()
+            result = pipe.generate(prompt, tokens)
+            dsp_tokens = result.token_list()[-tokens:]  # the generated tokens (the prompt is not in them)
+            rates = result.metrics.rates
+            dsp_rates.append(rates.get("lateSteady") or result.metrics.effective[1] or 0.0)
+            agree.append(sum(a == b for a, b in zip(dsp_tokens, loop_tokens)) / max(len(loop_tokens), 1))
+    finally:
+        for worker in loops.values():
+            worker.close()
+    dsp_rate = statistics.median(dsp_rates)
+    ort_rate, huge_rate = (statistics.median(loop_rates[n]) for n in ("plain", "huge_pages"))
+
+    # Each round's runs are back to back: their ratio shares the machine's moment (at 2 threads
     # this machine moved a run's rate 53-75 tok/s between rounds), so the median of the rounds'
     # ratios is the steadier comparison; the ratio of the medians is kept beside it.
-    paired = statistics.median(d / o for d, o in zip(dsp_rates, ort_rates) if o)
+    def paired(name: str) -> float:
+        return round(statistics.median(d / o for d, o in zip(dsp_rates, loop_rates[name]) if o), 3)
+
     return {
         "model": "gpt2_124m_decode",
         "title": f"GPT-2 124M greedy decode, {tokens} tokens (lateSteady tok/s)",
@@ -282,10 +357,14 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: i
         "rounds": rounds,
         "dsp_tokens_per_s": round(dsp_rate, 2),
         "ort_loop_tokens_per_s": round(ort_rate, 2),
+        "ort_loop_huge_pages_tokens_per_s": round(huge_rate, 2),
         "dsp_runs": [round(r, 2) for r in dsp_rates],
-        "ort_loop_runs": [round(r, 2) for r in ort_rates],
+        "ort_loop_runs": [round(r, 2) for r in loop_rates["plain"]],
+        "ort_loop_huge_pages_runs": [round(r, 2) for r in loop_rates["huge_pages"]],
         "ratio": round(dsp_rate / ort_rate, 3) if ort_rate else None,
-        "paired_ratio": round(paired, 3),
+        "paired_ratio": paired("plain"),
+        "ratio_to_huge_pages_loop": round(dsp_rate / huge_rate, 3) if huge_rate else None,
+        "paired_ratio_to_huge_pages_loop": paired("huge_pages"),
         "token_agreement": round(min(agree), 3),
         "dsp_backends": pipe.decode_model.resolved_backends(),
     }
@@ -303,7 +382,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['title']} | 1 | {r['threads']} | {r['dsp_tokens_per_s']} tok/s | {r['ratio']}x (of tok/s; "
                 f"rounds paired: {r.get('paired_ratio', '-')}x) | {'+'.join(r['dsp_backends'])} | | | "
-                f"{r['ort_loop_tokens_per_s']} tok/s (loop) | | | | |"
+                f"{r['ort_loop_tokens_per_s']} tok/s (loop; with huge pages "
+                f"{r.get('ort_loop_huge_pages_tokens_per_s', '-')}: DSP {r.get('ratio_to_huge_pages_loop', '-')}x) "
+                "| | | | |"
             )
             continue
         if "error" in r:
@@ -345,11 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--overhead", action="store_true", help="only DSP's per-call overhead on the 3-node MLP")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--loop-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.overhead:
         from cpu_overhead import main as overhead_main
 
         return overhead_main(["--per-call", "--out", str(Path(args.out).with_name("cpu_overhead_race.json"))])
+    if args.loop_worker is not None:
+        return loop_worker(args.loop_worker, args.threads[0], args.decode_tokens)
     if args.child:
         rows = run_one(args.threads[0], args.only, args.batches, args.runs) if args.only else []
         if args.gpt2_124m is not None:

@@ -3,10 +3,10 @@ KV stores inside the runtimes' segments (DSP_RUNTIME_KV_STORE=1), there written 
 ONNX Runtime's replays (DSP_RUNTIME_KV_IN_PLACE=1) or as rows after each call (=0), and on the
 reference (DSP_RUNTIME_KV_STORE=0).
 
-The four run in turns, in one process, ``--rounds`` times (the machine's noise is shared out
-between them); lateSteady tokens/s of each run, medians and the ratios to the loop. AUTO has
-the native runtimes let in (this script sets DSP_AUTO_EXCLUDE=none). Threads come from the
-environment, as in the CPU race:
+The four run in turns (the loop in a process of its own, cpu_race.LoopWorker), ``--rounds``
+times (the machine's noise is shared out between them); lateSteady tokens/s of each run,
+medians and the ratios to the loop. AUTO has the native runtimes let in (this script sets
+DSP_AUTO_EXCLUDE=none). Threads come from the environment, as in the CPU race:
 
     OMP_NUM_THREADS=1 DSP_CPU_THREADS=1 python benchmarks/decode_cpu_ab.py \\
         --model /tmp/gpt2-124m/model.onnx --threads 1 --rounds 3 --out ab_1.json
@@ -21,8 +21,6 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -41,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsp_core.llm import GenerationPipeline
 
     path = Path(args.model)
-    prompt = np.random.default_rng(0).integers(0, 50000, cpu_race.DECODE_PROMPT).astype(np.int64)
+    prompt = cpu_race.decode_prompt()
     variants = {  # GenerationPipeline's settings per row
         "kv_store_in_place": {"DSP_RUNTIME_KV_STORE": "1", "DSP_RUNTIME_KV_IN_PLACE": "1"},
         "kv_store_rows_after": {"DSP_RUNTIME_KV_STORE": "1", "DSP_RUNTIME_KV_IN_PLACE": "0"},
@@ -50,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[float]] = {"ort_loop": [], **{k: [] for k in variants}}
     backends: dict[str, list[str]] = {}
     agree: list[bool] = []
+    loop = cpu_race.LoopWorker(path, args.threads, args.tokens)  # its own process: see LoopWorker
     for _ in range(args.rounds):
-        rate, want = cpu_race._ort_decode_tokens_per_s(path, prompt, args.threads, args.tokens)
+        rate, want = loop.run()
         runs["ort_loop"].append(rate)
         for key, env in variants.items():
             os.environ.update(env)
@@ -62,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[key].append(float(result.metrics.rates["lateSteady"]))
             backends[key] = pipe.decode_model.resolved_backends()
             agree.append(result.token_list()[-args.tokens :] == want)
+    loop.close()
     median = {k: statistics.median(v) for k, v in runs.items()}
     record: dict[str, Any] = {
         "model": str(path),

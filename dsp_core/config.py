@@ -156,6 +156,16 @@ OPTIONS: tuple[Option, ...] = (
         "(docs/cpu-backends.md); `none` lets AUTO use all three on models you trust.",
     ),
     Option(
+        "huge_pages",
+        "DSP_HUGE_PAGES",
+        "int",
+        32,
+        "A native runtime's compile that allocates at least this many MiB (its copies of the weights) has that "
+        "memory backed by transparent huge pages (Linux, THP madvise or always; 0 = off): a decode step that "
+        "streams its weights takes fewer TLB misses (docs/cpu-backends.md).",
+        minimum=0,
+    ),
+    Option(
         "auction_trials",
         "DSP_AUCTION_TRIALS",
         "int",

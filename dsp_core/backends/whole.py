@@ -65,6 +65,7 @@ from dsp_core.ops.registry import KernelContext, Trait, lookup
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.merge import is_merged
 from dsp_core.plan.plan import Plan, Segment
+from dsp_core.runtime.hugepages import HugePageAdvice, huge_pages_for_new_memory
 from dsp_core.runtime.units import unit_io  # a segment's I/O is split as a capturing unit's is
 
 if TYPE_CHECKING:  # plan.subgraph imports onnx: loaded when a segment is built, not when a plugin is
@@ -149,6 +150,7 @@ class WholeSegment(CompiledSegment):
         self._bound_inputs: tuple[Any, ...] = ()
         self._bound_outputs: tuple[Any, ...] = ()
         self._warm_outputs: list[Any] | None = None
+        self.page_advice: list[HugePageAdvice] = []  # per compile: its new memory's huge pages
         self._inputs = self.io.inputs
         self._outputs = self.io.outputs
 
@@ -199,7 +201,9 @@ class WholeSegment(CompiledSegment):
                 model = self._subgraph.segment_model(
                     self.plan, self._slots, self.io, feeds, constants, tensor_scatter=self._tensor_scatter()
                 )
-                compiled = self._build(self._subgraph.serialized(model), key)
+                with huge_pages_for_new_memory() as advice:
+                    compiled = self._build(self._subgraph.serialized(model), key)
+                self.page_advice.append(advice)
                 if shared is not None:
                     _keep_shared(shared, sealed, compiled)
             self._models[key] = compiled
