@@ -9,6 +9,7 @@ so a regression fails the test instead of taking pytest down.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -199,6 +200,20 @@ def test_an_inference_crash_stays_in_the_sandbox(monkeypatch: pytest.MonkeyPatch
     onnx_inference._drop()
     monkeypatch.undo()
     assert onnx_inference.infer(relu, 30, 1024) is not None  # a fresh sandbox answers the next model
+
+
+def test_the_sandbox_holds_none_of_this_processs_descriptors() -> None:
+    """A pipe of the caller's, open when the sandbox forks, ends when the caller closes it: the fork
+    keeps no copy (a race's worker waited forever for the end of its stdin that the sandbox held)."""
+    read_end, write_end = os.pipe()
+    try:
+        onnx_inference._drop()
+        assert onnx_inference.infer(_model([helper.make_node("Relu", ["x"], ["y"])]), 30, 1024) is not None
+        os.close(write_end)
+        ready, _, _ = select.select([read_end], [], [], 10)
+        assert ready and os.read(read_end, 1) == b"", "the pipe did not end: the sandbox holds its write end"
+    finally:
+        os.close(read_end)
 
 
 def test_a_layernorm_axis_that_crashed_onnx_inference_gets_a_dsp_error() -> None:

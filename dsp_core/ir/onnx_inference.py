@@ -35,6 +35,7 @@ log = logging.getLogger("dsp.import")
 
 _SMALL_INITIALIZER = 4096  # bytes: initializers up to this size stay (data propagation reads them)
 _LEN = struct.Struct("<Q")
+_MAX_FD = max(os.sysconf("SC_OPEN_MAX"), 256)  # os.closerange closes up to here (close_range(2) where there is one)
 
 
 def infer(model: onnx.ModelProto, timeout: float, memory_mb: int) -> onnx.ModelProto | None:
@@ -95,8 +96,7 @@ class _Sandbox:
         if self.pid == 0:
             code = 1
             try:
-                os.close(self.req_w)
-                os.close(self.resp_r)
+                _close_all_but(req_r, resp_w)
                 _serve(req_r, resp_w, memory_mb)
                 code = 0
             finally:
@@ -148,6 +148,19 @@ def _drop() -> None:
 
 
 atexit.register(_drop)
+
+
+def _close_all_but(*keep: int) -> None:
+    """In the forked server: close every descriptor the parent had except stdio and ``keep``.
+
+    A fork holds the parent's descriptors open for as long as it lives: a pipe to one of the
+    user's own subprocesses, or a socket, would never see its end while the sandbox kept a copy.
+    """
+    start = 3
+    for fd in sorted(set(keep)):
+        os.closerange(start, fd)
+        start = fd + 1
+    os.closerange(start, _MAX_FD)
 
 
 def _serve(req_r: int, resp_w: int, memory_mb: int) -> None:
