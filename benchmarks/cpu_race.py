@@ -315,6 +315,7 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: i
     import statistics
 
     from dsp_core.llm import GenerationPipeline
+    from dsp_core.runtime.hugepages import process_huge_bytes
 
     gc.collect()  # the model rows' sessions and compiled models (their thread pools) go first
     loops = {
@@ -367,6 +368,7 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: i
         "paired_ratio_to_huge_pages_loop": paired("huge_pages"),
         "token_agreement": round(min(agree), 3),
         "dsp_backends": pipe.decode_model.resolved_backends(),
+        "dsp_process_huge_pages_mb": process_huge_bytes() >> 20,  # dsp_core/runtime/hugepages.py
     }
 
 

@@ -94,3 +94,24 @@ def test_memory_allocated_inside_is_backed_by_huge_pages():
         assert _huge_kib(lo, lo + size) >= advice.collapsed_bytes >> 10
     assert block[:4] == b"\x01" * 4 and block[size - 1 : size] == b"\x01"  # the contents are kept
     block.close()
+
+
+def test_zeros_are_separate_zeroed_writable_arrays_on_huge_pages(monkeypatch):
+    specs = {"k": ((1, 12, 1024, 64), np.dtype(np.float32)), "v": ((1, 12, 1024, 64), np.dtype(np.float32))}
+    if hugepages.thp_mode() not in ("madvise", "always"):
+        assert hugepages.zeros(specs) is None
+        pytest.skip(f"transparent huge pages are {hugepages.thp_mode()} here")
+    got = hugepages.zeros(specs)
+    assert got is not None and list(got) == ["k", "v"]
+    for name, (shape, dtype) in specs.items():
+        a = got[name]
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+        assert not a.any()
+    got["k"][...] = 1.0
+    assert not got["v"].any()  # no overlap
+    lo = got["k"].ctypes.data
+    hi = got["v"].ctypes.data + got["v"].nbytes
+    assert _huge_kib(lo - hugepages.huge_page_size(), hi + hugepages.huge_page_size()) > 0
+    monkeypatch.setenv("DSP_HUGE_PAGES", "0")
+    assert hugepages.zeros(specs) is None
+    assert hugepages.zeros({"x": ((16,), np.dtype(np.float32))}) is None  # too small to matter

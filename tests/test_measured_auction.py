@@ -232,11 +232,16 @@ def test_the_trial_judges_each_candidate_by_its_median_run_taken_in_turns(monkey
     free = {"a": step("a", 0.0), "b": step("b", 0.0)}
     auction._timed_turns(free, 5, 0)
     assert len(order) == auction.TRIAL_ROUNDS * 2 * 6
-    # slow steps: one round each, then the budget stops the trial
+    # long steps: TRIAL_MIN_ROUNDS rounds past the budget (0.3 s each: 4 rounds, 1.2 s)
+    clock[0], order[:] = 0.0, []
+    long = {"a": step("a", 0.02), "b": step("b", 0.03)}
+    assert auction._timed_turns(long, 5, 0) == pytest.approx({"a": 0.02, "b": 0.03})
+    assert auction.TRIAL_MIN_ROUNDS == 4 and len(order) == 4 * 2 * 6
+    # slow steps: rounds until TRIAL_MAX_S has passed (1.8 s each: two), then the trial stops
     clock[0], order[:] = 0.0, []
     slow = {"a": step("a", 0.1), "b": step("b", 0.2)}
     assert auction._timed_turns(slow, 5, 0) == pytest.approx({"a": 0.1, "b": 0.2})
-    assert len(order) == 2 * 6
+    assert auction.TRIAL_MAX_S == 3.0 and len(order) == 2 * 2 * 6
 
 
 def test_the_trial_does_not_count_a_run_slowed_by_the_candidate_before_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -466,9 +466,15 @@ TIE = 0.05
 # (399 us a call against ONNX Runtime's 312: benchmarks/results/cpu_race_2026-12-04d/).
 TRIAL_ROUNDS = 12  # 60 counted runs each at the default 5: a 300 us segment is timed in ~45 ms
 TRIAL_BUDGET_S = 0.5
-# 4: rounds while the budget lasts; 3: medians of bursts in turns, three rounds at most (2: of runs
-# in turns; 1: best runs). A trial kept under an older format is timed again.
-TRIAL_FORMAT = "dsp-auction-trial/4"
+# A long step gets TRIAL_MIN_ROUNDS rounds at least, past the budget while TRIAL_MAX_S lasts: GPT-2
+# 124M's decode step (25-30 ms) had 2 rounds in 0.5 s, and its pick between OpenVINO and ONNX
+# Runtime, 7-15% apart in the real loop, flipped from one freeze to the next on a 2-core machine.
+TRIAL_MIN_ROUNDS = 4
+TRIAL_MAX_S = 3.0
+# 5: and TRIAL_MIN_ROUNDS for a long step; 4: rounds while the budget lasts; 3: medians of bursts
+# in turns, three rounds at most (2: of runs in turns; 1: best runs). A trial kept under an older
+# format is timed again.
+TRIAL_FORMAT = "dsp-auction-trial/5"
 
 
 @dataclass(frozen=True)
@@ -624,8 +630,9 @@ def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) 
 
 def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> dict[str, float]:
     """Median seconds of each step, timed in bursts taken in turns: rounds while TRIAL_BUDGET_S lasts
-    (at least one, TRIAL_ROUNDS at most), each round a burst of ``runs`` + 1 runs of every candidate (the
-    order rotating round by round), the burst's first run not counted.
+    (at least one, and TRIAL_MIN_ROUNDS while TRIAL_MAX_S lasts; TRIAL_ROUNDS at most), each round
+    a burst of ``runs`` + 1 runs of every candidate (the order rotating round by round), the
+    burst's first run not counted.
 
     Turns spread a shared machine's passing load over every candidate. They are bursts, not single
     runs, because a runtime's threads outlive its call: ONNX Runtime's intra-op threads spin for a
@@ -640,8 +647,9 @@ def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> 
     started = time.perf_counter()
     names = list(steps)
     for turn in range(TRIAL_ROUNDS):
-        if turn >= 1 and time.perf_counter() - started > TRIAL_BUDGET_S:
-            break  # one round each at least, then as many as the budget allows
+        spent = time.perf_counter() - started
+        if turn >= 1 and spent > TRIAL_BUDGET_S and (turn >= TRIAL_MIN_ROUNDS or spent > TRIAL_MAX_S):
+            break  # one round each at least, TRIAL_MIN_ROUNDS within TRIAL_MAX_S, more while the budget lasts
         k = turn % len(names) if names else 0
         for name in names[k:] + names[:k]:
             got: list[float] = []

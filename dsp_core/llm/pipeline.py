@@ -64,7 +64,7 @@ from dsp_core.llm.metrics import DecodeMetrics
 from dsp_core.llm.sampling import GREEDY, Sampler, Sampling
 from dsp_core.llm.store import EntryError, PlanStore
 from dsp_core.plan.plan import ExternalClass, Plan
-from dsp_core.runtime import loader
+from dsp_core.runtime import hugepages, loader
 from dsp_core.runtime.lifecycle import PlanPhase
 from dsp_core.runtime.model import CompiledModel
 
@@ -142,7 +142,9 @@ class DecodeState:
         self.max_length = length
         # On a placed plan each KV buffer is allocated on the device of the slots that read it.
         homes = input_devices(decoder.model)
-        self.buffers = {
+        # Host buffers, read whole every step, on huge pages where the system has them (hugepages.zeros)
+        specs = {n: (s, dtypes.to_numpy(fk.buffer_dtypes[n])) for n, s in fk.buffer_shapes.items()}
+        self.buffers = (hugepages.zeros(specs) if xp is np else None) or {
             n: on_device(xp, homes.get(n, 0), lambda n=n, s=s: xp.zeros(s, dtype=dtypes.to_numpy(fk.buffer_dtypes[n])))
             for n, s in fk.buffer_shapes.items()
         }

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import numpy as np
 
 from dsp_core import config
 
@@ -175,3 +178,45 @@ def huge_pages_for_new_memory(min_mib: int | None = None) -> Iterator[HugePageAd
         return
     advise(fresh, advice)
     advice.seconds = time.perf_counter() - start
+
+
+def process_huge_bytes() -> int:
+    """Bytes of this process's anonymous memory on huge pages now (AnonHugePages), 0 where unknown."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def zeros(specs: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray] | None:
+    """Zeroed host arrays of ``specs`` (name -> shape, dtype) in one anonymous mapping advised
+    MADV_HUGEPAGE before it is touched, so its pages are huge from the first write (no collapse).
+
+    For buffers DSP itself streams every step (the decode plan's KV buffers). None (the caller
+    allocates as usual) where DSP_HUGE_PAGES is 0, THP is off, or the arrays fill less than
+    two huge pages.
+    """
+    size = huge_page_size()
+    layout, total = {}, 0
+    for name, (shape, dtype) in specs.items():
+        layout[name] = total
+        total += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 64) * 64
+    if int(config.get("huge_pages")) <= 0 or thp_mode() not in ("madvise", "always") or total < 2 * size:
+        return None
+    madvise = _madvise()
+    if madvise is None:
+        return None
+    block = mmap.mmap(-1, total + size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(block, np.uint8)  # keeps the mapping alive while any array lives
+    skip = -raw.ctypes.data % size
+    madvise(raw.ctypes.data + skip, (len(raw) - skip) // size * size, MADV_HUGEPAGE)  # a hint: its result aside
+    return {
+        name: raw[skip + at : skip + at + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
+        .view(dtype)
+        .reshape(shape)
+        for (name, (shape, dtype)), at in zip(specs.items(), layout.values())
+    }
