@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dis
 import itertools
+import weakref
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,21 @@ def test_the_free_callback_needs_no_global_at_interpreter_exit() -> None:
     free = _free_callback({}, AllocationTrace())
     loads = [i.opname for i in dis.get_instructions(free) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
     assert loads == []
+
+
+def test_free_callbacks_stay_reachable_while_memory_may_call_them() -> None:
+    """A callback reachable only from garbage is cleared by the collector (a function loses its
+    closure), and a CuPy memory of the same cycle freed after that called it: SIGSEGV in ``free``
+    on the H200. Each callback is kept reachable from the module while anything else refers to it,
+    and dropped when nothing does."""
+    from dsp_cuda_graphs import buffers
+
+    held = _free_callback({}, AllocationTrace())  # a live memory object's reference, in effect
+    dropped = weakref.ref(_free_callback({}, AllocationTrace()))  # nothing refers to it but the module
+    assert held in buffers._CALLBACKS and dropped() in buffers._CALLBACKS
+    newest = _free_callback({}, AllocationTrace())  # a new one prunes the unreferenced
+    assert held in buffers._CALLBACKS and newest in buffers._CALLBACKS
+    assert dropped() is None  # pruned, then freed
 
 
 def test_trace_keeps_unfreed_buffers_to_the_end() -> None:

@@ -16,6 +16,7 @@ and lives as long as the graph.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,31 @@ class AllocationTrace:
         return [Interval(s, a, e if e is not None else end) for s, a, e in zip(self.sizes, self.starts, self.ends)]
 
 
+# Every free callback handed to CuPy stays reachable from here while any memory may call it. A
+# callback reachable only from garbage (an allocator and its arrays in a reference cycle) is
+# cleared by the garbage collector like the rest (a function loses its closure), and a memory
+# object of the same cycle freed after that called it: SIGSEGV in ``free`` while collecting, on
+# the H200 (tests/gpu/test_nvrtc_gpu.py). Pruned when a new one comes: a callback that only
+# this list and the call to ``getrefcount`` refer to has no memory left to call it.
+_CALLBACKS: list[Any] = []
+
+
+def _refcounts(items: list[Any]) -> list[int]:
+    return [sys.getrefcount(c) for c in items]
+
+
+# What _refcounts gives for an item only its list refers to (the list, the loop's name, the call's
+# argument: 3 on CPython 3.11-3.13), measured rather than assumed
+_UNREFERENCED = _refcounts([lambda: None])[0]
+
+
+def _keep(callback: Any) -> Any:
+    """``callback``, kept reachable from the module (see _CALLBACKS), the unreferenced ones pruned."""
+    _CALLBACKS[:] = [c for c, n in zip(_CALLBACKS, _refcounts(_CALLBACKS)) if n > _UNREFERENCED]
+    _CALLBACKS.append(callback)
+    return callback
+
+
 def _free_callback(live: dict[int, tuple[int, Any]], trace: AllocationTrace) -> Any:
     """The free callback of a TracingAllocator: records the free of a traced allocation.
 
@@ -106,7 +132,8 @@ def _free_callback(live: dict[int, tuple[int, Any]], trace: AllocationTrace) -> 
     exception class), crashes the process (SIGSEGV at exit on the H200, in a cold TRITON
     pipeline's process). So it holds what it needs in its closure, never touches the
     allocator object (whose attributes a garbage collector may have cleared), calls no
-    builtin and cannot raise: ``ptr`` comes as an int, ``pop`` has a default.
+    builtin and cannot raise: ``ptr`` comes as an int, ``pop`` has a default. While the
+    process runs it is kept reachable (``_keep``), so a collection never clears its closure.
     """
 
     def free(ptr: int, *_device: Any) -> None:
@@ -114,7 +141,12 @@ def _free_callback(live: dict[int, tuple[int, Any]], trace: AllocationTrace) -> 
         if entry is not None:
             trace.free(entry[0])
 
-    return free
+    return _keep(free)
+
+
+def _ignore_free(ptr: int, *_device: Any) -> None:
+    """The PlannedAllocator's free: planned memory is reused by plan only, unplanned memory is held
+    until release. A module function: reachable while the process runs (see _CALLBACKS)."""
 
 
 class TracingAllocator:
@@ -152,7 +184,7 @@ class PlannedAllocator:
         self._cupy = cupy
         self._next = 0
         self.unplanned: list[Any] = []
-        self.allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, self._free)
+        self.allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, _ignore_free)
 
     def rewind(self) -> None:
         """Start handing out offsets from the first again (a new capture)."""
@@ -166,6 +198,3 @@ class PlannedAllocator:
         mem = self._cupy.cuda.alloc(size)  # not foreseen: kept alive until release, never reused
         self.unplanned.append(mem)
         return int(mem.ptr)
-
-    def _free(self, ptr: int, *_device: Any) -> None:
-        pass  # planned memory is reused by plan only; unplanned memory is held until release
