@@ -16,6 +16,7 @@ and lives as long as the graph.
 
 from __future__ import annotations
 
+import atexit
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,10 @@ class AllocationTrace:
 # the H200 (tests/gpu/test_nvrtc_gpu.py). Pruned when a new one comes: a callback that only
 # this list and the call to ``getrefcount`` refer to has no memory left to call it.
 _CALLBACKS: list[Any] = []
+# Let go at exit, before the modules are torn down: a callback held here past CuPy's teardown freed
+# its traced memory then (SIGSEGV at exit in a TRITON pipeline's process, on the H200); released
+# at atexit, the callbacks die with the last memory that refers to them, as CuPy's own do.
+atexit.register(_CALLBACKS.clear)
 
 
 def _refcounts(items: list[Any]) -> list[int]:
