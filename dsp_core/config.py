@@ -310,6 +310,15 @@ OPTIONS: tuple[Option, ...] = (
         "(docs/cpu-backends.md); off: the buffer is copied inside the call and the rows written after it.",
     ),
     Option(
+        "runtime_kv_window",
+        "DSP_RUNTIME_KV_WINDOW",
+        "bool",
+        True,
+        "ONNX Runtime's decode step (KV stores as TensorScatter) has each attention read only the KV positions "
+        "written so far, not the whole fixed buffer: the buffers and masks are sliced to position + rows inside "
+        "its session (docs/cpu-backends.md); off: the attention reads the whole buffer, the unused tail masked.",
+    ),
+    Option(
         "nvrtc_kv_fusion",
         "DSP_NVRTC_KV_FUSION",
         "bool",

@@ -312,6 +312,47 @@ def test_onnxruntime_replays_write_the_kv_rows_in_place(backend: str, cpu_runtim
     assert runtime.counters()["replays"] >= 10, runtime.counters()
 
 
+@pytest.mark.parametrize(("name", "layers"), [("gpt2_eager", 2), ("llama_eager", 2)])
+@pytest.mark.parametrize("window", [True, False])
+def test_onnxruntime_attention_reads_only_the_positions_written_so_far(
+    name: str, layers: int, window: bool, cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DSP_RUNTIME_KV_WINDOW (on by default): in ONNX Runtime's decode-step model each layer's K and
+    V buffers are sliced to position + rows where the attention reads them (the masks with them),
+    and the logits of every step are the reference's. Off: no slice, the whole buffer read."""
+    from dsp_core.llm import GenerationPipeline
+    from dsp_core.plan import subgraph
+
+    monkeypatch.setenv("DSP_RUNTIME_KV_WINDOW", "1" if window else "0")
+    models: list[Any] = []
+    made = subgraph.segment_model
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        models.append(made(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(subgraph, "segment_model", keep)
+    prompt = np.array([[5, 7, 11, 13]], np.int64)
+    logits = {}
+    for mode in ("slot_by_slot", "onnxruntime"):
+        session = GenerationPipeline(str(FIXTURES / f"{name}.onnx"), max_length=40, mode=mode).session()
+        rows = [session.append(prompt)]
+        for token in [3, 17, 29, 31, 2, 8, 40, 9]:  # decode steps at positions 4..11 of 40
+            rows.append(session.append(np.array([[token]], np.int64)))
+        logits[mode] = np.stack(rows)
+    np.testing.assert_allclose(logits["onnxruntime"], logits["slot_by_slot"], rtol=1e-4, atol=1e-4)
+    (decode,) = [m for m in models if any(n.op_type == "TensorScatter" for n in m.graph.node)]
+    cuts = [n for n in decode.graph.node if n.op_type == "Slice" and "_w" in n.name]
+    stores = {n.output[0] for n in decode.graph.node if n.op_type == "TensorScatter"}
+    if window:
+        # per layer: K (before its transpose) and V (before the product), each read after the store
+        assert len(stores) == 2 * layers and len(cuts) >= 2 * layers
+        ends = {n.input[2] for n in cuts}
+        assert len(ends) == 1  # one end for every store of the step
+    else:
+        assert cuts == []
+
+
 def test_a_kv_buffer_is_bound_in_place_only_where_nothing_else_sees_its_old_rows() -> None:
     """``_in_place_stores`` on GPT-2's decode plan: every store's buffer is fed and read only by its
     store, so all four bind in place; a buffer that is also an output of the segment does not."""

@@ -167,6 +167,12 @@ class WholeSegment(CompiledSegment):
         """A callable that runs ``compiled`` reading ``inputs`` and writing ``outputs`` in place."""
         raise NotImplementedError
 
+    def _attention_window(self) -> bool:
+        """Whether a decode step's attention reads only the KV positions written so far (with
+        TensorScatter; ``subgraph._attention_windows``): for a runtime whose tensors inside a
+        model may take their shape when it runs."""
+        return False
+
     def _tensor_scatter(self) -> bool:
         """Whether the KV stores are written as TensorScatter (opset 24, where the segment's ops
         allow it: ``subgraph.segment_model``), for a runtime that runs it; ScatterElements if not."""
@@ -199,7 +205,13 @@ class WholeSegment(CompiledSegment):
             else:
                 feeds = {f: (dtypes.normalize(a.dtype), tuple(a.shape)) for f, a in zip(self._inputs, arrays)}
                 model = self._subgraph.segment_model(
-                    self.plan, self._slots, self.io, feeds, constants, tensor_scatter=self._tensor_scatter()
+                    self.plan,
+                    self._slots,
+                    self.io,
+                    feeds,
+                    constants,
+                    tensor_scatter=self._tensor_scatter(),
+                    attention_window=self._attention_window(),
                 )
                 with huge_pages_for_new_memory() as advice:
                     compiled = self._build(self._subgraph.serialized(model), key)

@@ -59,6 +59,7 @@ def segment_model(
     feeds: Mapping[int, tuple[str, tuple[int, ...] | None]],
     constants: Mapping[int, np.ndarray],
     tensor_scatter: bool = False,
+    attention_window: bool = False,
 ) -> onnx.ModelProto:
     """The ONNX model of ``slots``: inputs ``io.inputs`` typed by ``feeds`` (flat -> (dtype, shape)).
 
@@ -68,6 +69,10 @@ def segment_model(
     24 against 3 µs each), where the model's opset can be raised to 24 without changing what any
     of its ops means (``raises_cleanly``) and every store's buffer shape is known. Else, and by
     default, ScatterElements.
+
+    ``attention_window`` (with TensorScatter): each attention that reads a stored K and V buffer
+    reads only the positions written so far (``_attention_windows``), for a runtime that runs
+    tensors of a shape known only when it runs.
     """
     opsets: dict[str, int] = {}
     for s in slots:
@@ -90,11 +95,15 @@ def segment_model(
         if opsets[""] >= TENSOR_SCATTER_OPSET or raises_cleanly(ops, opsets[""], TENSOR_SCATTER_OPSET):
             opsets[""] = max(opsets[""], TENSOR_SCATTER_OPSET)
             scatter = set()
+    windowed = attention_window and scatter is not None
+    windows = _attention_windows(plan, slots, shapes, set(io.outputs)) if windowed else {}
     nodes = []
     for s in slots:
         shape = shapes.get(s)
         if scatter is not None and shape is not None:
             nodes.extend(_tensor_scatter_nodes(plan, s, shape, scatter))
+        elif s in windows:
+            nodes.extend(_windowed_node(plan, s, windows[s], scatter))
         else:
             nodes.extend(_nodes(plan, s, opsets[""]))
     graph_inputs = [_value_info(name_of(f), *feeds[f]) for f in io.inputs]
@@ -242,7 +251,7 @@ def _tensor_scatter_nodes(plan: Plan, s: int, shape: tuple[int, ...], made: set[
     assert out is not None and buffer and rows and position, "a KV store reads its buffer, rows and position"
     axis = int(slot.attrs.get("axis", -2)) % len(shape)
     length, batch = shape[axis], shape[0]
-    key = f"{position}_kvw{length}x{batch}"
+    key = _position_key(position, length, batch)
     nodes: list[onnx.NodeProto] = []
     if key not in made:
         t = key + "_"
@@ -268,6 +277,179 @@ def _tensor_scatter_nodes(plan: Plan, s: int, shape: tuple[int, ...], made: set[
     nodes.append(
         helper.make_node("TensorScatter", [buffer, rows, key], [name_of(plan.flat(out))], name=f"s{s}", axis=axis)
     )
+    return nodes
+
+
+def _position_key(position: str, length: int, batch: int) -> str:
+    """The name of a store's write positions (and the prefix of the nodes that make them)."""
+    return f"{position}_kvw{length}x{batch}"
+
+
+# The ops an attention's scores pass through between the Q.K product and the Softmax: each other
+# operand of theirs is a scalar, broadcast along the positions, or sliced with them (a mask).
+_SCORE_OPS = frozenset({"Mul", "Div", "Add", "Sub", "Where", "Max", "Min", "Cast"})
+# The ops a K or V buffer passes through before the attention reads it, its positions kept on the
+# same axis from the end (grouped-query attention repeats each head: Unsqueeze, Expand, Reshape)
+_LAYOUT_OPS = frozenset({"Unsqueeze", "Expand", "Reshape", "Identity"})
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What one slot of a windowed attention reads sliced: input index -> (axis, the end's name)."""
+
+    cuts: tuple[tuple[int, int, str], ...]  # (input index, axis, end value name)
+    ends: tuple[tuple[str, str, str, int, int], ...]  # (end name, position key, rows, axis, length): made once
+
+
+def _attention_windows(
+    plan: Plan, slots: Sequence[int], shapes: Mapping[int, tuple[int, ...] | None], exported: set[int]
+) -> dict[int, _Window]:
+    """Where a decode step's attention reads only the KV positions written so far.
+
+    A KV buffer holds ``L`` positions; the step writes ``n`` rows at ``p`` and its attention mask
+    leaves out every position from ``p + n`` on (the fixed-KV decode graph's contract:
+    ``dsp_core/llm/kv.py``), so their softmax weights are exactly 0 and reading ``[0, p + n)``
+    alone gives the same output. Matched per layer, in the segment's slots:
+
+        K store -> [_LAYOUT_OPS] -> Transpose of the last two axes -> MatMul(Q, .) -> scores
+        scores -> one or more of _SCORE_OPS -> Softmax(last axis) -> MatMul(., V store [-> _LAYOUT_OPS])
+
+    each value on the way read by the next slot alone (and by no other unit: ``exported``). The
+    stores' buffers are sliced to ``[0, p + n)`` along their positions (second last) where the
+    attention reads them (after the layout ops: their shapes hold ``L``), and each other
+    operand on the scores' way whose last axis is ``L`` (the masks) along that axis; anything
+    else leaves the layer as it was. A start counted from the end (negative) reads the whole
+    buffer. Returns slot -> its cuts.
+    """
+    mine = set(slots)
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for s in slots:
+        for j, r in enumerate(plan.slots[s].inputs):
+            if r is not None:
+                readers.setdefault(plan.flat(r), []).append((s, j))
+
+    def only_reader(flat: int, own: bool = True) -> tuple[int, int] | None:
+        """The one slot reading ``flat``; ``own``: and no other unit (the stores' buffers are read
+        by the caller too: they stay as they are, sliced into new values)."""
+        got = readers.get(flat, [])
+        return got[0] if len(got) == 1 and got[0][0] in mine and not (own and flat in exported) else None
+
+    def onnx_slot(s: int) -> bool:
+        slot = plan.slots[s]
+        return slot.domain in ("", "ai.onnx") and not is_merged(slot) and not is_kv_store(slot)
+
+    stores: dict[int, tuple[int, int, str, int]] = {}  # store output flat -> (axis, L, end name, rank)
+    ends: dict[str, tuple[str, str, str, int, int]] = {}
+    for s, shape in shapes.items():
+        slot = plan.slots[s]
+        out, rows = slot.outputs[0], slot.inputs[1]
+        if shape is None or out is None or rows is None or slot.inputs[2] is None:
+            continue
+        axis = int(slot.attrs.get("axis", -2)) % len(shape)
+        length = shape[axis]
+        key = _position_key(name_of(plan.flat(slot.inputs[2])), length, shape[0])
+        end = f"{key}_end"  # the stores of one step write as many rows at one position: one end
+        ends.setdefault(end, (end, key, name_of(plan.flat(rows)), axis, length))
+        stores[plan.flat(out)] = (axis, length, end, len(shape))
+    # each store's buffer, through the layout ops that repeat it for grouped heads, to the slot
+    # that reads it for the attention: (slot, input index) -> (store flat, the read value's rank)
+    reads: dict[tuple[int, int], tuple[int, int]] = {}
+    for flat, (axis, _, _, rank) in stores.items():
+        if axis != rank - 2:
+            continue  # positions second last, as the attention's products read them
+        value, at = flat, only_reader(flat, own=False)
+        while at is not None and onnx_slot(at[0]) and plan.slots[at[0]].op in _LAYOUT_OPS and at[1] == 0:
+            value = plan.flat(plan.slots[at[0]].outputs[0])
+            at = only_reader(value)
+        read = plan.ref_info(plan.slots[at[0]].inputs[at[1]])[1] if at is not None else None
+        if at is not None and onnx_slot(at[0]) and read is not None and len(read) >= 2:
+            reads[at] = (flat, len(read))
+    found: dict[int, _Window] = {}
+    for (s, j), (flat, rank) in reads.items():
+        slot, end = plan.slots[s], stores[flat][2]
+        # K: its positions second last, moved last by the transpose, read as MatMul(Q, .)'s B
+        perm = [int(x) for x in slot.attrs.get("perm", range(rank - 1, -1, -1))]
+        if slot.op != "Transpose" or perm != [*range(rank - 2), rank - 1, rank - 2]:
+            continue
+        cuts: dict[int, list[tuple[int, int, str]]] = {s: [(j, rank - 2, end)]}
+        nxt = only_reader(plan.flat(slot.outputs[0]))
+        if nxt is None or not onnx_slot(nxt[0]) or plan.slots[nxt[0]].op != "MatMul" or nxt[1] != 1:
+            continue
+        # the scores, through _SCORE_OPS, to the Softmax over the positions
+        slot = plan.slots[nxt[0]]
+        ok = True
+        while ok:
+            nxt = only_reader(plan.flat(slot.outputs[0]))
+            if nxt is None or not onnx_slot(nxt[0]):
+                ok = False
+                break
+            s, slot = nxt[0], plan.slots[nxt[0]]
+            if slot.op == "Softmax":
+                break
+            if slot.op not in _SCORE_OPS:
+                ok = False
+                break
+            for k, r in enumerate(slot.inputs):
+                if k == nxt[1] or r is None:
+                    continue
+                other = plan.ref_info(r)[1]
+                if other is None:
+                    ok = False  # its rank unknown: its last axis cannot be named
+                elif len(other) >= 1:
+                    # broadcast against the scores, its last axis is the positions' or 1: a Slice
+                    # clamps its end to the axis, so either way [0, end) is what it reads
+                    cuts.setdefault(s, []).append((k, len(other) - 1, end))
+        if not ok or int(slot.attrs.get("axis", -1 if slot.opset >= 13 else 1)) % rank != rank - 1:
+            continue
+        # the probabilities into MatMul(., V), V another store's buffer of the same step
+        nxt = only_reader(plan.flat(slot.outputs[0]))
+        v = reads.get((nxt[0], 1)) if nxt is not None and nxt[1] == 0 else None
+        if (
+            nxt is None
+            or v is None
+            or plan.slots[nxt[0]].op != "MatMul"
+            or stores[v[0]][1:3]
+            != (
+                stores[flat][1],
+                end,
+            )
+        ):
+            continue
+        cuts.setdefault(nxt[0], []).append((1, v[1] - 2, end))
+        for t, got in cuts.items():
+            found[t] = _Window(tuple(got), (ends[end],))
+    return found
+
+
+def _windowed_node(plan: Plan, s: int, window: _Window, made: set[str] | None) -> list[onnx.NodeProto]:
+    """Slot ``s``'s node reading the inputs ``window`` cuts sliced, after the nodes of each end
+    (``position + rows``, or the whole length for a start counted from the end) not yet made."""
+    nodes: list[onnx.NodeProto] = []
+    assert made is not None, "a windowed attention needs the stores' write positions"
+    for end, key, rows, axis, length in window.ends:
+        if end in made:
+            continue
+        t = end + "_"
+        for name, value in (("length", [length]), ("one", [1]), ("zero", [0])):
+            tensor = numpy_helper.from_array(np.asarray(value, np.int64), t + name)
+            nodes.append(helper.make_node("Constant", [], [t + name], name=t + name, value=tensor))
+        nodes += [
+            helper.make_node("Shape", [rows], [t + "rows"], name=t + "rows", start=axis, end=axis + 1),
+            helper.make_node("Reshape", [key + "_s", t + "one"], [t + "start"], name=t + "start"),
+            helper.make_node("Add", [t + "start", t + "rows"], [t + "sum"], name=t + "sum"),
+            helper.make_node("Where", [key + "_neg", t + "length", t + "sum"], [t + "pick"], name=t + "pick"),
+            helper.make_node("Min", [t + "pick", t + "length"], [end], name=end),
+        ]
+        made.add(end)
+    node = _node(plan, s)
+    for j, axis, end in window.cuts:
+        source = node.input[j]
+        cut = f"{source}_w{s}_{j}"
+        axes = numpy_helper.from_array(np.asarray([axis], np.int64), cut + "_axes")
+        nodes.append(helper.make_node("Constant", [], [cut + "_axes"], name=cut + "_axes", value=axes))
+        nodes.append(helper.make_node("Slice", [source, end + "_zero", end, cut + "_axes"], [cut], name=cut))
+        node.input[j] = cut
+    nodes.append(node)
     return nodes
 
 
