@@ -209,34 +209,49 @@ DECODE_TOKENS = 256  # lateSteady is quoted from runs of at least 256 tokens
 DECODE_PROMPT = 16
 
 
-def _ort_decode_tokens_per_s(path: Path, prompt: np.ndarray, threads: int, tokens: int) -> tuple[float, list[int]]:
-    """lateSteady tokens/s of a greedy loop feeding each step's presents back as the past."""
-    sess = _ort_session(path, threads)
-    names = [o.name for o in sess.get_outputs()]
-    past_names = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
-    shapes = {i.name: i.shape for i in sess.get_inputs()}
-    heads, head_dim = shapes[past_names[0]][1], shapes[past_names[0]][3]
-    past = {n: np.zeros((1, heads, 0, head_dim), np.float32) for n in past_names}
-    ids, out, steps = prompt[None, :], [], []
-    total = ids.shape[1]
-    for _ in range(tokens):
-        seq = ids.shape[1]
+class OrtLoop:
+    """A greedy ONNX Runtime loop feeding each step's presents back as the past, a step at a time."""
+
+    def __init__(self, path: Path, prompt: np.ndarray, threads: int) -> None:
+        self.sess = sess = _ort_session(path, threads)
+        self.names = [o.name for o in sess.get_outputs()]
+        self.past_names = [i.name for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
+        shapes = {i.name: i.shape for i in sess.get_inputs()}
+        heads, head_dim = shapes[self.past_names[0]][1], shapes[self.past_names[0]][3]
+        self.past = {n: np.zeros((1, heads, 0, head_dim), np.float32) for n in self.past_names}
+        self.ids = prompt[None, :]
+        self.total = self.ids.shape[1]
+
+    def step(self) -> tuple[float, int]:
+        """One step (the first takes the prompt): its seconds and the token it chose."""
+        seq = self.ids.shape[1]
         feeds = {
-            "input_ids": ids,
-            "attention_mask": np.ones((1, total), np.int64),
-            "position_ids": np.arange(total - seq, total, dtype=np.int64)[None, :],
-            **past,
+            "input_ids": self.ids,
+            "attention_mask": np.ones((1, self.total), np.int64),
+            "position_ids": np.arange(self.total - seq, self.total, dtype=np.int64)[None, :],
+            **self.past,
         }
         start = time.perf_counter()
-        results = dict(zip(names, sess.run(names, feeds)))
+        results = dict(zip(self.names, self.sess.run(self.names, feeds)))
         token = int(np.argmax(results["logits"][0, -1]))
-        steps.append(time.perf_counter() - start)
-        out.append(token)
-        past = {n: results[n.replace("past_key_values", "present")] for n in past_names}
-        ids = np.array([[token]], np.int64)
-        total += 1
-    late = steps[20:]
-    return len(late) / sum(late), out
+        seconds = time.perf_counter() - start
+        self.past = {n: results[n.replace("past_key_values", "present")] for n in self.past_names}
+        self.ids = np.array([[token]], np.int64)
+        self.total += 1
+        return seconds, token
+
+
+def late_steady(seconds: list[float]) -> float:
+    """Tokens/s over the steps from the 20th on (lateSteady)."""
+    late = seconds[20:]
+    return len(late) / sum(late)
+
+
+def _ort_decode_tokens_per_s(path: Path, prompt: np.ndarray, threads: int, tokens: int) -> tuple[float, list[int]]:
+    """lateSteady tokens/s of a greedy loop feeding each step's presents back as the past."""
+    loop = OrtLoop(path, prompt, threads)
+    steps = [loop.step() for _ in range(tokens)]
+    return late_steady([t for t, _ in steps]), [k for _, k in steps]
 
 
 DECODE_ROUNDS = 9  # paired rounds: the 2-thread rates moved 53-75 tok/s between rounds here
@@ -264,15 +279,19 @@ class LoopWorker:
             env={**os.environ, **(env or {})},
         )
 
-    def run(self) -> tuple[float, list[int]]:
-        """One loop of the worker's tokens: lateSteady tokens/s and the tokens."""
+    def ask(self, command: str) -> dict[str, Any]:
+        """Send ``command`` (go, begin, step); the worker's JSON answer."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("go\n")
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the ONNX Runtime loop worker exited ({self.proc.wait()})")
-        got = json.loads(line)
+        return dict(json.loads(line))
+
+    def run(self) -> tuple[float, list[int]]:
+        """One loop of the worker's tokens: lateSteady tokens/s and the tokens."""
+        got = self.ask("go")
         return float(got["rate"]), list(got["tokens"])
 
     def close(self) -> None:
@@ -290,11 +309,21 @@ class LoopWorker:
 def loop_worker(path: Path, threads: int, tokens: int) -> int:
     """The worker's side: a loop each time a line comes on stdin, its result a JSON line."""
     prompt = decode_prompt()
+    loop: OrtLoop | None = None
     for line in sys.stdin:
-        if line.strip() != "go":
+        command = line.strip()
+        if command == "go":  # a whole loop
+            rate, out = _ort_decode_tokens_per_s(path, prompt, threads, tokens)
+            answer: dict[str, Any] = {"rate": rate, "tokens": out}
+        elif command == "begin":  # a loop taken a step at a time (token-interleaved rounds)
+            loop = OrtLoop(path, prompt, threads)
+            answer = {}
+        elif command == "step" and loop is not None:
+            seconds, token = loop.step()
+            answer = {"seconds": seconds, "token": token}
+        else:
             break
-        rate, out = _ort_decode_tokens_per_s(path, prompt, threads, tokens)
-        print(json.dumps({"rate": rate, "tokens": out}), flush=True)
+        print(json.dumps(answer), flush=True)
     return 0
 
 
@@ -302,15 +331,25 @@ def decode_prompt() -> np.ndarray:
     return np.random.default_rng(0).integers(0, 50000, DECODE_PROMPT).astype(np.int64)
 
 
-def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: int = DECODE_ROUNDS) -> dict[str, Any]:
+def decode_race(
+    path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: int = DECODE_ROUNDS, interleave: str = "auto"
+) -> dict[str, Any]:
     """GenerationPipeline (AUTO) vs the ONNX Runtime loop on ``path``: lateSteady tokens/s and token agreement.
 
     One pipeline (compiled, frozen and its trials run once, as a server would) and two loops,
     each in a process of its own (``LoopWorker``): the plain loop, the issue's peer, and the loop
-    with glibc's huge pages, take ``rounds`` turns of ``tokens`` tokens each, the loops first in
-    each round; each figure is the median of its rounds (one pair of runs on a shared machine
-    moved 0.9-1.1x between pairs).
+    with glibc's huge pages, take ``rounds`` rounds of ``tokens`` tokens each; each figure is the
+    median of its rounds. ``interleave``: ``token``, each of DSP's blocks of tokens (8 a host
+    call) is followed by as many steps of each loop, so the three share the machine's moments
+    block by block; ``run``, each round's whole runs back to back, the loops first; ``auto``
+    (default), ``token`` at one thread and ``run`` at more. With several threads ONNX Runtime's
+    pool threads spin after each call and take the cores from the process stepped next: token by
+    token at 2 threads the plain loop ran 30 tok/s against 53 in whole runs
+    (benchmarks/results/cpu_race_decode_2026-12-04b/). At one thread the token turns held each
+    rate within 5% across rounds, where whole runs moved 10%.
     """
+    if interleave == "auto":
+        interleave = "token" if threads == 1 else "run"
     import gc
     import statistics
 
@@ -330,11 +369,32 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: i
     agree: list[float] = []
     try:
         for _ in range(rounds):
-            for name, worker in loops.items():
-                rate, loop_tokens = worker.run()
-                loop_rates[name].append(rate)
+            loop_tokens: list[int] = []
+            on_tokens = None
+            if interleave == "token":
+                seconds: dict[str, list[float]] = {name: [] for name in loops}
+                for worker in loops.values():
+                    worker.ask("begin")
+
+                def on_tokens(
+                    block: np.ndarray, seconds: dict[str, list[float]] = seconds, chosen: list[int] = loop_tokens
+                ) -> None:
+                    for _ in range(block.shape[1]):  # outside DSP's timed block
+                        for name, worker in loops.items():
+                            got = worker.ask("step")
+                            seconds[name].append(float(got["seconds"]))
+                            if name == "plain":
+                                chosen.append(int(got["token"]))
+
+            else:
+                for name, worker in loops.items():
+                    rate, loop_tokens = worker.run()
+                    loop_rates[name].append(rate)
             pipe.reset_position()
-            result = pipe.generate(prompt, tokens)
+            result = pipe.generate(prompt, tokens, on_tokens=on_tokens)
+            if interleave == "token":
+                for name in loops:
+                    loop_rates[name].append(late_steady(seconds[name]))
             dsp_tokens = result.token_list()[-tokens:]  # the generated tokens (the prompt is not in them)
             rates = result.metrics.rates
             dsp_rates.append(rates.get("lateSteady") or result.metrics.effective[1] or 0.0)
@@ -356,6 +416,7 @@ def decode_race(path: Path, threads: int, tokens: int = DECODE_TOKENS, rounds: i
         "title": f"GPT-2 124M greedy decode, {tokens} tokens (lateSteady tok/s)",
         "threads": threads,
         "rounds": rounds,
+        "interleave": interleave,
         "dsp_tokens_per_s": round(dsp_rate, 2),
         "ort_loop_tokens_per_s": round(ort_rate, 2),
         "ort_loop_huge_pages_tokens_per_s": round(huge_rate, 2),
@@ -426,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--decode-rounds", type=int, default=DECODE_ROUNDS, help="GPT-2 124M decode: rounds of DSP against the loop"
     )
+    parser.add_argument(
+        "--decode-interleave",
+        choices=("auto", "token", "run"),
+        default="auto",
+        help="GPT-2 124M decode: the loops step after each of DSP's blocks (token), or whole runs in turns (run); "
+        "auto: token at one thread, run at more (decode_race's doc says why)",
+    )
     parser.add_argument("--overhead", action="store_true", help="only DSP's per-call overhead on the 3-node MLP")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loop-worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -440,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         rows = run_one(args.threads[0], args.only, args.batches, args.runs) if args.only else []
         if args.gpt2_124m is not None:
-            rows.append(decode_race(args.gpt2_124m, args.threads[0], rounds=args.decode_rounds))
+            interleave = args.decode_interleave
+            rows.append(decode_race(args.gpt2_124m, args.threads[0], rounds=args.decode_rounds, interleave=interleave))
             print(json.dumps(rows[-1]), flush=True)
         print("ROWS=" + json.dumps(rows))
         return 0
@@ -461,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--only", *args.only, "--batches", *map(str, args.batches)]
             if args.gpt2_124m is not None:
                 cmd += ["--gpt2-124m", str(args.gpt2_124m), "--decode-rounds", str(args.decode_rounds)]
+                cmd += ["--decode-interleave", args.decode_interleave]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stderr.write(done.stderr[-3000:])
         line = next((x for x in done.stdout.splitlines() if x.startswith("ROWS=")), None)
