@@ -145,8 +145,7 @@ class DecodeState:
         # Host buffers, read whole every step, on huge pages where the system has them (hugepages.zeros)
         specs = {n: (s, dtypes.to_numpy(fk.buffer_dtypes[n])) for n, s in fk.buffer_shapes.items()}
         self.buffers = (hugepages.zeros(specs) if xp is np else None) or {
-            n: on_device(xp, homes.get(n, 0), lambda n=n, s=s: xp.zeros(s, dtype=dtypes.to_numpy(fk.buffer_dtypes[n])))
-            for n, s in fk.buffer_shapes.items()
+            n: on_device(xp, homes.get(n, 0), lambda s=s, d=d: xp.zeros(s, dtype=d)) for n, (s, d) in specs.items()
         }
         self.input_ids = xp.zeros((batch, 1), dtype=decoder.dtype_of("input_ids"))
         self.position_ids = xp.zeros((batch, 1), dtype=decoder.dtype_of("position_ids"))

@@ -404,16 +404,8 @@ def _attention_windows(
         # the probabilities into MatMul(., V), V another store's buffer of the same step
         nxt = only_reader(plan.flat(slot.outputs[0]))
         v = reads.get((nxt[0], 1)) if nxt is not None and nxt[1] == 0 else None
-        if (
-            nxt is None
-            or v is None
-            or plan.slots[nxt[0]].op != "MatMul"
-            or stores[v[0]][1:3]
-            != (
-                stores[flat][1],
-                end,
-            )
-        ):
+        # (length, end): a buffer of the same length, written at the same position
+        if nxt is None or v is None or plan.slots[nxt[0]].op != "MatMul" or stores[v[0]][1:3] != stores[flat][1:3]:
             continue
         cuts.setdefault(nxt[0], []).append((1, v[1] - 2, end))
         for t, got in cuts.items():

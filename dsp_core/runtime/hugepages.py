@@ -146,16 +146,22 @@ def advise(ranges: list[tuple[int, int]], advice: HugePageAdvice) -> None:
     advice.error = "; ".join(sorted(errors))
 
 
+def _unavailable(least: int) -> str:
+    """Why no memory gets huge pages here (``least``: DSP_HUGE_PAGES), or "" when it can."""
+    if least <= 0:
+        return "off (DSP_HUGE_PAGES=0)"
+    mode = thp_mode() if sys.platform.startswith("linux") else None
+    if mode not in ("madvise", "always"):
+        return f"transparent huge pages are {mode or 'not available'} on this system"
+    return ""
+
+
 @contextmanager
 def huge_pages_for_new_memory(min_mib: int | None = None) -> Iterator[HugePageAdvice]:
     """Within the block, a runtime compiles; after it, its new memory gets huge pages (see the module doc)."""
     advice = HugePageAdvice()
     least = int(config.get("huge_pages")) if min_mib is None else min_mib
-    mode = thp_mode() if sys.platform.startswith("linux") else None
-    if least <= 0:
-        advice.skipped = "off (DSP_HUGE_PAGES=0)"
-    elif mode not in ("madvise", "always"):
-        advice.skipped = f"transparent huge pages are {mode or 'not available'} on this system"
+    advice.skipped = _unavailable(least)
     if advice.skipped:
         yield advice
         return
@@ -201,22 +207,20 @@ def zeros(specs: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.nd
     two huge pages.
     """
     size = huge_page_size()
-    layout, total = {}, 0
+    layout: dict[str, tuple[int, int]] = {}  # name -> (offset, bytes), each offset 64-byte aligned
+    total = 0
     for name, (shape, dtype) in specs.items():
-        layout[name] = total
-        total += -(-int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize // 64) * 64
-    if int(config.get("huge_pages")) <= 0 or thp_mode() not in ("madvise", "always") or total < 2 * size:
-        return None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        layout[name] = (total, nbytes)
+        total += -(-nbytes // 64) * 64
     madvise = _madvise()
-    if madvise is None:
+    if _unavailable(int(config.get("huge_pages"))) or total < 2 * size or madvise is None:
         return None
     block = mmap.mmap(-1, total + size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = np.frombuffer(block, np.uint8)  # keeps the mapping alive while any array lives
     skip = -raw.ctypes.data % size
     madvise(raw.ctypes.data + skip, (len(raw) - skip) // size * size, MADV_HUGEPAGE)  # a hint: its result aside
     return {
-        name: raw[skip + at : skip + at + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize]
-        .view(dtype)
-        .reshape(shape)
-        for (name, (shape, dtype)), at in zip(specs.items(), layout.values())
+        name: raw[skip + at : skip + at + nbytes].view(dtype).reshape(shape)
+        for (name, (shape, dtype)), (at, nbytes) in zip(specs.items(), layout.values())
     }
