@@ -315,8 +315,10 @@ OPTIONS: tuple[Option, ...] = (
         "bool",
         True,
         "ONNX Runtime's decode step (KV stores as TensorScatter) has each attention read only the KV positions "
-        "written so far, not the whole fixed buffer: the buffers and masks are sliced to position + rows inside "
-        "its session (docs/cpu-backends.md); off: the attention reads the whole buffer, the unused tail masked.",
+        "written so far, not the whole fixed buffer, while they are fewer than half of it at one thread (a third "
+        "at more): the buffers and masks are sliced to position + rows inside its session, and an If per layer "
+        "reads the whole buffer from there on, where that is cheaper than the slices' copies "
+        "(docs/cpu-backends.md); off: the attention reads the whole buffer always, the unused tail masked.",
     ),
     Option(
         "nvrtc_kv_fusion",

@@ -313,17 +313,25 @@ def test_onnxruntime_replays_write_the_kv_rows_in_place(backend: str, cpu_runtim
 
 
 @pytest.mark.parametrize(("name", "layers"), [("gpt2_eager", 2), ("llama_eager", 2)])
-@pytest.mark.parametrize("window", [True, False])
+@pytest.mark.parametrize("window", ["switch", "always", "off"])
 def test_onnxruntime_attention_reads_only_the_positions_written_so_far(
-    name: str, layers: int, window: bool, cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
+    name: str, layers: int, window: str, cpu_runtimes: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DSP_RUNTIME_KV_WINDOW (on by default): in ONNX Runtime's decode-step model each layer's K and
-    V buffers are sliced to position + rows where the attention reads them (the masks with them),
-    and the logits of every step are the reference's. Off: no slice, the whole buffer read."""
+    V buffers are sliced to position + rows where the attention reads them (the masks with them)
+    while that is under a part of the buffer (half at one thread: an If per layer, the whole buffer
+    read in its other branch; ``always``: that part set to all of it, no If), and the logits of every
+    step, on either side of the switch, are the reference's. Off: no slice, the whole buffer read."""
+    import dsp_onnxruntime.segment as ort_segment
+    from onnx import numpy_helper
+
     from dsp_core.llm import GenerationPipeline
     from dsp_core.plan import subgraph
 
-    monkeypatch.setenv("DSP_RUNTIME_KV_WINDOW", "1" if window else "0")
+    monkeypatch.setenv("DSP_RUNTIME_KV_WINDOW", "0" if window == "off" else "1")
+    monkeypatch.setenv("DSP_CPU_THREADS", "1")
+    if window == "always":
+        monkeypatch.setattr(ort_segment, "WINDOW_BELOW_ONE_THREAD", 1.0)
     models: list[Any] = []
     made = subgraph.segment_model
 
@@ -333,24 +341,39 @@ def test_onnxruntime_attention_reads_only_the_positions_written_so_far(
 
     monkeypatch.setattr(subgraph, "segment_model", keep)
     prompt = np.array([[5, 7, 11, 13]], np.int64)
+    tokens = [int(t) for t in np.random.default_rng(7).integers(1, 50, 26)]
     logits = {}
     for mode in ("slot_by_slot", "onnxruntime"):
         session = GenerationPipeline(str(FIXTURES / f"{name}.onnx"), max_length=40, mode=mode).session()
         rows = [session.append(prompt)]
-        for token in [3, 17, 29, 31, 2, 8, 40, 9]:  # decode steps at positions 4..11 of 40
+        for token in tokens:  # decode steps at positions 4..29 of 40: the switch is at 20
             rows.append(session.append(np.array([[token]], np.int64)))
         logits[mode] = np.stack(rows)
     np.testing.assert_allclose(logits["onnxruntime"], logits["slot_by_slot"], rtol=1e-4, atol=1e-4)
     (decode,) = [m for m in models if any(n.op_type == "TensorScatter" for n in m.graph.node)]
-    cuts = [n for n in decode.graph.node if n.op_type == "Slice" and "_w" in n.name]
     stores = {n.output[0] for n in decode.graph.node if n.op_type == "TensorScatter"}
-    if window:
-        # per layer: K (before its transpose) and V (before the product), each read after the store
-        assert len(stores) == 2 * layers and len(cuts) >= 2 * layers
-        ends = {n.input[2] for n in cuts}
-        assert len(ends) == 1  # one end for every store of the step
+    switches = [n for n in decode.graph.node if n.op_type == "If"]
+
+    def cuts(nodes: Any) -> list[Any]:
+        return [n for n in nodes if n.op_type == "Slice" and "_w" in n.name]
+
+    assert len(stores) == 2 * layers
+    if window == "switch":
+        assert len(switches) == layers and cuts(decode.graph.node) == []
+        for node in switches:
+            branches = {a.name: a.g for a in node.attribute}
+            # K (before its transpose) and V (before the product), each read after the store
+            assert len(cuts(branches["then_branch"].node)) >= 2 and cuts(branches["else_branch"].node) == []
+        assert len({n.input[0] for n in switches}) == 1  # one condition for the step
+        produced = {o: n for n in decode.graph.node for o in n.output}
+        condition = produced[switches[0].input[0]]
+        assert condition.op_type == "Less" and condition.input[0] == cuts(branches["then_branch"].node)[0].input[2]
+        assert numpy_helper.to_array(produced[condition.input[1]].attribute[0].t).tolist() == [20]  # half of 40
+    elif window == "always":
+        assert switches == [] and len(cuts(decode.graph.node)) >= 2 * layers
+        assert len({n.input[2] for n in cuts(decode.graph.node)}) == 1  # one end for every store of the step
     else:
-        assert cuts == []
+        assert switches == [] and cuts(decode.graph.node) == []
 
 
 def test_a_kv_buffer_is_bound_in_place_only_where_nothing_else_sees_its_old_rows() -> None:

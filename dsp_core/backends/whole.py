@@ -167,11 +167,11 @@ class WholeSegment(CompiledSegment):
         """A callable that runs ``compiled`` reading ``inputs`` and writing ``outputs`` in place."""
         raise NotImplementedError
 
-    def _attention_window(self) -> bool:
-        """Whether a decode step's attention reads only the KV positions written so far (with
-        TensorScatter; ``subgraph._attention_windows``): for a runtime whose tensors inside a
-        model may take their shape when it runs."""
-        return False
+    def _attention_window(self) -> float:
+        """Up to which fraction of a KV buffer's positions a decode step's attention reads only the
+        positions written so far (with TensorScatter; ``subgraph._attention_windows``), for a
+        runtime whose tensors inside a model may take their shape when it runs; 0: never."""
+        return 0.0
 
     def _tensor_scatter(self) -> bool:
         """Whether the KV stores are written as TensorScatter (opset 24, where the segment's ops
