@@ -280,7 +280,7 @@ class LoopWorker:
         )
 
     def ask(self, command: str) -> dict[str, Any]:
-        """Send ``command`` (go, begin, step); the worker's JSON answer."""
+        """Send ``command`` (go, begin, steps N); the worker's JSON answer."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
@@ -318,9 +318,9 @@ def loop_worker(path: Path, threads: int, tokens: int) -> int:
         elif command == "begin":  # a loop taken a step at a time (token-interleaved rounds)
             loop = OrtLoop(path, prompt, threads)
             answer = {}
-        elif command == "step" and loop is not None:
-            seconds, token = loop.step()
-            answer = {"seconds": seconds, "token": token}
+        elif command.startswith("steps ") and loop is not None:  # a block of steps, one after another
+            steps = [loop.step() for _ in range(int(command.split()[1]))]
+            answer = {"seconds": [t for t, _ in steps], "tokens": [k for _, k in steps]}
         else:
             break
         print(json.dumps(answer), flush=True)
@@ -339,17 +339,19 @@ def decode_race(
     One pipeline (compiled, frozen and its trials run once, as a server would) and two loops,
     each in a process of its own (``LoopWorker``): the plain loop, the issue's peer, and the loop
     with glibc's huge pages, take ``rounds`` rounds of ``tokens`` tokens each; each figure is the
-    median of its rounds. ``interleave``: ``token``, each of DSP's blocks of tokens (8 a host
-    call) is followed by as many steps of each loop, so the three share the machine's moments
-    block by block; ``run``, each round's whole runs back to back, the loops first; ``auto``
-    (default), ``token`` at one thread and ``run`` at more. With several threads ONNX Runtime's
-    pool threads spin after each call and take the cores from the process stepped next: token by
-    token at 2 threads the plain loop ran 30 tok/s against 53 in whole runs
-    (benchmarks/results/cpu_race_decode_2026-12-04b/). At one thread the token turns held each
-    rate within 5% across rounds, where whole runs moved 10%.
+    median of its rounds. ``interleave``: ``token`` (the default; ``auto`` is the same), each of
+    DSP's blocks of tokens (8 a host call) is followed by as many steps of each loop, a block of
+    steps each, so the three share the machine's moments block by block; ``run``, each round's
+    whole runs back to back, the loops first. The loops once stepped in turns a step at a time:
+    at 2 threads each step then began while the other's pool threads still spun, and the plain
+    loop ran 30 tok/s against 53 in whole runs (benchmarks/results/cpu_race_decode_2026-12-04b/).
+    In blocks, at 2 threads, DSP's and the loop's rates moved together round by round (within 3%
+    of each other in each of 7 rounds of 43-54 tok/s), where whole runs at 2 threads fell in two
+    states of this machine, 55-58 and 72-77 tok/s, and a round's runs could land in different ones.
+    At one thread the token turns held each rate within 5% across rounds; whole runs moved 10%.
     """
     if interleave == "auto":
-        interleave = "token" if threads == 1 else "run"
+        interleave = "token"
     import gc
     import statistics
 
@@ -379,12 +381,11 @@ def decode_race(
                 def on_tokens(
                     block: np.ndarray, seconds: dict[str, list[float]] = seconds, chosen: list[int] = loop_tokens
                 ) -> None:
-                    for _ in range(block.shape[1]):  # outside DSP's timed block
-                        for name, worker in loops.items():
-                            got = worker.ask("step")
-                            seconds[name].append(float(got["seconds"]))
-                            if name == "plain":
-                                chosen.append(int(got["token"]))
+                    for name, worker in loops.items():  # outside DSP's timed block, a block each
+                        got = worker.ask(f"steps {block.shape[1]}")
+                        seconds[name] += [float(x) for x in got["seconds"]]
+                        if name == "plain":
+                            chosen += [int(x) for x in got["tokens"]]
 
             else:
                 for name, worker in loops.items():
@@ -491,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-interleave",
         choices=("auto", "token", "run"),
         default="auto",
-        help="GPT-2 124M decode: the loops step after each of DSP's blocks (token), or whole runs in turns (run); "
-        "auto: token at one thread, run at more (decode_race's doc says why)",
+        help="GPT-2 124M decode: the loops take a block of steps after each of DSP's blocks (token, and auto), or "
+        "whole runs in turns (run); decode_race's doc says why",
     )
     parser.add_argument("--overhead", action="store_true", help="only DSP's per-call overhead on the 3-node MLP")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
