@@ -457,7 +457,8 @@ def _segments(plan: Plan, owners: list[Backend]) -> list[Segment]:
 # lasts: turns spread a shared machine's passing load over every candidate instead of one.
 # The lowest median wins (a runtime's several threads on shared cores are judged on what a
 # step usually costs, not on its one lucky run); candidates within TIE of the fastest count
-# as tied, and the chain's order breaks ties. The result is kept in the
+# as tied, and the chain's order breaks ties, unless the fastest was the faster in every round
+# of CONSISTENT_ROUNDS or more (``_pick``). The result is kept in the
 # partition (per segment and feed shapes) and in the disk cache, so a later freeze of the
 # same shapes, here or in another process, does not time again.
 TIE = 0.05
@@ -471,10 +472,15 @@ TRIAL_BUDGET_S = 0.5
 # Runtime, 7-15% apart in the real loop, flipped from one freeze to the next on a 2-core machine.
 TRIAL_MIN_ROUNDS = 4
 TRIAL_MAX_S = 3.0
-# 5: and TRIAL_MIN_ROUNDS for a long step; 4: rounds while the budget lasts; 3: medians of bursts
-# in turns, three rounds at most (2: of runs in turns; 1: best runs). A trial kept under an older
-# format is timed again.
-TRIAL_FORMAT = "dsp-auction-trial/5"
+# A candidate within TIE of an earlier one in the chain wins all the same when it was the faster in
+# every one of this many rounds or more: a difference that holds round after round is not the
+# machine's noise. GPT-2 124M's decode step at one thread: ONNX Runtime 22.3 ms against OpenVINO's
+# 23.0 in the trial (3% apart, a tie by TIE, so OpenVINO), 44.8 against 42.6 tok/s over 256 tokens.
+CONSISTENT_ROUNDS = 4
+# 6: the faster in every round wins a tie; 5: and TRIAL_MIN_ROUNDS for a long step; 4: rounds while
+# the budget lasts; 3: medians of bursts in turns, three rounds at most (2: of runs in turns; 1:
+# best runs). A trial kept under an older format is timed again.
+TRIAL_FORMAT = "dsp-auction-trial/6"
 
 
 @dataclass(frozen=True)
@@ -484,11 +490,13 @@ class Trial:
     times: dict[str, float]
     winner: str
     source: str  # "measured", or "disk" when a record of an earlier process was used
+    rounds: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # median seconds per round
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form for `dsp plan explain` (microseconds)."""
         return {
             "times_us": {k: round(v * 1e6, 2) for k, v in self.times.items()},
+            "rounds_us": {k: [round(v * 1e6, 2) for v in got] for k, got in self.rounds.items()},
             "winner": self.winner,
             "source": self.source,
         }
@@ -592,10 +600,9 @@ def _time_segment(
                 steps[backend.name] = _ready_step(backend, compiled, values)
             except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
                 log.info("DSP auction trial: %s failed on segment %d: %s", backend.name, seg.index, describe(exc))
-        times = _timed_turns(steps, runs, seg.index)
+        times, rounds = _timed_turns(steps, runs, seg.index)
         if times:
-            best = min(times.values())
-            winner = next(b.name for b in candidates if b.name in times and times[b.name] <= best * (1 + TIE))
+            winner = _pick([b.name for b in candidates], times, rounds)
             # Kept for the CPU runtimes, whose compile is what a second one would cost; a device
             # segment is compiled afresh, as it always was (its trial capture used copies of the buffers).
             kept = next((c for c in made if c.backend.name == winner and c.backend.platform == "cpu"), None)
@@ -605,7 +612,7 @@ def _time_segment(
                 release_quietly(compiled)
     if not times:
         return Trial({}, seg.backend, "measured"), None
-    return Trial(times, winner, "measured"), kept
+    return Trial(times, winner, "measured", rounds), kept
 
 
 def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) -> Callable[[], Any]:
@@ -628,11 +635,25 @@ def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) 
     return step
 
 
-def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> dict[str, float]:
-    """Median seconds of each step, timed in bursts taken in turns: rounds while TRIAL_BUDGET_S lasts
-    (at least one, and TRIAL_MIN_ROUNDS while TRIAL_MAX_S lasts; TRIAL_ROUNDS at most), each round
-    a burst of ``runs`` + 1 runs of every candidate (the order rotating round by round), the
-    burst's first run not counted.
+def _pick(order: list[str], times: dict[str, float], rounds: dict[str, list[float]]) -> str:
+    """The winner of a trial: the fastest median (``times``), or the first in the chain's ``order``
+    within TIE of it, unless the fastest had the lower median in each of CONSISTENT_ROUNDS or more
+    rounds (``rounds``: each candidate's median per round, the rounds in step) against that one."""
+    fastest = min(times, key=lambda name: times[name])
+    first = next(name for name in order if name in times and times[name] <= times[fastest] * (1 + TIE))
+    pairs = list(zip(rounds.get(fastest, ()), rounds.get(first, ())))
+    if first != fastest and len(pairs) >= CONSISTENT_ROUNDS and all(a < b for a, b in pairs):
+        return fastest
+    return first
+
+
+def _timed_turns(
+    steps: dict[str, Callable[[], Any]], runs: int, index: int
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median seconds of each step, and its median per round (``_pick`` reads them), timed in bursts
+    taken in turns: rounds while TRIAL_BUDGET_S lasts (at least one, and TRIAL_MIN_ROUNDS while
+    TRIAL_MAX_S lasts; TRIAL_ROUNDS at most), each round a burst of ``runs`` + 1 runs of every
+    candidate (the order rotating round by round), the burst's first run not counted.
 
     Turns spread a shared machine's passing load over every candidate. They are bursts, not single
     runs, because a runtime's threads outlive its call: ONNX Runtime's intra-op threads spin for a
@@ -644,6 +665,7 @@ def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> 
     judged on what a step usually costs it.
     """
     samples: dict[str, list[float]] = {name: [] for name in steps}
+    per_round: dict[str, list[float]] = {name: [] for name in steps}
     started = time.perf_counter()
     names = list(steps)
     for turn in range(TRIAL_ROUNDS):
@@ -660,11 +682,12 @@ def _timed_turns(steps: dict[str, Callable[[], Any]], runs: int, index: int) -> 
                     got.append(time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001  (a candidate that fails while timed is out)
                 log.info("DSP auction trial: %s failed on segment %d: %s", name, index, describe(exc))
-                del steps[name], samples[name]
+                del steps[name], samples[name], per_round[name]
                 names.remove(name)
                 continue
             samples[name] += got[1:]
-    return {name: statistics.median(got) for name, got in samples.items() if got}
+            per_round[name].append(statistics.median(got[1:] or got))
+    return {name: statistics.median(got) for name, got in samples.items() if got}, per_round
 
 
 def _hand_over(executor: Any, k: int, winner: Backend, compiled: CompiledSegment | None = None) -> None:
@@ -722,19 +745,21 @@ def _recall(plan: Plan, part: Partition, k: int, candidates: list[Backend], key:
     try:
         record = json.loads(raw)
         times = {str(n): float(t) for n, t in record["times"].items()}
+        rounds = {str(n): [float(t) for t in got] for n, got in record.get("rounds", {}).items()}
         winner = str(record["winner"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if winner not in {b.name for b in candidates}:
         return None
-    return Trial(times, winner, "disk")
+    return Trial(times, winner, "disk", rounds)
 
 
 def _remember(plan: Plan, part: Partition, k: int, candidates: list[Backend], key: str, trial: Trial) -> None:
     cache = _disk()
     if cache is None or not trial.times:
         return
-    record = {"format": TRIAL_FORMAT, "segment": k, "times": trial.times, "winner": trial.winner}
+    record = {"format": TRIAL_FORMAT, "segment": k, "times": trial.times, "rounds": trial.rounds}
+    record["winner"] = trial.winner
     cache.put(_record_key(plan, part.segments[k], candidates, key), json.dumps(record, sort_keys=True).encode())
 
 
