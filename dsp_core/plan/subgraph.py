@@ -326,7 +326,7 @@ def _attention_windows(
     attention reads them (after the layout ops: their shapes hold ``L``), and each other
     operand on the scores' way whose last axis is ``L`` (the masks) along that axis; anything
     else leaves the layer as it was. A start counted from the end (negative) reads the whole
-    buffer. Returns slot -> its cuts.
+    buffer. Returns each slot of a matched attention -> its window (its cuts, the layer's slots).
     """
     mine = set(slots)
     readers: dict[int, list[tuple[int, int]]] = {}
