@@ -153,6 +153,12 @@ def _nodes(plan: Plan, s: int, opset: int) -> list[onnx.NodeProto]:
     return [_node(plan, s)]
 
 
+def _int64_constant(name: str, value: Any) -> onnx.NodeProto:
+    """A Constant node whose output ``name`` (also the node's name) is ``value`` as int64."""
+    tensor = numpy_helper.from_array(np.asarray(value, np.int64), name)
+    return helper.make_node("Constant", [], [name], name=name, value=tensor)
+
+
 def _kv_store_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
     """``dsp::KVScatter(buffer, rows, position)`` as the buffer it makes: ScatterElements of ``rows``
     at ``position[0] + arange(n)`` along the axis, as a new tensor (see the module docstring)."""
@@ -167,8 +173,7 @@ def _kv_store_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
     t = f"s{s}_kv_"
 
     def const(name: str, value: Any) -> onnx.NodeProto:
-        tensor = numpy_helper.from_array(np.asarray(value, np.int64), t + name)
-        return helper.make_node("Constant", [], [t + name], name=t + name, value=tensor)
+        return _int64_constant(t + name, value)
 
     view = [1] * rank
     view[axis] = -1
@@ -262,8 +267,7 @@ def _tensor_scatter_nodes(plan: Plan, s: int, shape: tuple[int, ...], made: set[
         t = key + "_"
 
         def const(name: str, value: Any) -> onnx.NodeProto:
-            tensor = numpy_helper.from_array(np.asarray(value, np.int64), t + name)
-            return helper.make_node("Constant", [], [t + name], name=t + name, value=tensor)
+            return _int64_constant(t + name, value)
 
         nodes = [
             const("flat", [-1]),
@@ -432,9 +436,9 @@ def _window_end_nodes(window: _Window, made: set[str]) -> list[onnx.NodeProto]:
         if end in made:
             continue
         t = end + "_"
-        for name, value in (("length", [length]), ("one", [1]), ("zero", [0])):
-            tensor = numpy_helper.from_array(np.asarray(value, np.int64), t + name)
-            nodes.append(helper.make_node("Constant", [], [t + name], name=t + name, value=tensor))
+        nodes += [
+            _int64_constant(t + name, value) for name, value in (("length", [length]), ("one", [1]), ("zero", [0]))
+        ]
         nodes += [
             helper.make_node("Shape", [rows], [t + "rows"], name=t + "rows", start=axis, end=axis + 1),
             helper.make_node("Reshape", [key + "_s", t + "one"], [t + "start"], name=t + "start"),
@@ -453,8 +457,7 @@ def _windowed_node(plan: Plan, s: int, window: _Window) -> list[onnx.NodeProto]:
     for j, axis, end in window.cuts:
         source = node.input[j]
         cut = f"{source}_w{s}_{j}"
-        axes = numpy_helper.from_array(np.asarray([axis], np.int64), cut + "_axes")
-        nodes.append(helper.make_node("Constant", [], [cut + "_axes"], name=cut + "_axes", value=axes))
+        nodes.append(_int64_constant(cut + "_axes", [axis]))
         nodes.append(helper.make_node("Slice", [source, end + "_zero", end, cut + "_axes"], [cut], name=cut))
         node.input[j] = cut
     nodes.append(node)
@@ -480,11 +483,12 @@ def _attention_nodes(
         for s in region:
             nodes.extend(_windowed_node(plan, s, windows[s]))
         return nodes
-    (end, _, _, _, length), out = window.ends[0], name_of(plan.flat(plan.slots[region[-1]].outputs[0]))
+    end, length = window.ends[0][0], window.ends[0][4]
+    out_flat = plan.flat(plan.slots[region[-1]].outputs[0])
+    out, dtype = name_of(out_flat), _out_info(plan, out_flat)[0]
     cond = f"{end}_below{length}"
     if cond not in made:
-        limit = numpy_helper.from_array(np.asarray([math.ceil(below * length)], np.int64), cond + "_at")
-        nodes.append(helper.make_node("Constant", [], [cond + "_at"], name=cond + "_at", value=limit))
+        nodes.append(_int64_constant(cond + "_at", [math.ceil(below * length)]))
         nodes.append(helper.make_node("Less", [end, cond + "_at"], [cond], name=cond))
         made.add(cond)
 
@@ -494,7 +498,6 @@ def _attention_nodes(
             n.name = f"{n.name}_{tag}"
             n.input[:] = [f"{x}_{tag}" if x in inner else x for x in n.input]
             n.output[:] = [f"{x}_{tag}" for x in n.output]
-        dtype = _out_info(plan, plan.flat(plan.slots[region[-1]].outputs[0]))[0]
         return helper.make_graph(body, f"{out}_{tag}", [], [_value_info(f"{out}_{tag}", dtype, None)])
 
     windowed = [n for s in region for n in _windowed_node(plan, s, windows[s])]
@@ -536,10 +539,7 @@ def _merged_nodes(plan: Plan, s: int, opset: int) -> list[onnx.NodeProto]:
         if opset >= 10:  # starts, ends and axes are inputs from opset 10 on
             bounds = []
             for what, value in (("starts", start), ("ends", start + n), ("axes", -1)):
-                tensor = numpy_helper.from_array(np.asarray([value], np.int64), f"{tmp}{what}{j}")
-                nodes.append(
-                    helper.make_node("Constant", [], [f"{tmp}{what}{j}"], name=f"{tmp}{what}{j}", value=tensor)
-                )
+                nodes.append(_int64_constant(f"{tmp}{what}{j}", [value]))
                 bounds.append(f"{tmp}{what}{j}")
             nodes.append(helper.make_node("Slice", [tmp + "y", *bounds], [outs[j]], name=name))
         else:
