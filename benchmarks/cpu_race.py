@@ -242,9 +242,10 @@ class OrtLoop:
 
 
 def late_steady(seconds: list[float]) -> float:
-    """Tokens/s over the steps from the 20th on (lateSteady)."""
-    late = seconds[20:]
-    return len(late) / sum(late)
+    """Tokens/s over the steps from the 20th on (lateSteady), as DSP's own runs are counted."""
+    from dsp_core.llm.metrics import THRESHOLDS, DecodeMetrics
+
+    return DecodeMetrics(tuple(seconds)).rate(THRESHOLDS["lateSteady"]) or 0.0
 
 
 def _ort_decode_tokens_per_s(path: Path, prompt: np.ndarray, threads: int, tokens: int) -> tuple[float, list[int]]:
