@@ -758,8 +758,13 @@ def _remember(plan: Plan, part: Partition, k: int, candidates: list[Backend], ke
     cache = _disk()
     if cache is None or not trial.times:
         return
-    record = {"format": TRIAL_FORMAT, "segment": k, "times": trial.times, "rounds": trial.rounds}
-    record["winner"] = trial.winner
+    record = {
+        "format": TRIAL_FORMAT,
+        "segment": k,
+        "times": trial.times,
+        "rounds": trial.rounds,
+        "winner": trial.winner,
+    }
     cache.put(_record_key(plan, part.segments[k], candidates, key), json.dumps(record, sort_keys=True).encode())
 
 
