@@ -86,7 +86,13 @@ def torch_flushed_us(body: Any, launches: int = 20, runs: int = 10) -> float:
     return max(timed(True) - timed(False), 0.0)
 
 
-def interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0) -> dict:
+TURN_S = 20e-3
+SETTLED_TURN_S = 100e-3  # where some contender settles: longer turns, so the sleeps cost less
+
+
+def interleaved_us(
+    steps: dict[str, Callable[[], Any]], runs: int, budget_s: float = 3.0, settle: dict[str, float] | None = None
+) -> dict:
     """Each contender's median call, the contenders timed in alternating turns.
 
     A turn is about 20 ms of one contender's calls (at least two); the first call of a turn is
@@ -99,8 +105,16 @@ def interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: flo
     this race did before) moved a ratio by several per cent. Turns of one millisecond with every
     call counted (tried first) measured the handover instead: at two threads every contender
     after a spinning ONNX Runtime pool ran 1.5-14x slower.
+
+    Turns of 20 ms do not cover that pool either: at two threads its workers keep a core for tens
+    of milliseconds after a call (OpenVINO's MiniLM-L3 call, 9.0 ms alone, took 12.7-13.8 ms in
+    turns after ONNX Runtime's). ``settle``: name -> seconds to sleep after that contender's turn
+    (``dsp_onnxruntime.segment.SPIN_SETTLE_S`` for a spinning session); turns are then about 100 ms,
+    and the first call of a turn of four or more is not counted either.
     Returns name -> {"us": median, "runs": calls counted}.
     """
+    settle = {name: t for name, t in (settle or {}).items() if t > 0.0}
+    turn_s = SETTLED_TURN_S if settle else TURN_S
     once: dict[str, float] = {}
     for name, step in steps.items():
         for _ in range(3):
@@ -108,8 +122,8 @@ def interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: flo
         start = time.perf_counter()
         step()
         once[name] = max(time.perf_counter() - start, 1e-7)
-    turn = {name: max(2, min(512, int(20e-3 / t))) for name, t in once.items()}
-    skip = {name: 1 if t < 5e-3 else 0 for name, t in once.items()}
+    turn = {name: max(2, min(512, int(turn_s / t))) for name, t in once.items()}
+    skip = {name: 1 if t < 5e-3 or turn[name] >= 4 else 0 for name, t in once.items()}
     wanted = {name: max(runs, int(budget_s / t)) for name, t in once.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     names, cycle = list(steps), 0
@@ -126,4 +140,6 @@ def interleaved_us(steps: dict[str, Callable[[], Any]], runs: int, budget_s: flo
                 step()
                 if k >= first:
                     got.append(clock() - t)
+            if name in settle:
+                time.sleep(settle[name])  # its pool threads spin down before the next turn
     return {name: {"us": float(np.median(t)) * 1e6, "runs": len(t)} for name, t in times.items()}

@@ -9,7 +9,9 @@ Each thread count runs in its own process (BLAS, ONNX Runtime and OpenVINO all r
 their thread settings once). A model's contenders are timed interleaved, in turns of about
 20 ms going round them for about 3 s each (at least ``--runs`` calls; a short call's first
 in each turn not counted), each figure the median of its counted calls, so a noisy moment of
-the shared machine falls on all of them.
+the shared machine falls on all of them. At two threads, after a contender that runs a spinning
+ONNX Runtime session, the next turn waits for its pool threads to go quiet (turns of about
+100 ms then): they took a core from whoever came next.
 
     python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
@@ -151,7 +153,19 @@ def _dsp(
     for _ in range(4):  # warm-up, freeze (and the auction's trials), capture
         out = model.run(feeds)
     diff = _max_diff(out, names, want)
-    return {"max_diff": diff, "backends": model.resolved_backends()}, lambda: model.run(feeds)
+    entry: dict[str, Any] = {"max_diff": diff, "backends": model.resolved_backends()}
+    if mode == "auto":
+        entry["trials"] = _trials(model)
+    return entry, lambda: model.run(feeds)
+
+
+def _trials(model: Any) -> list[dict[str, Any]]:
+    """The auction's timed trials of the model's segments (``explain``): why AUTO ran what it ran."""
+    return [
+        {"segment": seg.get("segment"), **{k: t[k] for k in ("times_us", "rounds_us", "winner", "source") if k in t}}
+        for seg in model.explain().get("segments", [])
+        for t in seg.get("trials", [])
+    ]
 
 
 def _dsp_bound(
@@ -165,8 +179,20 @@ def _dsp_bound(
     binding = model.bind({k: v for k, v in feeds.items() if k in model.input_names})
     out = binding.run()
     diff = _max_diff(out, names, want)
-    entry = {"max_diff": diff, "backends": model.resolved_backends(), "bound": binding.bound}
+    entry = {"max_diff": diff, "backends": model.resolved_backends(), "bound": binding.bound, "trials": _trials(model)}
     return entry, binding.run
+
+
+def _settles(row: dict[str, Any], threads: int) -> dict[str, float]:
+    """The contenders that run a spinning ONNX Runtime session (its own, or DSP's on that backend, a
+    whole-step session) and how long their pool keeps the cores after a call: at one thread, none."""
+    if threads == 1:
+        return {}
+    from dsp_onnxruntime.segment import SPIN_SETTLE_S
+
+    spinning = ["ort_run", "ort_iobinding"]
+    spinning += [k for k, v in row.items() if k.startswith("dsp_") and "onnxruntime" in v.get("backends", [])]
+    return dict.fromkeys(spinning, SPIN_SETTLE_S)
 
 
 def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> list[dict[str, Any]]:
@@ -193,7 +219,7 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
                 row["dsp_auto_bound"], steps["dsp_auto_bound"] = _dsp_bound(Path(path), feeds, names, want)
             except Exception as exc:  # noqa: BLE001
                 row["dsp_auto_bound"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-            for name, timed in interleaved_us(steps, runs).items():
+            for name, timed in interleaved_us(steps, runs, settle=_settles(row, threads)).items():
                 row[name].update(timed)
             best = min(row["ort_run"]["us"], row["ort_iobinding"]["us"], row["openvino_direct"]["us"])
             for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES), "dsp_auto_bound"):

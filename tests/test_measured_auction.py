@@ -158,7 +158,9 @@ def test_a_winner_other_than_the_chains_choice_is_handed_over_without_a_second_c
     current = model.explain()["segments"][0]["backend"]
     other = "onnxruntime" if current == "openvino" else "openvino"
     monkeypatch.setattr(
-        auction, "_timed_turns", lambda steps, runs, index: ({n: (1e-6 if n == other else 1.0) for n in steps}, {})
+        auction,
+        "_timed_turns",
+        lambda steps, runs, index, settle=None: ({n: (1e-6 if n == other else 1.0) for n in steps}, {}),
     )
     winner_class = type(next(b for b in model.partition().backends.values() if b.name == current))  # type: ignore[union-attr]
     compiles: list[str] = []
@@ -289,3 +291,64 @@ def test_the_trial_does_not_count_a_run_slowed_by_the_candidate_before_it(monkey
 
     times, _ = auction._timed_turns({"spinner": step("spinner", 0.010), "fast": step("fast", 0.008)}, 5, 0)
     assert times == pytest.approx({"spinner": 0.010, "fast": 0.008})
+
+
+def test_the_trial_waits_for_a_candidates_spinning_threads_before_timing_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ONNX Runtime's pool threads at several threads keep a core for tens of milliseconds after a
+    call: every run of the candidate timed next inside that window is slowed, not only the first.
+    The trial sleeps the spinner's ``settle_s`` after its burst (the sleep not counted against the
+    budget), so the other candidate is timed on cores of its own."""
+    from dsp_core.backends import auction
+
+    clock = [0.0]
+    quiet_at = [0.0]
+    monkeypatch.setattr(auction.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(auction.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    def step(name: str, cost: float) -> Any:
+        def run() -> None:
+            slowed = name != "spinner" and clock[0] < quiet_at[0]
+            clock[0] += cost * (2.0 if slowed else 1.0)
+            if name == "spinner":
+                quiet_at[0] = clock[0] + 0.1  # its threads spin 100 ms after each call
+
+        return run
+
+    def trial(settle: dict[str, float] | None) -> tuple[dict[str, float], list[float]]:
+        clock[0], quiet_at[0] = 0.0, 0.0
+        steps = {"spinner": step("spinner", 0.010), "other": step("other", 0.008)}
+        times, rounds = auction._timed_turns(steps, 5, 0, settle)
+        return times, rounds["other"]
+
+    unsettled, unsettled_rounds = trial(None)
+    # judged on the spinner's leftovers: each burst right after the spinner's is slowed throughout
+    assert 0.016 in unsettled_rounds and unsettled["other"] > 0.008 * 1.4
+    settled, settled_rounds = trial({"spinner": 0.12, "other": 0.0})
+    assert settled == pytest.approx({"spinner": 0.010, "other": 0.008})
+    assert settled_rounds == pytest.approx([0.008] * len(settled_rounds))
+    # the sleeps do not eat the budget: as many rounds as a trial of unslowed steps takes (0.108 s each)
+    assert len(settled_rounds) == 5 and len(unsettled_rounds) < 5
+
+
+def test_an_onnxruntime_session_declares_its_settle_only_where_its_pool_spins(
+    cpu_runtimes: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session that is a whole step spins (ONNX Runtime's default); a session beside other
+    segments does not (dsp_onnxruntime.segment.session_options); at one thread there is no pool."""
+    from dsp_onnxruntime.segment import SPIN_SETTLE_S
+
+    def settles(graph: dsp.Graph, x: np.ndarray, mode: str = "onnxruntime") -> set[float]:
+        model = dsp.compile(graph, mode=mode)
+        _freeze(model, x)
+        units = model.last_live.runtime.units  # type: ignore[union-attr]
+        return {u.compiled.settle_s for u in units if u.backend.name == "onnxruntime"}
+
+    x = np.ones((2, 8), np.float32)
+    monkeypatch.setenv("DSP_CPU_THREADS", "2")
+    assert settles(mlp_graph, x) == {SPIN_SETTLE_S} and SPIN_SETTLE_S > 0
+    monkeypatch.setenv("DSP_AUCTION_TRIALS", "0")
+    assert settles(_three_way_graph(), np.ones((3, 16), np.float32), "auto") == {0.0}  # beside others
+    monkeypatch.setenv("DSP_CPU_THREADS", "1")
+    assert settles(mlp_graph, x) == {0.0}

@@ -477,10 +477,13 @@ TRIAL_MAX_S = 3.0
 # machine's noise. GPT-2 124M's decode step at one thread: ONNX Runtime 22.3 ms against OpenVINO's
 # 23.0 in the trial (3% apart, a tie by TIE, so OpenVINO), 44.8 against 42.6 tok/s over 256 tokens.
 CONSISTENT_ROUNDS = 4
-# 6: the faster in every round wins a tie; 5: and TRIAL_MIN_ROUNDS for a long step; 4: rounds while
-# the budget lasts; 3: medians of bursts in turns, three rounds at most (2: of runs in turns; 1:
-# best runs). A trial kept under an older format is timed again.
-TRIAL_FORMAT = "dsp-auction-trial/6"
+# After a candidate's settle (CompiledSegment.settle_s) the next one runs untimed this long first.
+TRIAL_WAKE_S = 2e-3
+# 7: a candidate's settle slept after its bursts; 6: the faster in every round wins a tie; 5: and
+# TRIAL_MIN_ROUNDS for a long step; 4: rounds while the budget lasts; 3: medians of bursts in turns,
+# three rounds at most (2: of runs in turns; 1: best runs). A trial kept under an older format is
+# timed again.
+TRIAL_FORMAT = "dsp-auction-trial/7"
 
 
 @dataclass(frozen=True)
@@ -584,6 +587,7 @@ def _time_segment(
     runtime's compile of a big segment takes seconds).
     """
     steps: dict[str, Callable[[], Any]] = {}
+    settle: dict[str, float] = {}
     made: list[CompiledSegment] = []
     kept: CompiledSegment | None = None
     try:
@@ -598,9 +602,10 @@ def _time_segment(
                 made.append(compiled)
             try:
                 steps[backend.name] = _ready_step(backend, compiled, values)
+                settle[backend.name] = compiled.settle_s
             except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
                 log.info("DSP auction trial: %s failed on segment %d: %s", backend.name, seg.index, describe(exc))
-        times, rounds = _timed_turns(steps, runs, seg.index)
+        times, rounds = _timed_turns(steps, runs, seg.index, settle)
         if times:
             winner = _pick([b.name for b in candidates], times, rounds)
             # Kept for the CPU runtimes, whose compile is what a second one would cost; a device
@@ -648,12 +653,14 @@ def _pick(order: list[str], times: dict[str, float], rounds: dict[str, list[floa
 
 
 def _timed_turns(
-    steps: dict[str, Callable[[], Any]], runs: int, index: int
+    steps: dict[str, Callable[[], Any]], runs: int, index: int, settle: dict[str, float] | None = None
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Median seconds of each step, and its median per round (``_pick`` reads them), timed in bursts
     taken in turns: rounds while TRIAL_BUDGET_S lasts (at least one, and TRIAL_MIN_ROUNDS while
     TRIAL_MAX_S lasts; TRIAL_ROUNDS at most), each round a burst of ``runs`` + 1 runs of every
-    candidate (the order rotating round by round), the burst's first run not counted.
+    candidate (the order rotating round by round), the burst's first run not counted. After a
+    candidate's burst the trial sleeps its ``settle`` seconds (``CompiledSegment.settle_s``; the
+    sleeps are not counted against the budget).
 
     Turns spread a shared machine's passing load over every candidate. They are bursts, not single
     runs, because a runtime's threads outlive its call: ONNX Runtime's intra-op threads spin for a
@@ -663,19 +670,35 @@ def _timed_turns(
     first run of a burst pays for the candidate before it and is dropped; each candidate's time is
     the median of its other runs, not its best: a runtime using several threads on shared cores is
     judged on what a step usually costs it.
+
+    Dropping one run is not enough after ONNX Runtime at several threads: its pool threads spin
+    for tens of milliseconds after a call returns. Timed right after its bursts, OpenVINO's MiniLM-L3
+    step took 12.7-13.8 ms against 9.0 ms alone (2 threads; 8.2-8.4 ms once 50 ms had passed), and
+    the trial judged OpenVINO on ONNX Runtime's leftovers; so such a candidate declares a settle.
+    After the sleep the next candidate runs untimed for TRIAL_WAKE_S first: OpenVINO's first calls
+    after 60 ms idle took 3.7x, 1.3x, 1.05x its steady time (GPT-2 fixture prefill), and a 90 us step
+    was timed at 166 us with only its first run dropped.
     """
     samples: dict[str, list[float]] = {name: [] for name in steps}
     per_round: dict[str, list[float]] = {name: [] for name in steps}
-    started = time.perf_counter()
+    settle = settle or {}
+    started, slept, woken = time.perf_counter(), 0.0, False
     names = list(steps)
     for turn in range(TRIAL_ROUNDS):
-        spent = time.perf_counter() - started
+        spent = time.perf_counter() - started - slept
         if turn >= 1 and spent > TRIAL_BUDGET_S and (turn >= TRIAL_MIN_ROUNDS or spent > TRIAL_MAX_S):
             break  # one round each at least, TRIAL_MIN_ROUNDS within TRIAL_MAX_S, more while the budget lasts
         k = turn % len(names) if names else 0
         for name in names[k:] + names[:k]:
             got: list[float] = []
             try:
+                if woken:  # after a sleep: untimed runs while the cores and its threads wake
+                    waking = time.perf_counter()
+                    steps[name]()
+                    while time.perf_counter() - waking < TRIAL_WAKE_S:
+                        steps[name]()
+                    slept += time.perf_counter() - waking
+                    woken = False
                 for _ in range(max(1, runs) + 1):
                     start = time.perf_counter()
                     steps[name]()
@@ -687,6 +710,11 @@ def _timed_turns(
                 continue
             samples[name] += got[1:]
             per_round[name].append(statistics.median(got[1:] or got))
+            if settle.get(name, 0.0) > 0.0 and len(names) > 1:
+                asleep = time.perf_counter()
+                time.sleep(settle[name])  # its threads spin down before the next candidate is timed
+                slept += time.perf_counter() - asleep
+                woken = True
     return {name: statistics.median(got) for name, got in samples.items() if got}, per_round
 
 

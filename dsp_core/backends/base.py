@@ -214,6 +214,13 @@ class CompiledSegment:
         """Bytes of buffers this segment holds (for the plan cache's memory budget)."""
         return 0
 
+    @property
+    def settle_s(self) -> float:
+        """Seconds this segment's runtime keeps cores busy after a run returns (pool threads
+        spinning for the next call): the auction's trial waits this long after the segment's
+        burst before it times another candidate, which those threads would otherwise slow."""
+        return 0.0
+
 
 class Backend:
     """One execution mode of a plugin. Subclasses set the class attributes and the _methods."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 from collections.abc import Callable
 from typing import Any
@@ -139,6 +140,11 @@ def cuda_probe() -> str | None:
 # thread and at more (OnnxRuntimeSegment._attention_window)
 WINDOW_BELOW_ONE_THREAD = 0.5
 WINDOW_BELOW = 1 / 3
+# How long a spinning session's pool threads keep their cores after a call returns (ONNX
+# Runtime's workers spin about a million pauses before they sleep). Measured at 2 threads on a
+# 2-core AMD EPYC: OpenVINO's MiniLM-L3 step 13.7 ms right after an ONNX Runtime call, 12.1 ms
+# 30 ms after, 8.2-8.4 ms from 50 ms on (its own time alone, 9.0 ms).
+SPIN_SETTLE_S = 0.06
 
 
 class OnnxRuntimeSegment(WholeSegment):
@@ -157,6 +163,13 @@ class OnnxRuntimeSegment(WholeSegment):
 
     def _build(self, model: bytes, key: ShapeKey) -> Any:
         return cached_session(model, self.alone)
+
+    @property
+    def settle_s(self) -> float:
+        # Only a session that is the whole step spins (session_options): with several threads
+        # its pool keeps the cores a while after each call.
+        threads = cpu_threads() or os.cpu_count() or 1
+        return SPIN_SETTLE_S if self.alone and threads > 1 else 0.0
 
     def _tensor_scatter(self) -> bool:
         # ONNX Runtime's TensorScatter writes in place when its output is bound onto the cache (3 µs
