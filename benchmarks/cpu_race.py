@@ -10,8 +10,8 @@ their thread settings once). A model's contenders are timed interleaved, in turn
 20 ms going round them for about 3 s each (at least ``--runs`` calls; a short call's first
 in each turn not counted), each figure the median of its counted calls, so a noisy moment of
 the shared machine falls on all of them. At two threads, after a contender that runs a spinning
-ONNX Runtime session, the next turn waits for its pool threads to go quiet (turns of about
-100 ms then): they took a core from whoever came next.
+ONNX Runtime session or numpy's products (OpenBLAS), the next turn waits for their threads to go
+quiet (turns of about 100 ms then): they took a core from whoever came next.
 
     python benchmarks/cpu_race.py                       # 1 and 2 threads, every model
     python benchmarks/cpu_race.py --threads 1 --only mlp cnn --runs 50
@@ -183,16 +183,29 @@ def _dsp_bound(
     return entry, binding.run
 
 
+# numpy's OpenBLAS at several threads keeps its workers spinning after a product too: OpenVINO's
+# MiniLM-L3 call, 8.5 ms alone at 2 threads, took 14-27 ms within 60 ms of numpy products of 512x768
+# by 768x768, 9.9 ms 100 ms after, 8.5 ms from 150 ms on (2-core AMD EPYC, 2026-12-04).
+BLAS_SETTLE_S = 0.15
+NUMPY_BACKENDS = {"numpy_replay", "slot_by_slot"}
+
+
 def _settles(row: dict[str, Any], threads: int) -> dict[str, float]:
-    """The contenders that run a spinning ONNX Runtime session (its own, or DSP's on that backend, a
-    whole-step session) and how long their pool keeps the cores after a call: at one thread, none."""
+    """The contenders whose threads keep the cores after a call, and for how long: a spinning ONNX
+    Runtime session (its own, or DSP's whole-step session on that backend) and numpy's products
+    (DSP's reference kernels). At one thread, none."""
     if threads == 1:
         return {}
     from dsp_onnxruntime.segment import SPIN_SETTLE_S
 
-    spinning = ["ort_run", "ort_iobinding"]
-    spinning += [k for k, v in row.items() if k.startswith("dsp_") and "onnxruntime" in v.get("backends", [])]
-    return dict.fromkeys(spinning, SPIN_SETTLE_S)
+    settle = dict.fromkeys(["ort_run", "ort_iobinding"], SPIN_SETTLE_S)
+    for k, v in row.items():
+        backends = set(v.get("backends", [])) if k.startswith("dsp_") and isinstance(v, dict) else set()
+        if backends & NUMPY_BACKENDS:
+            settle[k] = BLAS_SETTLE_S
+        elif "onnxruntime" in backends:
+            settle[k] = SPIN_SETTLE_S
+    return settle
 
 
 def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> list[dict[str, Any]]:
