@@ -347,3 +347,31 @@ def test_the_rewrite_leaves_the_graph_as_it_is() -> None:
     _plan(graph, True)
     assert [n.op_type for n in graph.nodes].count("MatMul") == 3
     assert to_onnx(graph).SerializeToString() == before
+
+
+@pytest.mark.parametrize(("form", "trans_b"), [("MatMul", 0), ("Gemm", 0), ("Gemm", 1)])
+def test_split_merged_writes_each_part_as_its_own_product_and_openvino_runs_it(form: str, trans_b: int) -> None:
+    """``segment_model(split_merged=True)`` writes a merged product as its parts' own products on
+    their own weights (no Concat, no Slice): OpenVINO's segments are written so (it fuses products
+    its own way); its step equals the reference's."""
+    from dsp_openvino.segment import OpenVinoSegment
+
+    from dsp_core.backends.whole import segment_io
+    from dsp_core.plan.subgraph import segment_model
+
+    graph = _gemm_siblings(trans_b) if form == "Gemm" else _siblings((17, 5, 33))
+    plan = _plan(graph, True)
+    (merge,) = merges_of(plan)
+    slots = tuple(range(len(plan.slots)))
+    io, _ = segment_io(plan, slots)
+    feeds = {f: ("float32", None) for f in io.inputs}
+    ops = [n.op_type for n in segment_model(plan, slots, io, feeds, {}, split_merged=True).graph.node]
+    assert ops.count(form) == len(merge.parts) and "Concat" not in ops and "Slice" not in ops, ops
+    joined = [n.op_type for n in segment_model(plan, slots, io, feeds, {}).graph.node]
+    assert joined.count(form) == 1 and "Concat" in joined  # the default: one product, a Slice per part
+    assert OpenVinoSegment.split_merged
+    x = RNG.standard_normal((4, 63) if form == "Gemm" else (2, 5, 64)).astype(np.float32)
+    got = dsp.compile(graph, mode="openvino", strict=True).run({"x": x})
+    reference = dsp.compile(graph, mode="slot_by_slot").run({"x": x})
+    for name in graph.output_names:
+        np.testing.assert_allclose(got[name], reference[name], rtol=1e-5, atol=1e-5)

@@ -107,6 +107,8 @@ class WholeSegment(CompiledSegment):
     # True where ``_bind`` may bind an output onto an input's memory and the runtime's scatter
     # then writes in place (the KV stores' updated buffers onto the buffers)
     in_place_stores = False
+    # True: merged products are written as their parts' own products (subgraph.segment_model)
+    split_merged = False
 
     def __init__(self, backend: Backend, plan: Plan, segment: Segment) -> None:
         from dsp_core.plan import subgraph
@@ -212,6 +214,7 @@ class WholeSegment(CompiledSegment):
                     constants,
                     tensor_scatter=self._tensor_scatter(),
                     attention_window=self._attention_window(),
+                    split_merged=self.split_merged,
                 )
                 with huge_pages_for_new_memory() as advice:
                     compiled = self._build(self._subgraph.serialized(model), key)
