@@ -34,7 +34,7 @@ from dsp_core.ir import dtypes
 from dsp_core.ir.typecheck import attribute_types
 from dsp_core.ops.llm import KV_STORE_OPSET, is_kv_store
 from dsp_core.plan.merge import is_merged
-from dsp_core.plan.plan import Plan
+from dsp_core.plan.plan import Plan, Slot
 
 # The IR version written: 10 is read by every ONNX Runtime >= 1.17 and OpenVINO >= 2024.
 IR_VERSION = 10
@@ -517,23 +517,15 @@ def _attention_nodes(
 def _merged_nodes(plan: Plan, s: int, opset: int) -> list[onnx.NodeProto]:
     """``dsp::MergedMatMul`` as ONNX: Concat of the weights (and biases), one product, a Slice per part."""
     slot = plan.slots[s]
-    k = len(slot.outputs)
-    names = [name_of(plan.flat(r)) for r in slot.inputs]
-    outs = [name_of(plan.flat(v)) if v is not None else f"s{s}_unused{j}" for j, v in enumerate(slot.outputs)]
+    k, names, outs = _merged_names(plan, s)
     trans_b = int(slot.attrs.get("transB", 0))
     tmp = f"s{s}_merged_"
     nodes = [helper.make_node("Concat", names[1 : 1 + k], [tmp + "w"], name=tmp + "w", axis=0 if trans_b else 1)]
     product_inputs = [names[0], tmp + "w"]
-    if slot.attrs.get("form") == "Gemm":
-        if slot.attrs.get("bias"):
-            nodes.append(helper.make_node("Concat", names[1 + k :], [tmp + "c"], name=tmp + "c", axis=-1))
-            product_inputs.append(tmp + "c")
-        alpha, beta = float(slot.attrs.get("alpha", 1.0)), float(slot.attrs.get("beta", 1.0))
-        gemm = helper.make_node("Gemm", product_inputs, [tmp + "y"], name=tmp + "y", transB=trans_b)
-        gemm.attribute.extend([helper.make_attribute("alpha", alpha), helper.make_attribute("beta", beta)])
-        nodes.append(gemm)
-    else:
-        nodes.append(helper.make_node("MatMul", product_inputs, [tmp + "y"], name=tmp + "y"))
+    if slot.attrs.get("form") == "Gemm" and slot.attrs.get("bias"):
+        nodes.append(helper.make_node("Concat", names[1 + k :], [tmp + "c"], name=tmp + "c", axis=-1))
+        product_inputs.append(tmp + "c")
+    nodes.append(_product_node(slot, product_inputs, tmp + "y", tmp + "y"))
     # Each part a Slice of the last axis, in the form of the model's opset (not the merged slot's
     # own, which is the dsp domain's: a Split written by that one took opset 1's ``split``
     # attribute into an opset-18 model, which ONNX Runtime refuses and OpenVINO read as even parts)
@@ -561,27 +553,34 @@ def _split_nodes(plan: Plan, s: int) -> list[onnx.NodeProto]:
     own weight (and bias). OpenVINO's MiniLM-L3 at 2 threads, batch 8: 66.0 ms a step with the
     merged product written as one, 62.2 ms with its parts (59.9 ms for OpenVINO on the model itself)."""
     slot = plan.slots[s]
-    k = len(slot.outputs)
+    k, names, outs = _merged_names(plan, s)
+    biased = slot.attrs.get("form") == "Gemm" and bool(slot.attrs.get("bias"))
+    nodes = []
+    for j, v in enumerate(slot.outputs):
+        if v is None:
+            continue  # a part nothing reads: no product
+        inputs = [names[0], names[1 + j], *([names[1 + k + j]] if biased else [])]
+        nodes.append(_product_node(slot, inputs, outs[j], f"s{s}" if j == 0 else f"s{s}_{j}"))
+    return nodes
+
+
+def _merged_names(plan: Plan, s: int) -> tuple[int, list[str], list[str]]:
+    """A merged product's part count, its inputs' names (the input, the weights, the biases) and its
+    outputs' (a placeholder name for a part nothing reads)."""
+    slot = plan.slots[s]
     names = [name_of(plan.flat(r)) for r in slot.inputs]
     outs = [name_of(plan.flat(v)) if v is not None else f"s{s}_unused{j}" for j, v in enumerate(slot.outputs)]
-    gemm = slot.attrs.get("form") == "Gemm"
-    biased = gemm and bool(slot.attrs.get("bias"))
-    nodes = []
-    for j in range(k):
-        name = f"s{s}" if j == 0 else f"s{s}_{j}"
-        if not gemm:
-            nodes.append(helper.make_node("MatMul", [names[0], names[1 + j]], [outs[j]], name=name))
-            continue
-        inputs = [names[0], names[1 + j], *([names[1 + k + j]] if biased else [])]
-        node = helper.make_node("Gemm", inputs, [outs[j]], name=name, transB=int(slot.attrs.get("transB", 0)))
-        node.attribute.extend(
-            [
-                helper.make_attribute("alpha", float(slot.attrs.get("alpha", 1.0))),
-                helper.make_attribute("beta", float(slot.attrs.get("beta", 1.0))),
-            ]
-        )
-        nodes.append(node)
-    return nodes
+    return len(slot.outputs), names, outs
+
+
+def _product_node(slot: Slot, inputs: list[str], out: str, name: str) -> onnx.NodeProto:
+    """The merged slot's product on ``inputs``: a MatMul, or a Gemm with the slot's transB, alpha, beta."""
+    if slot.attrs.get("form") != "Gemm":
+        return helper.make_node("MatMul", inputs, [out], name=name)
+    node = helper.make_node("Gemm", inputs, [out], name=name, transB=int(slot.attrs.get("transB", 0)))
+    alpha, beta = float(slot.attrs.get("alpha", 1.0)), float(slot.attrs.get("beta", 1.0))
+    node.attribute.extend([helper.make_attribute("alpha", alpha), helper.make_attribute("beta", beta)])
+    return node
 
 
 def _part_n(plan: Plan, weight: int | None, trans_b: int) -> int:
