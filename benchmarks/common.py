@@ -95,7 +95,7 @@ def interleaved_us(
 ) -> dict:
     """Each contender's median call, the contenders timed in alternating turns.
 
-    A turn is about 20 ms of one contender's calls (at least two); the first call of a turn is
+    A turn is about 20 ms of one contender's calls (at least two, at most 512); the first call of a turn is
     not counted where calls are short (under 5 ms): it pays for the turn before it (caches
     another model's, another runtime's thread pool still spinning at two threads). Turns go
     round the contenders (the order rotating each cycle) until each has had about ``budget_s``
@@ -109,8 +109,8 @@ def interleaved_us(
     Turns of 20 ms do not cover that pool either: at two threads its workers keep a core for tens
     of milliseconds after a call (OpenVINO's MiniLM-L3 call, 9.0 ms alone, took 12.7-13.8 ms in
     turns after ONNX Runtime's). ``settle``: name -> seconds to sleep after that contender's turn
-    (``dsp_onnxruntime.segment.SPIN_SETTLE_S`` for a spinning session); turns are then about 100 ms,
-    and the first call of a turn of four or more is not counted either.
+    (``dsp_onnxruntime.segment.SPIN_SETTLE_S`` for a spinning session); turns are then about 100 ms
+    however short the calls, and the first call of a turn of four or more is not counted either.
     Returns name -> {"us": median, "runs": calls counted}.
     """
     settle = {name: t for name, t in (settle or {}).items() if t > 0.0}
@@ -122,7 +122,11 @@ def interleaved_us(
         start = time.perf_counter()
         step()
         once[name] = max(time.perf_counter() - start, 1e-7)
-    turn = {name: max(2, min(512, int(turn_s / t))) for name, t in once.items()}
+    # At most 512 calls a turn, except where turns are settled: a turn of 512 calls of 3 us followed
+    # by a 60-150 ms sleep spent 99% of the row asleep (the 3-node MLP's rows at two threads took 18
+    # minutes each, most of the race's 40 at two threads).
+    cap = 1 << 30 if settle else 512
+    turn = {name: max(2, min(cap, int(turn_s / t))) for name, t in once.items()}
     skip = {name: 1 if t < 5e-3 or turn[name] >= 4 else 0 for name, t in once.items()}
     wanted = {name: max(runs, int(budget_s / t)) for name, t in once.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
