@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto
 
 import dsp_core as dsp
-from dsp_core.backends.auction import SIGN_P, TIE, sign_test
+from dsp_core.backends.auction import SIGN_P, THREADS_TRIAL_MAX_S, TIE, full_threads, sign_test
 
 
 @pytest.fixture
@@ -42,9 +42,15 @@ def test_the_trial_picks_the_fastest_and_explain_shows_the_timings(cpu_runtimes:
     reference = dsp.compile(mlp_graph, mode="slot_by_slot").run({"x": x})
     np.testing.assert_allclose(out["y"], reference["y"], rtol=1e-5, atol=1e-5)
     (trial,) = _trials(model)
-    times = trial["times_us"]
+    times = {n: t for n, t in trial["times_us"].items() if "@" not in n}  # the backends at the full threads
     assert set(times) == {"openvino", "onnxruntime"}, times  # the reference is the fallback, not a bidder
-    assert trial["source"] == "measured" and all(t > 0 for t in times.values())
+    assert trial["source"] == "measured" and all(t > 0 for t in trial["times_us"].values())
+    # a short winner was timed at fewer threads too, against itself ("winner@threads")
+    counts = {n for n in trial["times_us"] if "@" in n}
+    if full_threads() > 1 and times[trial["winner"]] < THREADS_TRIAL_MAX_S * 1e6:
+        assert counts == {f"{trial['winner']}@{t}" for t in (full_threads(), *_halves(full_threads()))}, counts
+    else:
+        assert counts == set() and trial["threads"] == 0
     assert times[trial["winner"]] <= min(times.values()) * (1 + TIE) + 1e-9
     # the chain's order breaks ties: a backend earlier in the chain within the tie band lost only
     # to one that was the faster in enough rounds to pass the sign test (_pick)
@@ -56,8 +62,16 @@ def test_the_trial_picks_the_fastest_and_explain_shows_the_timings(cpu_runtimes:
             assert pairs and sign_test(sum(w < o for w, o in pairs), len(pairs)) <= SIGN_P, (b, rounds)
     # the winner is what runs
     runtime = model.last_live.runtime  # type: ignore[union-attr]
-    assert {u.backend.name for u in runtime.units} == {trial["winner"]}
+    assert {(u.backend.name, u.segment.threads) for u in runtime.units} == {(trial["winner"], trial["threads"])}
     assert model.explain()["segments"][0]["backend"] == trial["winner"]
+
+
+def _halves(full: int) -> list[int]:
+    counts, t = [], full // 2
+    while t >= 1:
+        counts.append(t)
+        t //= 2
+    return counts
 
 
 def test_the_choice_is_cached_in_memory_and_on_disk(cpu_runtimes: None, mlp_graph: dsp.Graph) -> None:
@@ -152,6 +166,7 @@ def test_a_winner_other_than_the_chains_choice_is_handed_over_without_a_second_c
     big segment takes seconds. The freeze then compiles its units (the live slots) once more."""
     from dsp_core.backends import auction
 
+    monkeypatch.setenv("DSP_CPU_THREADS", "1")  # one thread: no trial at fewer threads, no compile for it
     model = dsp.compile(mlp_graph)
     x = np.ones((2, 8), np.float32)
     model.run({"x": x})
@@ -365,3 +380,85 @@ def test_an_onnxruntime_session_declares_its_settle_only_where_its_pool_spins(
     assert settles(_three_way_graph(), np.ones((3, 16), np.float32), "auto") == {0.0}  # beside others
     monkeypatch.setenv("DSP_CPU_THREADS", "1")
     assert settles(mlp_graph, x) == {0.0}
+
+
+def _runtime_threads(unit: Any) -> int:
+    """The threads the unit's runtime was built with, read back from the runtime itself."""
+    compiled = unit.compiled
+    model = next(iter(compiled._models.values()))
+    if unit.backend.name == "onnxruntime":
+        return int(model.get_session_options().intra_op_num_threads)
+    return int(model.model.get_property("INFERENCE_NUM_THREADS"))
+
+
+@pytest.mark.parametrize("faster", ["@1", "@2"])
+def test_a_short_winner_is_timed_at_fewer_threads_and_runs_on_the_faster_count(
+    cpu_runtimes: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch, faster: str
+) -> None:
+    """At DSP_CPU_THREADS=2 the winner is timed against itself on one thread; the count that was the
+    faster in every round is what the frozen unit's runtime is built with, and a second model (as in
+    another process) takes it from the disk record without timing again."""
+    from dsp_core.backends import auction
+
+    monkeypatch.setenv("DSP_CPU_THREADS", "2")
+    timed: list[list[str]] = []
+
+    def turns(steps: dict[str, Any], runs: int, index: int, settle: Any = None) -> tuple[dict, dict]:
+        timed.append(list(steps))
+        for step in steps.values():
+            step()  # each candidate really runs
+        times = {n: 1e-5 if n.endswith(faster) or ("@" not in n and n == "onnxruntime") else 2e-5 for n in steps}
+        return times, {n: [t] * 12 for n, t in times.items()}
+
+    monkeypatch.setattr(auction, "_timed_turns", turns)
+    x = np.random.default_rng(5).standard_normal((2, 8)).astype(np.float32)
+    model = dsp.compile(mlp_graph)
+    out = _freeze(model, x)
+    np.testing.assert_allclose(out["y"], dsp.compile(mlp_graph, mode="slot_by_slot").run({"x": x})["y"], rtol=1e-5)
+    assert timed == [["openvino", "onnxruntime"], ["onnxruntime@2", "onnxruntime@1"]], timed
+    (trial,) = _trials(model)
+    want = 1 if faster == "@1" else 0
+    assert trial["winner"] == "onnxruntime" and trial["threads"] == want, trial
+    (unit,) = model.last_live.runtime.units  # type: ignore[union-attr]
+    assert unit.segment.threads == want and _runtime_threads(unit) == (want or 2)
+    second = dsp.compile(mlp_graph)
+    np.testing.assert_allclose(_freeze(second, x)["y"], out["y"], rtol=1e-6)
+    (again,) = _trials(second)
+    assert again["source"] == "disk" and again["threads"] == want and len(timed) == 2
+    (unit,) = second.last_live.runtime.units  # type: ignore[union-attr]
+    assert _runtime_threads(unit) == (want or 2)
+
+
+def test_a_lone_runtime_is_still_timed_at_fewer_threads(
+    cpu_runtimes: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With OpenVINO left out, ONNX Runtime has no rival for the segment, but its thread count is
+    still a choice: the trial times it at 2 threads and at 1 (real timings)."""
+    monkeypatch.setenv("DSP_CPU_THREADS", "2")
+    monkeypatch.setenv("DSP_AUTO_EXCLUDE", "openvino,numpy_replay")
+    model = dsp.compile(mlp_graph)
+    x = np.ones((3, 8), np.float32)
+    _freeze(model, x)
+    (trial,) = _trials(model)
+    assert set(trial["times_us"]) == {"onnxruntime", "onnxruntime@2", "onnxruntime@1"}, trial
+    (unit,) = model.last_live.runtime.units  # type: ignore[union-attr]
+    assert unit.segment.threads == trial["threads"] and _runtime_threads(unit) == (trial["threads"] or 2)
+
+
+def test_which_thread_counts_a_trial_tries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsp_core.backends import auction
+
+    class Runtime:
+        threads_variants = True
+
+    class Other:
+        threads_variants = False
+
+    short = THREADS_TRIAL_MAX_S / 2
+    for setting, counts in [("16", [8, 4, 2, 1]), ("12", [6, 3, 1]), ("2", [1]), ("1", [])]:
+        monkeypatch.setenv("DSP_CPU_THREADS", setting)
+        assert auction._fewer_threads(Runtime(), short) == counts, setting  # type: ignore[arg-type]
+    monkeypatch.setenv("DSP_CPU_THREADS", "8")
+    # a long step keeps its threads
+    assert auction._fewer_threads(Runtime(), THREADS_TRIAL_MAX_S * 2) == []  # type: ignore[arg-type]
+    assert auction._fewer_threads(Other(), short) == []  # type: ignore[arg-type]

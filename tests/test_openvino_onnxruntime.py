@@ -635,9 +635,9 @@ def test_onnxruntime_writes_the_kv_stores_as_tensor_scatter_in_place(
     built: list[bytes] = []
     real = ort_segment.cached_session
 
-    def keep(model: bytes, alone: bool = False, device: int | None = None) -> Any:
+    def keep(model: bytes, alone: bool = False, device: int | None = None, threads: int | None = None) -> Any:
         built.append(model)
-        return real(model, alone, device)
+        return real(model, alone, device, threads)
 
     monkeypatch.setattr(ort_segment, "cached_session", keep)
     want, _, want_kv = _decode_run(name, "slot_by_slot")

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import statistics
 import time
 import warnings
@@ -488,7 +489,17 @@ TRIAL_WAKE_S = 2e-3
 # bursts; 6: the faster in every round wins a tie; 5: and TRIAL_MIN_ROUNDS for a long step; 4: rounds
 # while the budget lasts; 3: medians of bursts in turns, three rounds at most (2: of runs in turns;
 # 1: best runs). A trial kept under an older format is timed again.
-TRIAL_FORMAT = "dsp-auction-trial/8"
+TRIAL_FORMAT = "dsp-auction-trial/9"
+# A winner whose segments run on a thread count of their own (Backend.threads_variants) and whose
+# median was under this is timed again against itself at fewer threads (half, a quarter, ... one),
+# in the same turns, and the fastest count is kept by the same rule (the full count first in the
+# order, so a tie keeps it). Threads synchronise on every op: a short step can cost more on several
+# than on one. Two threads on a 2-core AMD EPYC, ONNX Runtime: the GPT-2 fixture's decode step at
+# batch 8, 191.8 us on two against 171.2 on one (one the faster in 16 of 16 rounds); the CNN fixture
+# at batch 8, 232.5 against 339.7 (two the faster in 16 of 16). A longer step is left at the count
+# asked for: its compile at another count costs as much again (GPT-2 124M: 5-9 s).
+THREADS_TRIAL_MAX_S = 2e-3
+# 9: a short winner timed at fewer threads too (Trial.threads).
 
 
 @dataclass(frozen=True)
@@ -499,6 +510,9 @@ class Trial:
     winner: str
     source: str  # "measured", or "disk" when a record of an earlier process was used
     rounds: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # median seconds per round
+    # The winner's threads per call (Segment.threads; 0: DSP_CPU_THREADS). Its timings at each count
+    # are in ``times`` and ``rounds`` as "backend@threads" (THREADS_TRIAL_MAX_S).
+    threads: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form for `dsp plan explain` (microseconds)."""
@@ -506,6 +520,7 @@ class Trial:
             "times_us": {k: round(v * 1e6, 2) for k, v in self.times.items()},
             "rounds_us": {k: [round(v * 1e6, 2) for v in got] for k, got in self.rounds.items()},
             "winner": self.winner,
+            "threads": self.threads,
             "source": self.source,
         }
 
@@ -550,7 +565,7 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
     if part.strict or runs <= 0 or part.mode is not M.AUTO:
         return  # strict, trials off, or a mode the user named: the chain decides
     plan: Plan = executor.plan
-    contested = {k: c for k in range(len(part.segments)) if len(c := contenders(plan, part, k)) > 1}
+    contested = {k: c for k in range(len(part.segments)) if _contested(c := contenders(plan, part, k))}
     if not contested:
         return
     key = _shape_key(feeds)
@@ -565,8 +580,10 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
                 trial, kept = _time_segment(plan, part.segments[k], contested[k], compiled, values, runs)
                 _remember(plan, part, k, contested[k], key, trial)
             part.trials.setdefault(k, {})[key] = trial
-            if trial.winner != part.segments[k].backend:
-                _hand_over(executor, k, next(b for b in contested[k] if b.name == trial.winner), kept)
+            seg = part.segments[k]
+            if trial.winner != seg.backend or trial.threads != seg.threads:
+                winner = next(b for b in contested[k] if b.name == trial.winner)
+                _hand_over(executor, k, winner, kept, trial.threads)
                 compiled = executor.segments[k]
         try:
             compiled.run(values)  # the values the next segment's trial reads
@@ -582,47 +599,111 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
             return
 
 
+def _contested(candidates: list[Backend]) -> bool:
+    """Whether a segment's trial has anything to choose: two candidates or more, or one that may run
+    it on fewer threads than it was given."""
+    return len(candidates) > 1 or (len(candidates) == 1 and candidates[0].threads_variants and full_threads() > 1)
+
+
+def full_threads() -> int:
+    """The threads a native CPU runtime's call is given: DSP_CPU_THREADS, else the machine's cores."""
+    return int(config.get("cpu_threads")) or os.cpu_count() or 1
+
+
+def _fewer_threads(backend: Backend, median_s: float) -> list[int]:
+    """The thread counts below the full one to time ``backend`` at (half, a quarter, ... one), where
+    it takes them and its step was short (THREADS_TRIAL_MAX_S); else none."""
+    if not backend.threads_variants or median_s > THREADS_TRIAL_MAX_S:
+        return []
+    counts, t = [], full_threads() // 2
+    while t >= 1:
+        counts.append(t)
+        t //= 2
+    return counts
+
+
 def _time_segment(
     plan: Plan, seg: Segment, candidates: list[Backend], current: CompiledSegment, values: list[Any], runs: int
 ) -> tuple[Trial, CompiledSegment | None]:
-    """Every candidate made ready (compiled, captured, warmed), then timed in turns: see TRIAL_ROUNDS.
+    """Every candidate made ready (compiled, captured, warmed), then timed in turns: see TRIAL_ROUNDS;
+    then a short winner at fewer threads against itself: see THREADS_TRIAL_MAX_S.
 
-    Returns the trial and, when another backend than the current one won, the winner's
-    compiled segment: handed over as it is, it is not compiled a second time (a whole-model
+    Returns the trial and, when another backend (or thread count) than the current one won, the
+    winner's compiled segment: handed over as it is, it is not compiled a second time (a whole-model
     runtime's compile of a big segment takes seconds).
     """
     steps: dict[str, Callable[[], Any]] = {}
     settle: dict[str, float] = {}
     made: list[CompiledSegment] = []
+    ready: dict[str, CompiledSegment] = {}
     kept: CompiledSegment | None = None
+    threads = 0
+    times: dict[str, float] = {}
     try:
         for backend in candidates:
-            trial_seg = dataclasses.replace(seg, backend=backend.name, mode=backend.mode.name)
-            try:
-                compiled = current if backend.name == seg.backend else backend.compile(plan, trial_seg)
-            except Exception as exc:  # noqa: BLE001  (a candidate that cannot compile is out of the trial)
-                log.info("DSP auction trial: %s cannot compile segment %d: %s", backend.name, seg.index, describe(exc))
-                continue
-            if compiled is not current:
-                made.append(compiled)
-            try:
-                steps[backend.name] = _ready_step(backend, compiled, values)
-                settle[backend.name] = compiled.settle_s
-            except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
-                log.info("DSP auction trial: %s failed on segment %d: %s", backend.name, seg.index, describe(exc))
+            mine = current if backend.name == seg.backend and seg.threads == 0 else None
+            _make_ready(plan, seg, backend, 0, backend.name, mine, values, made, ready, steps, settle)
         times, rounds = _timed_turns(steps, runs, seg.index, settle)
         if times:
             winner = _pick([b.name for b in candidates], times, rounds)
+            chosen = ready[winner]
+            backend = chosen.backend
+            fewer = _fewer_threads(backend, times[winner])
+            if fewer:
+                full = f"{winner}@{full_threads()}"
+                more_steps, more_settle = {full: steps[winner]}, {full: settle[winner]}
+                for t in fewer:
+                    name = f"{winner}@{t}"
+                    _make_ready(plan, seg, backend, t, name, None, values, made, ready, more_steps, more_settle)
+                more_times, more_rounds = _timed_turns(more_steps, runs, seg.index, more_settle)
+                if full in more_times and len(more_times) > 1:
+                    times.update(more_times)
+                    rounds.update(more_rounds)
+                    best = _pick(list(more_steps), more_times, more_rounds)
+                    if best != full:
+                        threads, chosen = int(best.rsplit("@", 1)[1]), ready[best]
             # Kept for the CPU runtimes, whose compile is what a second one would cost; a device
             # segment is compiled afresh, as it always was (its trial capture used copies of the buffers).
-            kept = next((c for c in made if c.backend.name == winner and c.backend.platform == "cpu"), None)
+            kept = chosen if chosen is not current and chosen.backend.platform == "cpu" else None
     finally:
         for compiled in made:
             if compiled is not kept:
                 release_quietly(compiled)
     if not times:
-        return Trial({}, seg.backend, "measured"), None
-    return Trial(times, winner, "measured", rounds), kept
+        return Trial({}, seg.backend, "measured", threads=seg.threads), None
+    return Trial(times, winner, "measured", rounds, threads), kept
+
+
+def _make_ready(
+    plan: Plan,
+    seg: Segment,
+    backend: Backend,
+    threads: int,
+    name: str,
+    compiled: CompiledSegment | None,
+    values: list[Any],
+    made: list[CompiledSegment],
+    ready: dict[str, CompiledSegment],
+    steps: dict[str, Callable[[], Any]],
+    settle: dict[str, float],
+) -> None:
+    """``backend`` on ``seg`` at ``threads`` (``compiled``, else compiled here and added to ``made``)
+    made ready to time as ``name``: into ``ready``, ``steps`` and ``settle``; a candidate that cannot
+    compile or run is left out of the trial."""
+    if compiled is None:
+        trial_seg = dataclasses.replace(seg, backend=backend.name, mode=backend.mode.name, threads=threads)
+        try:
+            compiled = backend.compile(plan, trial_seg)
+        except Exception as exc:  # noqa: BLE001  (a candidate that cannot compile is out of the trial)
+            log.info("DSP auction trial: %s cannot compile segment %d: %s", name, seg.index, describe(exc))
+            return
+        made.append(compiled)
+    try:
+        steps[name] = _ready_step(backend, compiled, values)
+        settle[name] = compiled.settle_s
+        ready[name] = compiled
+    except Exception as exc:  # noqa: BLE001  (nor one that fails to run)
+        log.info("DSP auction trial: %s failed on segment %d: %s", name, seg.index, describe(exc))
 
 
 def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) -> Callable[[], Any]:
@@ -730,12 +811,14 @@ def _timed_turns(
     return {name: statistics.median(got) for name, got in samples.items() if got}, per_round
 
 
-def _hand_over(executor: Any, k: int, winner: Backend, compiled: CompiledSegment | None = None) -> None:
-    """Segment ``k`` of the executor to ``winner`` (its trial's compiled segment, else compiled afresh;
-    the loser's segment released)."""
+def _hand_over(
+    executor: Any, k: int, winner: Backend, compiled: CompiledSegment | None = None, threads: int = 0
+) -> None:
+    """Segment ``k`` of the executor to ``winner`` at ``threads`` (its trial's compiled segment, else
+    compiled afresh; the loser's segment released)."""
     part: Partition = executor.partition
     seg = part.segments[k]
-    moved = dataclasses.replace(seg, backend=winner.name, mode=winner.mode.name)
+    moved = dataclasses.replace(seg, backend=winner.name, mode=winner.mode.name, threads=threads)
     if compiled is None:
         compiled = winner.compile(executor.plan, moved)
     release_quietly(executor.segments[k])
@@ -753,7 +836,6 @@ def _shape_key(feeds: list[tuple[int, Any]]) -> str:
 
 def _record_key(plan: Plan, seg: Segment, candidates: list[Backend], key: str) -> str:
     """The disk cache key of a trial: plan, segment span, candidates and their versions, shapes, machine."""
-    import os
     import platform
 
     from dsp_core.cache.disk import DiskCache
@@ -787,11 +869,12 @@ def _recall(plan: Plan, part: Partition, k: int, candidates: list[Backend], key:
         times = {str(n): float(t) for n, t in record["times"].items()}
         rounds = {str(n): [float(t) for t in got] for n, got in record.get("rounds", {}).items()}
         winner = str(record["winner"])
+        threads = int(record.get("threads", 0))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    if winner not in {b.name for b in candidates}:
+    if winner not in {b.name for b in candidates} or threads < 0:
         return None
-    return Trial(times, winner, "disk", rounds)
+    return Trial(times, winner, "disk", rounds, threads)
 
 
 def _remember(plan: Plan, part: Partition, k: int, candidates: list[Backend], key: str, trial: Trial) -> None:
@@ -804,6 +887,7 @@ def _remember(plan: Plan, part: Partition, k: int, candidates: list[Backend], ke
         "times": trial.times,
         "rounds": trial.rounds,
         "winner": trial.winner,
+        "threads": trial.threads,
     }
     cache.put(_record_key(plan, part.segments[k], candidates, key), json.dumps(record, sort_keys=True).encode())
 

@@ -236,6 +236,10 @@ class Backend:
     # only claim is speed, so the measured auction times the reference against it too, and the
     # reference keeps a segment it runs as fast (dsp_core/backends/auction.py, contenders()).
     timed_against_reference: ClassVar[bool] = False
+    # True for a CPU runtime whose compiled segment runs on ``Segment.threads`` threads (0: the
+    # DSP_CPU_THREADS setting): where it wins a short segment, the measured auction times it at
+    # fewer threads too and keeps the fastest (auction.THREADS_TRIAL_MAX_S).
+    threads_variants: ClassVar[bool] = False
     # Set by discovery: which distribution registered this backend, and its version.
     distribution: str = "unknown"
     version: str = "unknown"

@@ -116,6 +116,8 @@ class WholeSegment(CompiledSegment):
         super().__init__(backend, segment)
         self.plan = plan
         self._subgraph = subgraph
+        # threads per call: the auction's choice for this segment, else DSP_CPU_THREADS (0: the runtime's default)
+        self.threads = segment.threads or cpu_threads()
         sealed = frozenset(sealed_slots(plan))
         # The slots a frozen plan seals (computed once from constants and frozen shapes) are computed
         # here too, on the reference kernels, and the runtime's model is the other slots with their
@@ -273,6 +275,7 @@ class WholeSegment(CompiledSegment):
             key,
             embedded,
             options,
+            self.threads,
         )
         return shared, sealed
 

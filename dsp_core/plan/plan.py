@@ -261,3 +261,6 @@ class Segment:
     # Fusion groups (dsp_core.plan.fusion), in the order they run; each group's slots in
     # plan order. Empty: no fusion, the slots run in plan order (every backend by default).
     groups: tuple[tuple[int, ...], ...] = ()
+    # Threads per call of a native CPU runtime (ONNX Runtime, OpenVINO); 0: DSP_CPU_THREADS. The
+    # measured auction sets fewer for a short segment that ran faster on fewer (Backend.threads_variants).
+    threads: int = 0

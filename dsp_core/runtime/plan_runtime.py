@@ -245,7 +245,7 @@ class PlanRuntime:
         They run on ``view``: the plan whose liveness keeps every value a live slot reads.
         """
         backend = self.executor.partition.backends[seg.backend]
-        piece = Segment(seg.index, seg.backend, seg.mode, mine)
+        piece = Segment(seg.index, seg.backend, seg.mode, mine, threads=seg.threads)
         try:
             compiled = backend.compile(view, piece)
             compiled.run(values)
@@ -275,7 +275,9 @@ class PlanRuntime:
         units: list[Unit] = []
         frozen = frozenset(sealed)
         for k, seg in enumerate(self.executor.partition.segments):
-            live = Segment(seg.index, seg.backend, seg.mode, tuple(s for s in seg.slots if s not in sealed))
+            live = Segment(
+                seg.index, seg.backend, seg.mode, tuple(s for s in seg.slots if s not in sealed), threads=seg.threads
+            )
             built = self._segment_units(k, live, frozen, len(units))
             units.extend(built)
         return units
@@ -288,7 +290,7 @@ class PlanRuntime:
             units: list[Unit] = []
             try:
                 for kind, slots in split_units(self.plan, live, backend):
-                    piece = Segment(first + len(units), seg.backend, seg.mode, slots)
+                    piece = Segment(first + len(units), seg.backend, seg.mode, slots, threads=seg.threads)
                     compiled = backend.compile(self.plan, piece)
                     units.append(self._unit(piece.index, kind, piece, backend, compiled, frozen, k))
             except KeyboardInterrupt:
@@ -728,7 +730,7 @@ class PlanRuntime:
         piece holding the unit's first slot keeps its index, the others take new ones.
         """
         index = unit.index if slots[0] == unit.segment.slots[0] else self._new_index()
-        piece = Segment(index, unit.segment.backend, unit.segment.mode, slots)
+        piece = Segment(index, unit.segment.backend, unit.segment.mode, slots, threads=unit.segment.threads)
         compiled = unit.backend.compile(self.plan, piece)
         return self._unit(index, kind, piece, unit.backend, compiled, self.sealed, unit.origin)
 

@@ -227,6 +227,7 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     mode = GraphExecutionMode.ONNXRUNTIME
     platform = "cpu"
+    threads_variants = True  # its segments run on Segment.threads: the auction times a short one at fewer
     captures = True
     contract = ModeContract(
         deterministic=True,  # the CPU provider with fixed threads: same inputs, same outputs
@@ -298,6 +299,7 @@ class OnnxRuntimeCudaBackend(OnnxRuntimeBackend):
 
     name = "onnxruntime-cuda"
     platform = "cuda"
+    threads_variants = False  # the CUDA provider: threads are not what its call costs
     contract = ModeContract(
         deterministic=True,  # sessions use ONNX Runtime's deterministic compute (cuDNN's deterministic algorithms)
         needs_stable_addresses=True,

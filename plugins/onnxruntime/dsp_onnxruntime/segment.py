@@ -54,7 +54,9 @@ def cuda_providers(device: int) -> list[Any]:
     return [("CUDAExecutionProvider", {"device_id": str(device), "use_tf32": "0"}), "CPUExecutionProvider"]
 
 
-def cached_session(model: bytes, alone: bool = False, device: int | None = None) -> ort.InferenceSession:
+def cached_session(
+    model: bytes, alone: bool = False, device: int | None = None, threads: int | None = None
+) -> ort.InferenceSession:
     """A session over ``model``; its optimized form is kept under DSP's cache and loaded next time.
 
     The optimized file depends on the model, ONNX Runtime's version, the thread count
@@ -63,8 +65,10 @@ def cached_session(model: bytes, alone: bool = False, device: int | None = None)
 
     ``device``: a session on that CUDA device (onnxruntime-gpu). It is not kept on disk: an
     optimized model of the CUDA provider holds nodes fused for that provider and GPU.
+
+    ``threads``: intra-op threads (the segment's own count); None: DSP_CPU_THREADS.
     """
-    threads = cpu_threads()
+    threads = cpu_threads() if threads is None else threads
     if device is not None:
         opts = session_options(threads, alone)
         # Same inputs, same outputs (the contract's ``deterministic``): without it, a unit's outputs
@@ -162,13 +166,13 @@ class OnnxRuntimeSegment(WholeSegment):
         self._out_names = [name_of(f) for f in self.io.outputs]
 
     def _build(self, model: bytes, key: ShapeKey) -> Any:
-        return cached_session(model, self.alone)
+        return cached_session(model, self.alone, threads=self.threads)
 
     @property
     def settle_s(self) -> float:
         # Only a session that is the whole step spins (session_options): with several threads
         # its pool keeps the cores a while after each call.
-        threads = cpu_threads() or os.cpu_count() or 1
+        threads = self.threads or os.cpu_count() or 1
         return SPIN_SETTLE_S if self.alone and threads > 1 else 0.0
 
     def _tensor_scatter(self) -> bool:
@@ -196,7 +200,7 @@ class OnnxRuntimeSegment(WholeSegment):
         # at more (GPT-2 124M, 2 threads: 67.9 tok/s always windowed, 77.5 never, at 280 positions).
         if not config.get("runtime_kv_window"):
             return 0.0
-        return WINDOW_BELOW_ONE_THREAD if cpu_threads() == 1 else WINDOW_BELOW
+        return WINDOW_BELOW_ONE_THREAD if self.threads == 1 else WINDOW_BELOW
 
     def _infer(self, compiled: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
         return list(compiled.run(self._out_names, dict(zip(self._in_names, inputs))))

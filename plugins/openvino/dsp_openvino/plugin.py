@@ -57,8 +57,9 @@ def core() -> Any:
     return _core
 
 
-def compile_config() -> dict[str, Any]:
-    """The CPU plugin's settings: DSP's precision and threads, latency-first, one stream, DSP's cache."""
+def compile_config(threads: int | None = None) -> dict[str, Any]:
+    """The CPU plugin's settings: DSP's precision and threads (``threads``, else DSP_CPU_THREADS; 0: the
+    plugin's default), latency-first, one stream, DSP's cache."""
     from dsp_core.backends.whole import cpu_threads, runtime_cache_dir
 
     precision = "bf16" if config.get("cpu_precision") == "bf16" and OpenVinoBackend.allows_bf16 else "f32"
@@ -67,7 +68,8 @@ def compile_config() -> dict[str, Any]:
         "PERFORMANCE_HINT": "LATENCY",
         "NUM_STREAMS": 1,
     }
-    threads = cpu_threads()
+    if threads is None:
+        threads = cpu_threads()
     if threads > 0:
         settings["INFERENCE_NUM_THREADS"] = threads
     folder = runtime_cache_dir("openvino")
@@ -82,6 +84,7 @@ class OpenVinoBackend(Backend):
     name = "openvino"
     mode = GraphExecutionMode.OPENVINO
     platform = "cpu"
+    threads_variants = True  # its segments run on Segment.threads: the auction times a short one at fewer
     captures = True
     contract = ModeContract(
         deterministic=True,  # one stream, fixed threads: same inputs, same outputs

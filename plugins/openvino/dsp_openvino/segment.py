@@ -56,12 +56,12 @@ def _probe(compiled: Any) -> str:
     return digest.hexdigest()
 
 
-def compile_checked(ov_model: Any, model: bytes) -> Any:
+def compile_checked(ov_model: Any, model: bytes, threads: int | None = None) -> Any:
     """``ov_model`` compiled for the CPU with DSP's settings; through OpenVINO's model cache, in a
     folder of its own (named by the model's bytes and the settings), when a probe says the cached
     blob computes what a fresh compile computes. A model with a dynamic shape cannot be probed,
-    so it is not cached."""
-    settings = compile_config()
+    so it is not cached. ``threads``: as ``compile_config`` takes them."""
+    settings = compile_config(threads)
     root = settings.pop("CACHE_DIR", None)
     if root is None or any(p.get_partial_shape().is_dynamic for p in ov_model.inputs):
         return core().compile_model(ov_model, "CPU", settings)
@@ -125,7 +125,7 @@ class OpenVinoSegment(WholeSegment):
         ]
         if missing:
             raise BackendError(f"OpenVINO's CPU plugin does not take {', '.join(missing[:4])} (Core.query_model)")
-        return Compiled(compile_checked(ov_model, model), self._in_names, self._out_names)
+        return Compiled(compile_checked(ov_model, model, self.threads), self._in_names, self._out_names)
 
     def _share(self, compiled: Any) -> Any:
         # the compiled model is shared; its infer request (bound tensors) is this segment's own
