@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import sys
 import time
@@ -111,7 +112,8 @@ def interleaved_us(
     turns after ONNX Runtime's). ``settle``: name -> seconds to sleep after that contender's turn
     (``dsp_onnxruntime.segment.SPIN_SETTLE_S`` for a spinning session); turns are then about 100 ms
     however short the calls, and the first call of a turn of four or more is not counted either.
-    Returns name -> {"us": median, "runs": calls counted}.
+    Returns name -> {"us": median, "runs": calls counted, "turns": {cycle: that turn's median us}}
+    (``paired``: two contenders' turns of the same cycles, side by side).
     """
     settle = {name: t for name, t in (settle or {}).items() if t > 0.0}
     turn_s = SETTLED_TURN_S if settle else TURN_S
@@ -130,6 +132,7 @@ def interleaved_us(
     skip = {name: 1 if t < 5e-3 or turn[name] >= 4 else 0 for name, t in once.items()}
     wanted = {name: max(runs, int(budget_s / t)) for name, t in once.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
+    turns: dict[str, dict[int, float]] = {name: {} for name in steps}
     names, cycle = list(steps), 0
     clock = time.perf_counter
     while any(len(times[n]) < wanted[n] for n in names):
@@ -139,11 +142,37 @@ def interleaved_us(
             if len(times[name]) >= wanted[name]:
                 continue
             step, got, first = steps[name], times[name], skip[name]
+            before = len(got)
             for k in range(turn[name]):
                 t = clock()
                 step()
                 if k >= first:
                     got.append(clock() - t)
+            if len(got) > before:
+                turns[name][cycle] = float(np.median(got[before:])) * 1e6
             if name in settle:
                 time.sleep(settle[name])  # its pool threads spin down before the next turn
-    return {name: {"us": float(np.median(t)) * 1e6, "runs": len(t)} for name, t in times.items()}
+    return {name: {"us": float(np.median(t)) * 1e6, "runs": len(t), "turns": turns[name]} for name, t in times.items()}
+
+
+def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:
+    """Two contenders of ``interleaved_us`` turn by turn: over the cycles where both had a turn, the
+    median of the ratios of their turns' medians (``mine`` over ``theirs``), in how many ``mine`` was
+    the faster, and a one-sided sign test each way (the chance of as many or more such cycles between
+    two equally fast contenders): a ratio over 1.0 that ``p_slower`` does not back is a tie."""
+    cycles = sorted(set(mine) & set(theirs))
+    ratios = [mine[c] / theirs[c] for c in cycles]
+    faster = sum(r < 1.0 for r in ratios)
+    slower = sum(r > 1.0 for r in ratios)
+    return {
+        "ratio": round(float(np.median(ratios)), 3) if ratios else None,
+        "faster_in": faster,
+        "cycles": len(ratios),
+        "p_faster": round(sign_p(faster, len(ratios)), 4),
+        "p_slower": round(sign_p(slower, len(ratios)), 4),
+    }
+
+
+def sign_p(wins: int, n: int) -> float:
+    """The one-sided sign test: the chance of ``wins`` or more in ``n`` fair coin flips."""
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n if n else 1.0

@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_us, machine_meta, runtime_versions, write_results  # noqa: E402
+from common import interleaved_us, machine_meta, paired, runtime_versions, write_results  # noqa: E402
 from cpu_overhead import mlp3_model  # noqa: E402
 
 DSP_MODES = ("auto", "openvino", "onnxruntime", "numpy_replay", "slot_by_slot")
@@ -153,16 +153,27 @@ def _dsp(
     for _ in range(4):  # warm-up, freeze (and the auction's trials), capture
         out = model.run(feeds)
     diff = _max_diff(out, names, want)
-    entry: dict[str, Any] = {"max_diff": diff, "backends": model.resolved_backends()}
+    entry: dict[str, Any] = {"max_diff": diff, "backends": model.resolved_backends(), "ran_on": _ran_on(model)}
     if mode == "auto":
         entry["trials"] = _trials(model)
     return entry, lambda: model.run(feeds)
 
 
+def _ran_on(model: Any) -> list[str]:
+    """The backends of the model's segments, each with its thread count where the auction gave it
+    fewer than DSP_CPU_THREADS ("onnxruntime on 1 thread")."""
+    names = []
+    for seg in model.explain().get("segments", []):
+        threads = seg.get("threads", 0)
+        names.append(seg["backend"] + (f" on {threads} thread{'s' if threads > 1 else ''}" if threads else ""))
+    return list(dict.fromkeys(names))
+
+
 def _trials(model: Any) -> list[dict[str, Any]]:
     """The auction's timed trials of the model's segments (``explain``): why AUTO ran what it ran."""
+    keys = ("times_us", "rounds_us", "winner", "threads", "source")
     return [
-        {"segment": seg.get("segment"), **{k: t[k] for k in ("times_us", "rounds_us", "winner", "source") if k in t}}
+        {"segment": seg.get("segment"), **{k: t[k] for k in keys if k in t}}
         for seg in model.explain().get("segments", [])
         for t in seg.get("trials", [])
     ]
@@ -179,7 +190,13 @@ def _dsp_bound(
     binding = model.bind({k: v for k, v in feeds.items() if k in model.input_names})
     out = binding.run()
     diff = _max_diff(out, names, want)
-    entry = {"max_diff": diff, "backends": model.resolved_backends(), "bound": binding.bound, "trials": _trials(model)}
+    entry = {
+        "max_diff": diff,
+        "backends": model.resolved_backends(),
+        "ran_on": _ran_on(model),
+        "bound": binding.bound,
+        "trials": _trials(model),
+    }
     return entry, binding.run
 
 
@@ -234,10 +251,17 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
                 row["dsp_auto_bound"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             for name, timed in interleaved_us(steps, runs, settle=_settles(row, threads)).items():
                 row[name].update(timed)
-            best = min(row["ort_run"]["us"], row["ort_iobinding"]["us"], row["openvino_direct"]["us"])
+            peer = min(("ort_run", "ort_iobinding", "openvino_direct"), key=lambda k: row[k]["us"])
+            best = row[peer]["us"]
             for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES), "dsp_auto_bound"):
                 if "us" in row[k]:
                     row[k]["ratio"] = round(row[k]["us"] / best, 3)
+            row["best_peer"] = peer
+            for k in ("dsp_auto", "dsp_auto_bound"):  # turn by turn against the best peer: a tie, or not
+                if "turns" in row[k]:
+                    row[k]["paired"] = paired(row[k]["turns"], row[peer]["turns"])
+            for k in steps:
+                row[k].pop("turns", None)
             rows.append(row)
             print(json.dumps({k: (v if not isinstance(v, dict) else v.get("us")) for k, v in row.items()}), flush=True)
     return rows
@@ -502,9 +526,16 @@ def table(rows: list[dict[str, Any]]) -> str:
                 return "error"
             return f"{entry['us'] / 1000:.2f} ms" if entry["us"] >= 1000 else f"{entry['us']:.1f} µs"
 
+        def ratio(entry: dict[str, Any]) -> str:
+            """The ratio of medians; turn by turn: the median ratio, and in how many turns DSP was the faster."""
+            pair = entry.get("paired")
+            if not pair or pair.get("ratio") is None:
+                return f"{entry.get('ratio', '-')}x"
+            return f"{entry.get('ratio', '-')}x ({pair['ratio']}x; {pair['faster_in']}/{pair['cycles']})"
+
         lines.append(
-            f"| {r['title']} | {r['batch']} | {r['threads']} | {us(auto)} | {auto.get('ratio', '-')}x | "
-            f"{'+'.join(auto.get('backends', []))} | {us(bound)} | {bound.get('ratio', '-')}x | "
+            f"| {r['title']} | {r['batch']} | {r['threads']} | {us(auto)} | {ratio(auto)} | "
+            f"{'+'.join(auto.get('ran_on', auto.get('backends', [])))} | {us(bound)} | {ratio(bound)} | "
             f"{us(r['ort_run'])} | {us(r['ort_iobinding'])} | "
             f"{us(r['openvino_direct'])} | {us(r.get('dsp_numpy_replay', {}))} | {us(r['dsp_slot_by_slot'])} |"
         )

@@ -858,7 +858,9 @@ def _plan_explain(args: argparse.Namespace) -> int:
             print(f"    slot {d['slot']} {d['op']}: {d['backend']} declined ({d['reason']}: {d['detail']})")
         for t in seg.get("trials", []):  # the measured auction (at freeze): best time of each contender
             times = ", ".join(f"{name} {us:.1f} us" for name, us in t["times_us"].items())
-            print(f"    trial ({t['source']}) for feeds {t['feeds']}: {times} -> {t['winner']}")
+            threads = t.get("threads", 0)  # fewer than DSP_CPU_THREADS where the trial found them faster
+            on = f" on {threads} thread{'s' if threads > 1 else ''}" if threads else ""
+            print(f"    trial ({t['source']}) for feeds {t['feeds']}: {times} -> {t['winner']}{on}")
         fusion = seg.get("fusion")
         if fusion:  # the winner's fusion policy grouped the segment
             print(f"    fusion ({fusion['policy']}): {fusion['slots']} slots -> {fusion['kernels']} kernels")

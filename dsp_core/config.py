@@ -127,7 +127,8 @@ OPTIONS: tuple[Option, ...] = (
         "DSP_CPU_THREADS",
         "int",
         0,
-        "Threads a CPU segment runtime (OpenVINO, ONNX Runtime) may use per call; 0 = the runtime's default.",
+        "Threads a CPU segment runtime (OpenVINO, ONNX Runtime) may use per call (AUTO's trial gives a short "
+        "segment fewer where they ran it faster); 0 = the runtime's default.",
         minimum=0,
     ),
     Option(

@@ -907,6 +907,7 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
             "mode": seg.mode,
             "slots": [seg.slots[0], seg.slots[-1]] if seg.slots else [],
             "n_slots": len(seg.slots),
+            "threads": seg.threads,  # 0: DSP_CPU_THREADS; else the trial's count (THREADS_TRIAL_MAX_S)
             "bids": result.bids.get(seg.index, {}),
             "declines": declines,
             "faults": [f.as_dict() for f in result.faults if f.segment == seg.index or set(f.slots) & set(seg.slots)],
