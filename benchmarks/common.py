@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import platform
 import sys
 import time
@@ -167,6 +166,8 @@ def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:
     median of the ratios of their turns' medians (``mine`` over ``theirs``), in how many ``mine`` was
     the faster, and a one-sided sign test each way (the chance of as many or more such cycles between
     two equally fast contenders): a ratio over 1.0 that ``p_slower`` does not back is a tie."""
+    from dsp_core.backends.auction import sign_test  # the auction's own test (common.py loads without DSP)
+
     cycles = sorted(set(mine) & set(theirs))
     ratios = [mine[c] / theirs[c] for c in cycles]
     faster = sum(r < 1.0 for r in ratios)
@@ -175,11 +176,6 @@ def paired(mine: dict[int, float], theirs: dict[int, float]) -> dict[str, Any]:
         "ratio": round(float(np.median(ratios)), 3) if ratios else None,
         "faster_in": faster,
         "cycles": len(ratios),
-        "p_faster": round(sign_p(faster, len(ratios)), 4),
-        "p_slower": round(sign_p(slower, len(ratios)), 4),
+        "p_faster": round(sign_test(faster, len(ratios)), 4),
+        "p_slower": round(sign_test(slower, len(ratios)), 4),
     }
-
-
-def sign_p(wins: int, n: int) -> float:
-    """The one-sided sign test: the chance of ``wins`` or more in ``n`` fair coin flips."""
-    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n if n else 1.0
