@@ -153,30 +153,37 @@ def _dsp(
     for _ in range(4):  # warm-up, freeze (and the auction's trials), capture
         out = model.run(feeds)
     diff = _max_diff(out, names, want)
-    entry: dict[str, Any] = {"max_diff": diff, "backends": model.resolved_backends(), "ran_on": _ran_on(model)}
-    if mode == "auto":
-        entry["trials"] = _trials(model)
+    entry: dict[str, Any] = {"max_diff": diff, "backends": model.resolved_backends(), "_model": model}
     return entry, lambda: model.run(feeds)
 
 
 def _ran_on(model: Any) -> list[str]:
     """The backends of the model's segments, each with its thread count where the auction gave it
-    fewer than DSP_CPU_THREADS ("onnxruntime on 1 thread")."""
+    fewer than DSP_CPU_THREADS ("onnxruntime on 1 thread"); where a replay contest moved the segment to
+    its rival, the rival ("onnxruntime@2 (contest)")."""
     names = []
     for seg in model.explain().get("segments", []):
         threads = seg.get("threads", 0)
-        names.append(seg["backend"] + (f" on {threads} thread{'s' if threads > 1 else ''}" if threads else ""))
+        name = seg["backend"] + (f" on {threads} thread{'s' if threads > 1 else ''}" if threads else "")
+        for c in seg.get("contests", []):
+            if c["running"] != c["holder"]:
+                name = f"{c['running']} (contest)"
+        names.append(name)
     return list(dict.fromkeys(names))
 
 
 def _trials(model: Any) -> list[dict[str, Any]]:
-    """The auction's timed trials of the model's segments (``explain``): why AUTO ran what it ran."""
-    keys = ("times_us", "rounds_us", "winner", "threads", "source")
-    return [
+    """The auction's timed trials of the model's segments (``explain``): why AUTO ran what it ran; and
+    its replay contests, where a close runner-up was timed again while the plan replayed."""
+    keys = ("times_us", "rounds_us", "winner", "threads", "rivals", "source")
+    segments = model.explain().get("segments", [])
+    trials = [
         {"segment": seg.get("segment"), **{k: t[k] for k in keys if k in t}}
-        for seg in model.explain().get("segments", [])
+        for seg in segments
         for t in seg.get("trials", [])
     ]
+    contests = [{"segment": seg.get("segment"), "contest": c} for seg in segments for c in seg.get("contests", [])]
+    return trials + contests
 
 
 def _dsp_bound(
@@ -193,9 +200,8 @@ def _dsp_bound(
     entry = {
         "max_diff": diff,
         "backends": model.resolved_backends(),
-        "ran_on": _ran_on(model),
         "bound": binding.bound,
-        "trials": _trials(model),
+        "_model": model,
     }
     return entry, binding.run
 
@@ -251,6 +257,12 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
                 row["dsp_auto_bound"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             for name, timed in interleaved_us(steps, runs, settle=_settles(row, threads)).items():
                 row[name].update(timed)
+            for k, entry in row.items():  # what AUTO ran on, after the timing (a replay contest may have moved it)
+                model = entry.pop("_model", None) if isinstance(entry, dict) else None
+                if model is not None:
+                    entry["ran_on"] = _ran_on(model)
+                    if k in ("dsp_auto", "dsp_auto_bound"):
+                        entry["trials"] = _trials(model)
             peer = min(("ort_run", "ort_iobinding", "openvino_direct"), key=lambda k: row[k]["us"])
             best = row[peer]["us"]
             for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES), "dsp_auto_bound"):

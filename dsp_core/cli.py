@@ -860,7 +860,15 @@ def _plan_explain(args: argparse.Namespace) -> int:
             times = ", ".join(f"{name} {us:.1f} us" for name, us in t["times_us"].items())
             threads = t.get("threads", 0)  # fewer than DSP_CPU_THREADS where the trial found them faster
             on = f" on {threads} thread{'s' if threads > 1 else ''}" if threads else ""
-            print(f"    trial ({t['source']}) for feeds {t['feeds']}: {times} -> {t['winner']}{on}")
+            rivals = f"; rivals {', '.join(t['rivals'])}" if t.get("rivals") else ""
+            print(f"    trial ({t['source']}) for feeds {t['feeds']}: {times} -> {t['winner']}{on}{rivals}")
+        for c in seg.get("contests", []):  # the replay contest: the rivals timed again on real steps
+            dropped = f"; out: {'; '.join(c['dropped'])}" if c["dropped"] else ""
+            print(
+                f"    contest for feeds {c['feeds']}: {' vs '.join([c['holder'], *c['rivals']])}, running "
+                f"{c['running']} after {c['duels']} duel{'s' if c['duels'] != 1 else ''} "
+                f"({c['switches']} switched){dropped}"
+            )
         fusion = seg.get("fusion")
         if fusion:  # the winner's fusion policy grouped the segment
             print(f"    fusion ({fusion['policy']}): {fusion['slots']} slots -> {fusion['kernels']} kernels")

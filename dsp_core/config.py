@@ -175,6 +175,14 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "replay_contest",
+        "DSP_REPLAY_CONTEST",
+        "bool",
+        True,
+        "While a plan replays, time a short CPU segment's close runner-up in the auction's trial against "
+        "its winner now and then, on real steps, and keep the faster (AUTO).",
+    ),
+    Option(
         "triton_products",
         "DSP_TRITON_PRODUCTS",
         "bool",

@@ -85,6 +85,10 @@ class Partition:
     faults: list[Fault] = field(default_factory=list)
     # segment -> feed-shape key -> the timed trial that picked its backend (measure())
     trials: dict[int, dict[str, Trial]] = field(default_factory=dict)
+    # segment -> feed-shape key -> the trial's close runners-up (backend, threads), which replays contest
+    rivals: dict[int, dict[str, list[tuple[Backend, int]]]] = field(default_factory=dict)
+    # segment -> feed-shape key -> the live plan's replay contest (dsp_core.runtime.contest), for explain
+    contests: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def record_fault(self, fault: Fault) -> None:
         """Keep ``fault`` (explain, diagnostics) and say it once in the log."""
@@ -489,7 +493,7 @@ TRIAL_WAKE_S = 2e-3
 # bursts; 6: the faster in every round wins a tie; 5: and TRIAL_MIN_ROUNDS for a long step; 4: rounds
 # while the budget lasts; 3: medians of bursts in turns, three rounds at most (2: of runs in turns;
 # 1: best runs). A trial kept under an older format is timed again.
-TRIAL_FORMAT = "dsp-auction-trial/9"
+TRIAL_FORMAT = "dsp-auction-trial/10"
 # A winner whose segments run on a thread count of their own (Backend.threads_variants) and whose
 # median was under this is timed again against itself at fewer threads (half, a quarter, ... one),
 # in the same turns, and the fastest count is kept by the same rule (the full count first in the
@@ -500,6 +504,15 @@ TRIAL_FORMAT = "dsp-auction-trial/9"
 # asked for: its compile at another count costs as much again (GPT-2 124M: 5-9 s).
 THREADS_TRIAL_MAX_S = 2e-3
 # 9: a short winner timed at fewer threads too (Trial.threads).
+# A trial is about a second of a machine whose load changes from minute to minute: the CNN fixture's
+# segment at two threads timed 50.5 us on one thread against 61.6 on two (10 of 12 rounds), and minutes
+# later ran 68.3 us on one where ONNX Runtime's own call on two took 61.2 (cpu_race_2026-12-05c). So a
+# short winner (median under CONTEST_MAX_S) keeps rivals: the fastest other backend, and the fastest
+# other thread count of its own, each where its median was within CONTEST_RATIO of the winner's. The
+# plan's replays run them in turns now and then and keep the fastest (dsp_core.runtime.contest).
+# Trial.rivals names them; 10: the rivals kept in the record.
+CONTEST_MAX_S = THREADS_TRIAL_MAX_S
+CONTEST_RATIO = 1.5
 
 
 @dataclass(frozen=True)
@@ -513,6 +526,8 @@ class Trial:
     # The winner's threads per call (Segment.threads; 0: DSP_CPU_THREADS). Its timings at each count
     # are in ``times`` and ``rounds`` as "backend@threads" (THREADS_TRIAL_MAX_S).
     threads: int = 0
+    # The runners-up that replays contest with the winner ("backend", or "backend@threads"; CONTEST_RATIO)
+    rivals: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form for `dsp plan explain` (microseconds)."""
@@ -521,8 +536,24 @@ class Trial:
             "rounds_us": {k: [round(v * 1e6, 2) for v in got] for k, got in self.rounds.items()},
             "winner": self.winner,
             "threads": self.threads,
+            "rivals": list(self.rivals),
             "source": self.source,
         }
+
+    def time_of(self, name: str) -> float | None:
+        """The median seconds of variant ``name`` ("backend" or "backend@threads", as ``variant``
+        reads it) in this trial, or None where it was not timed."""
+        want = variant(name)
+        got = [t for n, t in self.times.items() if variant(n) == want]
+        return min(got) if got else None
+
+
+def variant(name: str) -> tuple[str, int]:
+    """(backend name, threads) of a trial's variant name ("onnxruntime@1" -> ("onnxruntime", 1); the
+    full count and a plain name -> threads 0, DSP_CPU_THREADS)."""
+    backend, _, count = name.partition("@")
+    threads = int(count) if count.isdigit() else 0
+    return backend, 0 if threads == full_threads() else threads
 
 
 def contenders(plan: Plan, result: Partition, k: int) -> list[Backend]:
@@ -568,7 +599,7 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
     contested = {k: c for k in range(len(part.segments)) if _contested(c := contenders(plan, part, k))}
     if not contested:
         return
-    key = _shape_key(feeds)
+    key = shape_key(feeds)
     values = list(executor.template)
     for flat, array in feeds:
         values[flat] = array
@@ -580,6 +611,9 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
                 trial, kept = _time_segment(plan, part.segments[k], contested[k], compiled, values, runs)
                 _remember(plan, part, k, contested[k], key, trial)
             part.trials.setdefault(k, {})[key] = trial
+            rivals = _rivals_of(trial, contested[k])
+            if rivals:
+                part.rivals.setdefault(k, {})[key] = rivals
             seg = part.segments[k]
             if trial.winner != seg.backend or trial.threads != seg.threads:
                 winner = next(b for b in contested[k] if b.name == trial.winner)
@@ -597,6 +631,36 @@ def measure(executor: Any, feeds: list[tuple[int, Any]]) -> None:
                 describe(exc),
             )
             return
+
+
+def _rivals_of(trial: Trial, candidates: list[Backend]) -> list[tuple[Backend, int]]:
+    """The trial's rivals as (backend, threads), those that name one of ``candidates``."""
+    found = []
+    for name in trial.rivals:
+        backend_name, threads = variant(name)
+        backend = next((b for b in candidates if b.name == backend_name), None)
+        if backend is not None:
+            found.append((backend, threads))
+    return found
+
+
+def _rivals(times: dict[str, float], chosen: str) -> tuple[str, ...]:
+    """The rivals of ``chosen`` among a trial's variants (``times``): the fastest other backend, and
+    the fastest other thread count of its own (the full count is timed under two names, "backend" and
+    "backend@N": one variant), each where its median was within CONTEST_RATIO of ``chosen``'s, and
+    ``chosen``'s was short (CONTEST_MAX_S)."""
+    mine = times.get(chosen)
+    if mine is None or mine > CONTEST_MAX_S:
+        return ()
+    me, ceiling = variant(chosen), mine * CONTEST_RATIO
+    found = []
+    for same in (False, True):
+        others = {
+            n: t for n, t in times.items() if variant(n) != me and (variant(n)[0] == me[0]) == same and t <= ceiling
+        }
+        if others:
+            found.append(min(others, key=lambda n: others[n]))
+    return tuple(found)
 
 
 def _contested(candidates: list[Backend]) -> bool:
@@ -639,6 +703,7 @@ def _time_segment(
     kept: CompiledSegment | None = None
     threads = 0
     times: dict[str, float] = {}
+    rivals: tuple[str, ...] = ()
     try:
         for backend in candidates:
             mine = current if backend.name == seg.backend and seg.threads == 0 else None
@@ -649,8 +714,8 @@ def _time_segment(
             chosen = ready[winner]
             backend = chosen.backend
             fewer = _fewer_threads(backend, times[winner])
+            full = f"{winner}@{full_threads()}"
             if fewer:
-                full = f"{winner}@{full_threads()}"
                 more_steps, more_settle = {full: steps[winner]}, {full: settle[winner]}
                 for t in fewer:
                     name = f"{winner}@{t}"
@@ -662,6 +727,7 @@ def _time_segment(
                     best = _pick(list(more_steps), more_times, more_rounds)
                     if best != full:
                         threads, chosen = int(best.rsplit("@", 1)[1]), ready[best]
+            rivals = _rivals(times, f"{winner}@{threads}" if threads else winner)
             # Kept for the CPU runtimes, whose compile is what a second one would cost; a device
             # segment is compiled afresh, as it always was (its trial capture used copies of the buffers).
             kept = chosen if chosen is not current and chosen.backend.platform == "cpu" else None
@@ -671,7 +737,7 @@ def _time_segment(
                 release_quietly(compiled)
     if not times:
         return Trial({}, seg.backend, "measured", threads=seg.threads), None
-    return Trial(times, winner, "measured", rounds, threads), kept
+    return Trial(times, winner, "measured", rounds, threads, rivals), kept
 
 
 def _make_ready(
@@ -829,7 +895,7 @@ def _hand_over(
     executor.checks[k] = executor._specs(compiled)
 
 
-def _shape_key(feeds: list[tuple[int, Any]]) -> str:
+def shape_key(feeds: list[tuple[int, Any]]) -> str:
     """The feeds' shapes and dtypes as text (a trial holds for these shapes only)."""
     return ";".join(f"{flat}:{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for flat, a in feeds)
 
@@ -870,11 +936,12 @@ def _recall(plan: Plan, part: Partition, k: int, candidates: list[Backend], key:
         rounds = {str(n): [float(t) for t in got] for n, got in record.get("rounds", {}).items()}
         winner = str(record["winner"])
         threads = int(record.get("threads", 0))
+        rivals = tuple(str(n) for n in record.get("rivals", ()))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if winner not in {b.name for b in candidates} or threads < 0:
         return None
-    return Trial(times, winner, "disk", rounds, threads)
+    return Trial(times, winner, "disk", rounds, threads, rivals)
 
 
 def _remember(plan: Plan, part: Partition, k: int, candidates: list[Backend], key: str, trial: Trial) -> None:
@@ -888,6 +955,7 @@ def _remember(plan: Plan, part: Partition, k: int, candidates: list[Backend], ke
         "rounds": trial.rounds,
         "winner": trial.winner,
         "threads": trial.threads,
+        "rivals": list(trial.rivals),
     }
     cache.put(_record_key(plan, part.segments[k], candidates, key), json.dumps(record, sort_keys=True).encode())
 
@@ -915,6 +983,9 @@ def explain(plan: Plan, result: Partition) -> dict[str, Any]:
         trials = result.trials.get(seg.index)
         if trials:
             entry["trials"] = [{"feeds": shapes, **t.as_dict()} for shapes, t in trials.items()]
+        contests = result.contests.get(seg.index)
+        if contests:
+            entry["contests"] = [{"feeds": shapes, **c.as_dict()} for shapes, c in contests.items()]
         fusion = _fusion_of(plan, seg, result.backends.get(seg.backend), result)
         if fusion is not None:
             entry["fusion"] = fusion

@@ -193,6 +193,20 @@ class CompiledSegment:
     def _replay_call(self, values: list[Any]) -> Callable[[], Any] | None:
         return None
 
+    def rival_call(self, values: list[Any], holder: CompiledSegment) -> Callable[[], Any] | None:
+        """A zero-argument call that runs this segment on the inputs in ``values`` and writes
+        ``holder``'s replay outputs in place, or None where this segment cannot.
+
+        ``holder`` is another backend's (or thread count's) compiled segment of the same slots,
+        replaying on ``values``; the core's replay contest (``dsp_core.runtime.contest``) runs the
+        two calls in turns while the plan replays and keeps the faster. None (the default) keeps
+        the segment out of contests.
+        """
+        return self._rival_call(values, holder)
+
+    def _rival_call(self, values: list[Any], holder: CompiledSegment) -> Callable[[], Any] | None:
+        return None
+
     def refresh(self, values: list[Any], changed: list[int]) -> bool:
         """Patch the recording for the inputs at flat indexes ``changed``; False means recapture."""
         if not self.backend.contract.can_update_in_place:

@@ -365,6 +365,26 @@ class WholeSegment(CompiledSegment):
             return None
         return self._bound
 
+    def _rival_call(self, values: list[Any], holder: CompiledSegment) -> Callable[[], Any] | None:
+        # Bound like ``_capture``, but onto the holder's outputs: the same slots, inputs and outputs
+        # (shapes and dtypes), neither with a KV store to write after the call (a pure function of
+        # its inputs, so a step may run either). Own buffers are not allocated.
+        if not isinstance(holder, WholeSegment) or holder._bound is None or not self._slots:
+            return None
+        if self.stores or holder.stores or self._slots != holder._slots:
+            return None
+        if self._inputs != holder._inputs or self._outputs != holder._outputs:
+            return None
+        inputs = [values[i] for i in self._inputs]
+        if any(a is not b for a, b in zip(inputs, holder._bound_inputs)):
+            return None  # the holder is bound to other arrays than ``values`` holds
+        outputs = list(holder._bound_outputs)
+        compiled = self.compiled_for(list(values))  # a copy: sealed slots inside are not written into values
+        self._bound = self._bind(compiled, inputs, outputs)
+        self._bound_inputs = tuple(inputs)
+        self._bound_outputs = tuple(outputs)
+        return self._bound
+
     def _refresh(self, values: list[Any], changed: list[int]) -> bool:
         inputs = [values[i] for i in self._inputs]
         if any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(inputs, self._bound_inputs)):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dsp_core import config, diag
-from dsp_core.backends.auction import Fault, measure, release_quietly
+from dsp_core.backends.auction import Fault, measure, release_quietly, shape_key
 from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStatus
 from dsp_core.backends.guard import describe
 from dsp_core.diag import Category, Level
@@ -45,6 +45,7 @@ from dsp_core.errors import DSPError
 from dsp_core.ops.registry import Trait
 from dsp_core.plan.fusion import sealed_slots
 from dsp_core.plan.plan import ConstantTable, ExternalClass, Plan, Segment
+from dsp_core.runtime.contest import Contest
 from dsp_core.runtime.epoch import EPOCH
 from dsp_core.runtime.islands import Gap, after_failure, check_capture_fault, remember_gap
 from dsp_core.runtime.lifecycle import (
@@ -564,6 +565,67 @@ class PlanRuntime:
             self.__dict__["_staged_cache"] = cached
         return cached[1]
 
+    # -- the replay contest (dsp_core.runtime.contest) -------------------------------------------
+    def _replay_call(self, unit: Unit, values: list[Any]) -> Callable[[], Any] | None:
+        """The steady program's call for ``unit``: its replay call, or its contest with the auction's
+        runners-up (made the first time, bound anew on every new steady program)."""
+        call = unit.compiled.replay_call(values)
+        if call is None or unit.contest is False:
+            return call
+        if unit.contest is None:
+            unit.contest = self._contest(unit, call, values) or False
+            return unit.contest or call
+        contest = unit.contest
+        contest.rebind([call, *(r.rival_call(values, unit.compiled) for r in contest.rivals)])
+        if not contest.live:  # every rival dropped: the unit runs alone from now on
+            contest.release()
+            unit.contest = False
+            return call
+        return contest  # type: ignore[no-any-return]
+
+    def _contest(self, unit: Unit, call: Callable[[], Any], values: list[Any]) -> Contest | None:
+        """A contest for ``unit`` with its segment's trial runners-up, where it has some (auction
+        CONTEST_RATIO) and the unit is its whole segment: each rival that binds onto the unit's buffers
+        and computes its outputs (within the two contracts' tolerance); else None."""
+        part = self.executor.partition
+        k = unit.origin
+        if not config.get("replay_contest") or unit.kind is not UnitKind.ISLAND or k < 0 or k not in part.rivals:
+            return None
+        if sum(u.origin == k for u in self.units) != 1 or k >= len(part.segments):
+            return None  # a segment cut into islands and gaps: a rival would run other slots
+        key = shape_key([(f, values[f]) for f, _, _ in self.feed_shapes])
+        rivals, trial = part.rivals[k].get(key, []), part.trials.get(k, {}).get(key)
+        seg = part.segments[k]
+        if not rivals or trial is None or trial.winner != unit.backend.name or trial.threads != seg.threads:
+            return None
+        holder = unit.backend.name + (f"@{seg.threads}" if seg.threads else "")
+        names, calls, made = [holder], [call], []
+        for (backend, threads), name in zip(rivals, trial.rivals):
+            compiled, rival_call = None, None
+            try:
+                piece = Segment(unit.index, backend.name, backend.mode.name, unit.segment.slots, threads=threads)
+                compiled = backend.compile(self.plan, piece)
+                rival_call = compiled.rival_call(values, unit.compiled)
+                problem = "it cannot bind onto the segment's buffers" if rival_call is None else None
+                if rival_call is not None:
+                    problem = _disagreement(unit, call, rival_call, values, compiled)
+            except Exception as exc:  # noqa: BLE001  (a rival that cannot compile or run: out of the contest)
+                problem = describe(exc)
+            if problem is not None or compiled is None or rival_call is None:
+                if compiled is not None:
+                    release_quietly(compiled)
+                log.info("DSP replay contest: segment %d leaves out %s: %s", k, name, problem)
+                continue
+            names.append(name)
+            calls.append(rival_call)
+            made.append(compiled)
+        if not made:
+            return None
+        step_s = trial.time_of(holder) or trial.time_of(trial.winner) or 1e-4
+        contest = Contest(names, calls, step_s, made, release_quietly)
+        part.contests.setdefault(k, {})[key] = contest
+        return contest
+
     def _check(self, unit: Unit, values: list[Any], feeds: list[tuple[int, Any]]) -> None:
         """Compare the unit's outputs with the plan's declarations (its first runs after freezing or capturing)."""
         unit.unchecked -= 1
@@ -585,7 +647,7 @@ class PlanRuntime:
         ref = self.executor.partition.reference
         assert ref is not None
         replacement = ref.compile(self.plan, Segment(unit.index, ref.name, ref.mode.name, unit.segment.slots))
-        release_quietly(unit.compiled)
+        _let_go(unit)
         unit.compiled, unit.backend, unit.checks, unit.unchecked = replacement, ref, (), 0
         unit.reason = reason
         if unit.phase is not S.FAILED:
@@ -701,7 +763,7 @@ class PlanRuntime:
             for piece in pieces:
                 release_quietly(piece.compiled)
             raise  # the step's handler gives ``unit`` (still in place) to the reference
-        release_quietly(unit.compiled)
+        _let_go(unit)
         at = self.units.index(unit)
         self.units = [*self.units[:at], *pieces, *self.units[at + 1 :]]  # a new list: the step's loop is unaffected
         readers = {i for u in self.units if u.kind is UnitKind.ISLAND for i in u.inputs}
@@ -908,7 +970,7 @@ class PlanRuntime:
                 return
             self._steady = None
             for unit in self.units:
-                release_quietly(unit.compiled)
+                _let_go(unit)
             self.units = []
             self.template = None
             self.__dict__.pop("_owned_cache", None)
@@ -925,7 +987,7 @@ class PlanRuntime:
         """Free every unit's buffers and recordings, the staging buffers and bridges (the plan left the cache)."""
         self._steady = None
         for unit in self.units:
-            release_quietly(unit.compiled)
+            _let_go(unit)
         self.staging.invalidate()
         self.bridges.clear()
 
@@ -960,6 +1022,39 @@ def _owned(value: Any) -> Any:
     return copy() if callable(copy) else value
 
 
+def _disagreement(
+    unit: Unit, call: Callable[[], Any], rival_call: Callable[[], Any], values: list[Any], rival: Any
+) -> str | None:
+    """Why the rival may not run ``unit``'s steps: its outputs on the same inputs differ from the
+    holder's by more than the looser of the two contracts' tolerance (relative to the holder's
+    largest value); None when they agree. The holder runs last: ``values`` keep its outputs."""
+    call()
+    want = [np.array(values[o], copy=True) for o in unit.outputs]
+    rival_call()
+    got = [np.array(values[o], copy=True) for o in unit.outputs]
+    call()
+    tolerance = max(unit.backend.contract.tolerance, rival.backend.contract.tolerance)
+    for flat, a, b in zip(unit.outputs, want, got):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"its output v{flat} is {b.dtype}{list(b.shape)}, the segment's {a.dtype}{list(a.shape)}"
+        if a.dtype.kind in "fc":
+            scale = max(float(np.max(np.abs(a), initial=0.0)), 1.0)
+            diff = float(np.max(np.abs(a - b), initial=0.0))
+            if not diff <= tolerance * scale:  # NaN: a disagreement too
+                return f"its output v{flat} differs by {diff:.3g} (tolerance {tolerance:g} x {scale:.3g})"
+        elif not np.array_equal(a, b):
+            return f"its output v{flat} differs"
+    return None
+
+
+def _let_go(unit: Unit) -> None:
+    """Release ``unit``'s compiled segment and its contest's rival; no contest is made for it again."""
+    if unit.contest:
+        unit.contest.release()
+    unit.contest = False
+    release_quietly(unit.compiled)
+
+
 def _replayed(compiled: Any, values: list[Any]) -> bool:
     """Replay ``compiled`` on ``values``: whether it was OK (a binding's step of a unit without a replay call)."""
     return compiled.replay(values) is ReplayStatus.OK
@@ -983,7 +1078,7 @@ class _Steady:
         # a variable's array, read in place, and READ_IN_PLACE (a step feeding another array leaves)
         self.buffers = [(values[f], fills.get(f) if f in staged else READ_IN_PLACE) for f in flats]
         self.values = values
-        self.units = [(u, u.compiled.replay_call(values)) for u in runtime.units]
+        self.units = [(u, runtime._replay_call(u, values)) for u in runtime.units]
         self.outputs = runtime.executor.output_flat
         self.constants = runtime.plan.constants  # the table and its version when the step was clean
         self.version = getattr(self.constants, "version", -1)

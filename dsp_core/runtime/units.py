@@ -115,6 +115,8 @@ class Unit:
     origin: int = -1  # the auction segment this unit was cut from
     checks: tuple[OutputSpec, ...] = ()  # what its outputs must be (empty: the reference, never checked)
     unchecked: int = 0  # runs left whose outputs are checked
+    # the replay contest with the auction's runner-up (dsp_core.runtime.contest), once made; False: none to make
+    contest: Any = None
 
     def __post_init__(self) -> None:
         self.machine = StateMachine(
