@@ -153,24 +153,26 @@ def test_the_holders_own_fault_is_raised(clock: FakeClock) -> None:
 def test_a_trial_keeps_the_close_runners_up_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSP_CPU_THREADS", "2")
     short = auction.CONTEST_MAX_S / 10
-    times = {
+    times = {  # the backends' turns, then the winner's thread counts' turns (a faster moment)
         "onnxruntime": short,
         "openvino": short * 1.2,
         "slot_by_slot": short * 1.3,
-        "onnxruntime@2": short,
-        "onnxruntime@1": short * 1.1,
+        "onnxruntime@2": short / 2,
+        "onnxruntime@1": short * 0.6,
     }
-    # the fastest other backend and the fastest other thread count; the full count is "onnxruntime"
-    # and "onnxruntime@2": one variant, never its own rival
-    assert auction._rivals(times, "onnxruntime") == ("openvino", "onnxruntime@1")
-    assert auction._rivals(times, "onnxruntime@1")[0] == "openvino"
-    assert auction._rivals(times, "onnxruntime@1")[1] in {"onnxruntime", "onnxruntime@2"}
+    # the other backends and the fastest other thread count, each against the winner in its own turns;
+    # the full count is "onnxruntime" and "onnxruntime@2": one variant, never its own rival
+    assert auction._rivals(times, "onnxruntime", 0) == ("openvino", "slot_by_slot", "onnxruntime@1")
+    assert auction._rivals(times, "onnxruntime", 1) == ("openvino", "slot_by_slot", "onnxruntime@2")
     assert auction.variant("onnxruntime@2") == ("onnxruntime", 0) and auction.variant("openvino") == ("openvino", 0)
     assert auction.variant("onnxruntime@1") == ("onnxruntime", 1)
-    far = {"onnxruntime": short, "openvino": short * (auction.CONTEST_RATIO + 0.1), "onnxruntime@1": short * 1.4}
-    assert auction._rivals(far, "onnxruntime") == ("onnxruntime@1",)  # openvino is not close
+    # compared across turns, openvino (1.4) would be far from the count chosen (0.5): it is not
+    assert auction._rivals({**times, "openvino": short * 1.4}, "onnxruntime", 0)[1] == "openvino"
+    far = {"onnxruntime": short, "openvino": short * (auction.CONTEST_RATIO + 0.1), "onnxruntime@2": short}
+    far["onnxruntime@1"] = short * 1.4
+    assert auction._rivals(far, "onnxruntime", 0) == ("onnxruntime@1",)  # openvino is not close
     long = {"onnxruntime": auction.CONTEST_MAX_S * 2, "openvino": auction.CONTEST_MAX_S * 2.1}
-    assert auction._rivals(long, "onnxruntime") == ()  # a long step: its trial's rounds are enough
+    assert auction._rivals(long, "onnxruntime", 0) == ()  # a long step: its trial's rounds are enough
 
 
 # -- real runtimes ----------------------------------------------------------------------------------

@@ -507,8 +507,8 @@ THREADS_TRIAL_MAX_S = 2e-3
 # A trial is about a second of a machine whose load changes from minute to minute: the CNN fixture's
 # segment at two threads timed 50.5 us on one thread against 61.6 on two (10 of 12 rounds), and minutes
 # later ran 68.3 us on one where ONNX Runtime's own call on two took 61.2 (cpu_race_2026-12-05c). So a
-# short winner (median under CONTEST_MAX_S) keeps rivals: the fastest other backend, and the fastest
-# other thread count of its own, each where its median was within CONTEST_RATIO of the winner's. The
+# short winner (median under CONTEST_MAX_S) keeps rivals: the other backends, and the fastest other
+# thread count of its own, each where its median was within CONTEST_RATIO of the winner's. The
 # plan's replays run them in turns now and then and keep the fastest (dsp_core.runtime.contest).
 # Trial.rivals names them; 10: the rivals kept in the record.
 CONTEST_MAX_S = THREADS_TRIAL_MAX_S
@@ -644,22 +644,28 @@ def _rivals_of(trial: Trial, candidates: list[Backend]) -> list[tuple[Backend, i
     return found
 
 
-def _rivals(times: dict[str, float], chosen: str) -> tuple[str, ...]:
-    """The rivals of ``chosen`` among a trial's variants (``times``): the fastest other backend, and
-    the fastest other thread count of its own (the full count is timed under two names, "backend" and
-    "backend@N": one variant), each where its median was within CONTEST_RATIO of ``chosen``'s, and
-    ``chosen``'s was short (CONTEST_MAX_S)."""
-    mine = times.get(chosen)
-    if mine is None or mine > CONTEST_MAX_S:
+def _rivals(times: dict[str, float], winner: str, threads: int) -> tuple[str, ...]:
+    """The rivals of ``winner`` at ``threads`` among a trial's variants (``times``), each compared
+    with the winner in the turns it was timed in: the other backends (the backends' turns, plain
+    names) within CONTEST_RATIO of the winner's full count there, fastest first (one that cannot bind
+    onto another's buffers, the reference, is left out when the contest is made), and the fastest
+    other thread count of the winner ("backend@N": the thread counts' turns, the full count among
+    them) within CONTEST_RATIO of the count chosen. None where the winner's step was long
+    (CONTEST_MAX_S)."""
+    base = times.get(winner)
+    if base is None or base > CONTEST_MAX_S:
         return ()
-    me, ceiling = variant(chosen), mine * CONTEST_RATIO
-    found = []
-    for same in (False, True):
-        others = {
-            n: t for n, t in times.items() if variant(n) != me and (variant(n)[0] == me[0]) == same and t <= ceiling
+    others = {n: t for n, t in times.items() if "@" not in n and n != winner and t <= base * CONTEST_RATIO}
+    found = sorted(others, key=lambda n: others[n])
+    mine = times.get(f"{winner}@{threads or full_threads()}")
+    if mine is not None:
+        counts = {
+            n: t
+            for n, t in times.items()
+            if n.startswith(f"{winner}@") and variant(n) != (winner, threads) and t <= mine * CONTEST_RATIO
         }
-        if others:
-            found.append(min(others, key=lambda n: others[n]))
+        if counts:
+            found.append(min(counts, key=lambda n: counts[n]))
     return tuple(found)
 
 
@@ -727,7 +733,7 @@ def _time_segment(
                     best = _pick(list(more_steps), more_times, more_rounds)
                     if best != full:
                         threads, chosen = int(best.rsplit("@", 1)[1]), ready[best]
-            rivals = _rivals(times, f"{winner}@{threads}" if threads else winner)
+            rivals = _rivals(times, winner, threads)
             # Kept for the CPU runtimes, whose compile is what a second one would cost; a device
             # segment is compiled afresh, as it always was (its trial capture used copies of the buffers).
             kept = chosen if chosen is not current and chosen.backend.platform == "cpu" else None
