@@ -291,3 +291,9 @@ def test_without_the_option_there_is_no_contest(
     assert _trial(model)["rivals"] and _contests(model) == []
     (unit,) = model.last_live.runtime.units  # type: ignore[union-attr]
     assert unit.contest is False
+
+
+def test_a_trials_shape_key_does_not_depend_on_the_feeds_order() -> None:
+    """The contest finds its trial by the staged arrays, the trial was keyed by the step's feeds."""
+    a, b = np.zeros((2, 3), np.float32), np.zeros((4,), np.int64)
+    assert auction.shape_key([(3, a), (1, b)]) == auction.shape_key([(1, b), (3, a)]) == "1:int64[4];3:float32[2, 3]"

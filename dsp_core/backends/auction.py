@@ -902,8 +902,15 @@ def _hand_over(
 
 
 def shape_key(feeds: list[tuple[int, Any]]) -> str:
-    """The feeds' shapes and dtypes as text (a trial holds for these shapes only)."""
-    return ";".join(f"{flat}:{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for flat, a in feeds)
+    """The feeds' shapes and dtypes as text, in the order of their flat indexes (a trial holds for
+    these shapes only; the replay contest finds its trial by the staged arrays, in another order)."""
+    return ";".join(
+        f"{flat}:{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for flat, a in sorted(feeds, key=_first)
+    )
+
+
+def _first(pair: tuple[int, Any]) -> int:
+    return pair[0]
 
 
 def _record_key(plan: Plan, seg: Segment, candidates: list[Backend], key: str) -> str:
