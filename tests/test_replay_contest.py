@@ -88,7 +88,7 @@ def test_a_tie_keeps_the_running_variant_and_duels_come_less_often(clock: FakeCl
         c()
         if c.duels > before:
             gaps.append(c.left)
-    # 8 of 8 rounds passes the sign test: the consistently faster wins a tie, as in the trial
+    # b the faster in every round (10 of 10) passes the duel's sign test: the consistently faster wins a tie
     assert c.running == 1
     cost["b"] = 100e-6  # equal now: the running variant keeps it (an equal round counts against the other)
     switches = c.switches
@@ -109,6 +109,17 @@ def test_three_variants_the_fastest_runs(clock: FakeClock) -> None:
         c()
     assert c.as_dict()["running"] == "c" and c.as_dict()["rivals"] == ["b", "c"]
     assert ran.count("b") == ran.count("c") == DUEL_ROUNDS * c.burst
+
+
+def test_a_tie_moves_the_segment_only_on_nine_rounds_of_ten() -> None:
+    """Within the tie band the other variant must be the faster in 9 of 10 rounds: 8 of 10, enough
+    for the trial's sign test at 10%, is not enough for a duel, which comes again and again."""
+    times = {"a": 100e-6, "b": 99e-6}
+    for wins, moves in ((8, False), (9, True), (10, True)):
+        rounds = {"a": [100e-6] * 10, "b": [99e-6] * wins + [101e-6] * (10 - wins)}
+        assert auction._pick(["a", "b"], times, rounds) == "b"  # the trial's rule
+        assert auction._pick(["a", "b"], times, rounds, contest_mod.DUEL_SIGN_P) == ("b" if moves else "a")
+    assert contest_mod.DUEL_ROUNDS == 10
 
 
 def test_a_rival_that_raises_is_dropped_and_released_and_the_holder_runs_on(clock: FakeClock) -> None:
@@ -216,7 +227,7 @@ def test_a_close_runner_up_contests_the_replays_and_every_step_stays_right(
     contested: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # every duel hands the segment to the other variant: each switch is exercised on real runtimes
-    monkeypatch.setattr(auction, "_pick", lambda order, times, rounds: order[1])
+    monkeypatch.setattr(auction, "_pick", lambda order, times, rounds, sign_p=0.1: order[1])
     model = dsp.compile(mlp_graph)
     _steps_checked(model, mlp_graph, 600)
     trial = _trial(model)

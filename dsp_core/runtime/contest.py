@@ -16,7 +16,7 @@ and the steady replay calls a ``Contest`` in place of the segment's own call:
   runs no extra work, its steps just run on the variants in turn.
 - After a duel the running variant is kept unless another was the faster by the auction's own
   rule (``auction._pick``: a tie within ``TIE`` keeps it, unless the other had the lower median in
-  enough rounds for a sign test at ``SIGN_P``).
+  enough rounds for a sign test, here at ``DUEL_SIGN_P``: 9 rounds of 10).
 - The next duel comes after ``DUEL_GAP`` duels' worth of steps, twice that after a duel that
   changed nothing (up to ``DUEL_GAP_MAX``), back to ``DUEL_GAP`` after a switch: about 1/17 of the
   steps are in duels at first, and fewer while the choice holds.
@@ -38,7 +38,14 @@ from dsp_core.backends.guard import describe
 
 log = logging.getLogger("dsp")
 
-DUEL_ROUNDS = 8
+DUEL_ROUNDS = 10
+# A tie (within the auction's TIE) moves the segment only when the other won so many rounds that two
+# equally fast variants would give as many at most this often (9 of 10): a duel is some 10 ms of
+# steps, and every duel is another chance for noise to pass a looser test. In the race of 2026-12-05
+# 05:13 (8 rounds, the trial's SIGN_P of 0.1) the CNN fixture's contest at one thread moved it from ONNX
+# Runtime to OpenVINO on 48.5 against 49.7 us, and in the row it ran 1.9% slower than ONNX Runtime's
+# own call (cpu_race_2026-12-05d).
+DUEL_SIGN_P = 0.011
 DUEL_BURST_S = 0.5e-3
 BURST_MIN, BURST_MAX = 3, 32
 DUEL_GAP = 16  # duels' worth of steps between duels
@@ -169,7 +176,7 @@ class Contest:
         self.duels += 1
         if len(times) == n:
             order = [names[self.running]] + [names[s] for s in range(n) if s != self.running]
-            faster = _pick(order, times, rounds)
+            faster = _pick(order, times, rounds, DUEL_SIGN_P)
             self.last = {
                 "times_us": {k: round(v * 1e6, 2) for k, v in times.items()},
                 "rounds": len(self._rounds[0]),
