@@ -79,7 +79,7 @@ def test_a_contest_moves_to_the_faster_variant_and_back_when_the_machine_changes
 
 
 def test_a_tie_keeps_the_running_variant_and_duels_come_less_often(clock: FakeClock) -> None:
-    cost = {"a": 100e-6, "b": 98e-6}  # within the auction's TIE, and b faster in every round
+    cost = {"a": 100e-6, "b": 98e-6}  # within the auction's TIE, b the faster in every round
     ran: list[str] = []
     c = _contest(clock, cost, ran)
     gaps = []
@@ -88,17 +88,12 @@ def test_a_tie_keeps_the_running_variant_and_duels_come_less_often(clock: FakeCl
         c()
         if c.duels > before:
             gaps.append(c.left)
-    # b the faster in every round (10 of 10) passes the duel's sign test: the consistently faster wins a tie
-    assert c.running == 1
-    cost["b"] = 100e-6  # equal now: the running variant keeps it (an equal round counts against the other)
-    switches = c.switches
-    while c.duels < 6:
-        before = c.duels
-        c()
-        if c.duels > before:
-            gaps.append(c.left)
-    assert c.switches == switches and c.running == 1
+    assert c.running == 0 and c.switches == 0  # a tie keeps the running variant
     assert gaps[-1] == 2 * gaps[-2] == 4 * gaps[-3], gaps  # a duel that changes nothing doubles the gap
+    cost["b"] = 80e-6  # clearly faster now: it runs, and the gap is back to the shortest
+    while c.duels < 4:
+        c()
+    assert c.running == 1 and c.switches == 1 and c.left == contest_mod.DUEL_GAP * c.duel_steps
 
 
 def test_three_variants_the_fastest_runs(clock: FakeClock) -> None:
@@ -111,15 +106,18 @@ def test_three_variants_the_fastest_runs(clock: FakeClock) -> None:
     assert ran.count("b") == ran.count("c") == DUEL_ROUNDS * c.burst
 
 
-def test_a_tie_moves_the_segment_only_on_nine_rounds_of_ten() -> None:
-    """Within the tie band the other variant must be the faster in 9 of 10 rounds: 8 of 10, enough
-    for the trial's sign test at 10%, is not enough for a duel, which comes again and again."""
-    times = {"a": 100e-6, "b": 99e-6}
+def test_a_duel_moves_the_segment_only_to_a_variant_clearly_faster() -> None:
+    """More than 5% faster by median and the faster in 9 of 10 rounds: a tie, or 8 rounds of 10 (enough
+    for the trial's sign test at 10%), keeps the running variant; a duel comes again and again."""
+    clearly = contest_mod._clearly_faster
     for wins, moves in ((8, False), (9, True), (10, True)):
-        rounds = {"a": [100e-6] * 10, "b": [99e-6] * wins + [101e-6] * (10 - wins)}
-        assert auction._pick(["a", "b"], times, rounds) == "b"  # the trial's rule
-        assert auction._pick(["a", "b"], times, rounds, contest_mod.DUEL_SIGN_P) == ("b" if moves else "a")
-    assert contest_mod.DUEL_ROUNDS == 10
+        rounds = {"a": [100e-6] * 10, "b": [90e-6] * wins + [101e-6] * (10 - wins)}
+        assert clearly("a", {"a": 100e-6, "b": 90e-6}, rounds) == ("b" if moves else "a")
+    ties = {"a": [100e-6] * 10, "b": [97e-6] * 10}
+    assert clearly("a", {"a": 100e-6, "b": 97e-6}, ties) == "a"  # 3% in every round: a tie
+    assert auction._pick(["a", "b"], {"a": 100e-6, "b": 97e-6}, ties) == "b"  # the trial's rule would move
+    three = {"a": [100e-6] * 10, "b": [80e-6] * 10, "c": [70e-6] * 10}
+    assert clearly("a", {"a": 100e-6, "b": 80e-6, "c": 70e-6}, three) == "c"
 
 
 def test_a_rival_that_raises_is_dropped_and_released_and_the_holder_runs_on(clock: FakeClock) -> None:
@@ -227,7 +225,9 @@ def test_a_close_runner_up_contests_the_replays_and_every_step_stays_right(
     contested: None, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # every duel hands the segment to the other variant: each switch is exercised on real runtimes
-    monkeypatch.setattr(auction, "_pick", lambda order, times, rounds, sign_p=0.1: order[1])
+    monkeypatch.setattr(
+        contest_mod, "_clearly_faster", lambda running, times, rounds: next(n for n in times if n != running)
+    )
     model = dsp.compile(mlp_graph)
     _steps_checked(model, mlp_graph, 600)
     trial = _trial(model)

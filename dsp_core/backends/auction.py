@@ -798,15 +798,15 @@ def _ready_step(backend: Backend, compiled: CompiledSegment, values: list[Any]) 
     return step
 
 
-def _pick(order: list[str], times: dict[str, float], rounds: dict[str, list[float]], sign_p: float = SIGN_P) -> str:
+def _pick(order: list[str], times: dict[str, float], rounds: dict[str, list[float]]) -> str:
     """The winner of a trial: the fastest median (``times``), or the first in the chain's ``order``
     within TIE of it, unless the fastest had the lower median in enough of the rounds against that
     one (``rounds``: each candidate's median per round, the rounds in step) to pass a one-sided sign
-    test at ``sign_p`` (``sign_test``; an equal round counts against it)."""
+    test at SIGN_P (``sign_test``; an equal round counts against it)."""
     fastest = min(times, key=lambda name: times[name])
     first = next(name for name in order if name in times and times[name] <= times[fastest] * (1 + TIE))
     pairs = list(zip(rounds.get(fastest, ()), rounds.get(first, ())))
-    if first != fastest and pairs and sign_test(sum(a < b for a, b in pairs), len(pairs)) <= sign_p:
+    if first != fastest and pairs and sign_test(sum(a < b for a, b in pairs), len(pairs)) <= SIGN_P:
         return fastest
     return first
 
