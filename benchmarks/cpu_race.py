@@ -157,12 +157,12 @@ def _dsp(
     return entry, lambda: model.run(feeds)
 
 
-def _ran_on(model: Any) -> list[str]:
-    """The backends of the model's segments, each with its thread count where the auction gave it
+def _ran_on(segments: list[dict[str, Any]]) -> list[str]:
+    """The backends of the model's segments (``explain``'s), each with its thread count where the auction gave it
     fewer than DSP_CPU_THREADS ("onnxruntime on 1 thread"); where a replay contest moved the segment to
     its rival, the rival ("onnxruntime@2 (contest)")."""
     names = []
-    for seg in model.explain().get("segments", []):
+    for seg in segments:
         threads = seg.get("threads", 0)
         name = seg["backend"] + (f" on {threads} thread{'s' if threads > 1 else ''}" if threads else "")
         for c in seg.get("contests", []):
@@ -172,11 +172,10 @@ def _ran_on(model: Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _trials(model: Any) -> list[dict[str, Any]]:
-    """The auction's timed trials of the model's segments (``explain``): why AUTO ran what it ran; and
-    its replay contests, where a close runner-up was timed again while the plan replayed."""
+def _trials(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The auction's timed trials of the model's segments (``explain``'s): why AUTO ran what it ran;
+    and its replay contests, where a close runner-up was timed again while the plan replayed."""
     keys = ("times_us", "rounds_us", "winner", "threads", "rivals", "source")
-    segments = model.explain().get("segments", [])
     trials = [
         {"segment": seg.get("segment"), **{k: t[k] for k in keys if k in t}}
         for seg in segments
@@ -260,9 +259,10 @@ def run_one(threads: int, only: list[str], batches: list[int], runs: int) -> lis
             for k, entry in row.items():  # what AUTO ran on, after the timing (a replay contest may have moved it)
                 model = entry.pop("_model", None) if isinstance(entry, dict) else None
                 if model is not None:
-                    entry["ran_on"] = _ran_on(model)
+                    segments = model.explain().get("segments", [])
+                    entry["ran_on"] = _ran_on(segments)
                     if k in ("dsp_auto", "dsp_auto_bound"):
-                        entry["trials"] = _trials(model)
+                        entry["trials"] = _trials(segments)
             peer = min(("ort_run", "ort_iobinding", "openvino_direct"), key=lambda k: row[k]["us"])
             best = row[peer]["us"]
             for k in (*PEERS, *(f"dsp_{m}" for m in DSP_MODES), "dsp_auto_bound"):

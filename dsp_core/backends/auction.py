@@ -720,8 +720,8 @@ def _time_segment(
             chosen = ready[winner]
             backend = chosen.backend
             fewer = _fewer_threads(backend, times[winner])
-            full = f"{winner}@{full_threads()}"
             if fewer:
+                full = f"{winner}@{full_threads()}"
                 more_steps, more_settle = {full: steps[winner]}, {full: settle[winner]}
                 for t in fewer:
                     name = f"{winner}@{t}"
@@ -905,12 +905,9 @@ def shape_key(feeds: list[tuple[int, Any]]) -> str:
     """The feeds' shapes and dtypes as text, in the order of their flat indexes (a trial holds for
     these shapes only; the replay contest finds its trial by the staged arrays, in another order)."""
     return ";".join(
-        f"{flat}:{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}" for flat, a in sorted(feeds, key=_first)
+        f"{flat}:{getattr(a, 'dtype', '?')}{list(getattr(a, 'shape', ()))}"
+        for flat, a in sorted(feeds, key=lambda pair: pair[0])
     )
-
-
-def _first(pair: tuple[int, Any]) -> int:
-    return pair[0]
 
 
 def _record_key(plan: Plan, seg: Segment, candidates: list[Backend], key: str) -> str:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dsp_core.backends.auction import TIE, sign_test
 from dsp_core.backends.guard import describe
 
 log = logging.getLogger("dsp")
@@ -238,8 +239,6 @@ def _clearly_faster(running: str, times: dict[str, float], rounds: dict[str, lis
     """The variant a duel leaves running: the fastest by median where it was faster than ``running``
     by more than the auction's TIE and had the lower median in enough rounds to pass the sign test
     at DUEL_SIGN_P; else ``running``."""
-    from dsp_core.backends.auction import TIE, sign_test
-
     fastest = min(times, key=lambda name: times[name])
     if fastest == running or times[fastest] * (1 + TIE) >= times[running]:
         return running
