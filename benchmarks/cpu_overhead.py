@@ -227,9 +227,11 @@ def per_call_overhead(rounds: int = 30, calls: int = 2000) -> dict[str, Any]:
 
 
 def after_call_overhead(budget_s: float = 4.0) -> dict[str, Any]:
-    """DSP's own time per bound step right after a real runtime call: the CNN fixture on ONNX
-    Runtime (batch 1 and 8, one thread), the runtime's bare bound call against ``binding.run``,
-    timed in alternating turns (``common.interleaved_us``).
+    """DSP's own time per step right after a real runtime call: the CNN fixture on ONNX Runtime
+    (batch 1 and 8, one thread), the runtime's bare bound call against ``binding.run`` and against
+    ``model.run`` (its run step: copies in and out), timed in alternating turns
+    (``common.interleaved_us``); beside them ONNX Runtime's own ``run`` against its own IOBinding
+    on a session of the same file and thread count, what its ``run`` costs above a bound call.
 
     ``per_call_overhead`` measures DSP's own time with a no-op for the runtime's call, so every
     object the step touches stays in the cache; after a real call of 45-310 µs (the CNN's
@@ -248,17 +250,50 @@ def after_call_overhead(budget_s: float = 4.0) -> dict[str, Any]:
         live = model.last_live
         assert binding.bound and live is not None and live.runtime._steady is not None, "the CNN did not bind"
         ((_, call),) = live.runtime._steady.units  # ONNX Runtime's bound call on DSP's buffers
-        timed = interleaved_us({"backend_call": call, "dsp_bound": binding.run}, 30, budget_s)
-        own, bound = timed["backend_call"]["us"], timed["dsp_bound"]["us"]
-        found[f"cnn_batch{batch}"] = {
+        run_model = dsp.compile(ROOT / "tests" / "fixtures" / "cnn.onnx", mode="onnxruntime")
+        feeds = {"input": x.copy()}
+        for _ in range(12):  # freeze, settle: later calls take the steady program's run step
+            run_model.run(feeds)
+        steps: dict[str, Callable[[], Any]] = {
+            "backend_call": call,
+            "dsp_bound": binding.run,
+            "dsp_run": functools.partial(run_model.run, feeds),
+        }
+        peer = _ort_cnn(x)
+        if peer is not None:
+            steps["ort_iobinding"], steps["ort_run"] = peer
+        timed = interleaved_us(steps, 30, budget_s)
+        own = timed["backend_call"]["us"]
+        entry = {
             "backend_call_us": round(own, 2),
-            "dsp_bound_us": round(bound, 2),
-            "dsp_own_after_call_us": round(bound - own, 2),
+            "dsp_bound_us": round(timed["dsp_bound"]["us"], 2),
+            "dsp_own_after_call_us": round(timed["dsp_bound"]["us"] - own, 2),
+            "dsp_run_us": round(timed["dsp_run"]["us"], 2),
+            "dsp_run_above_call_us": round(timed["dsp_run"]["us"] - own, 2),
             "runs": timed["dsp_bound"]["runs"],
         }
+        if peer is not None:
+            entry["ort_run_above_its_iobinding_us"] = round(timed["ort_run"]["us"] - timed["ort_iobinding"]["us"], 2)
+        found[f"cnn_batch{batch}"] = entry
         binding.close()
         print(json.dumps({f"cnn_batch{batch}": found[f"cnn_batch{batch}"]}), flush=True)
     return found
+
+
+def _ort_cnn(x: np.ndarray) -> tuple[Callable[[], Any], Callable[[], Any]] | None:
+    """ONNX Runtime's own IOBinding step and ``run`` on the CNN fixture (one thread), or None without it."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(ROOT / "tests" / "fixtures" / "cnn.onnx"), opts, providers=["CPUExecutionProvider"])
+    binding = sess.io_binding()
+    binding.bind_cpu_input("input", x)
+    binding.bind_output(sess.get_outputs()[0].name, "cpu")
+    feeds = {"input": x}
+    return (lambda: sess.run_with_iobinding(binding)), (lambda: sess.run(None, feeds))
 
 
 def _no_op() -> None:

@@ -4,7 +4,8 @@ A frozen plan whose units all replay, fed placeholders only, runs each step as: 
 feeds into their staging buffers, one integer test for replaced constants, each unit's
 runtime call, copies of the outputs (``PlanRuntime._steady_step``); a call with the
 previous call's feed names, shapes and dtypes skips the feed checks it passed then
-(``CompiledModel._run_repeat``). These tests hold that path to the full one: the same
+(the repeat path, ``model._repeat``) and, once the plan has its steady program, is that
+program's own run step (``PlanRuntime.run_step``). These tests hold these paths to the full one: the same
 outputs, bit for bit; new bindings for new shapes; and every error a bad feed or a
 replaced weight gets on the full path.
 """
@@ -12,6 +13,7 @@ replaced weight gets on the full path.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -344,3 +346,111 @@ def test_a_stepper_steps_on_the_same_arrays_and_hands_out_the_plans_buffers(mode
         assert outs[-1] is outs[-2]  # the steady program's buffer, not a copy
     assert live.pins == 0
     assert model.run(feeds)["y"] is not outs[-1]  # run() still hands out copies
+
+
+def two_in_two_out() -> dsp.Graph:
+    """a[batch, 8], b[batch, 8] -> (relu(a + b) @ w, a * b): two feeds and two outputs (the run step's loops)."""
+    g = dsp.GraphBuilder("two_two")
+    a = g.placeholder("a", "float32", ["batch", 8])
+    b = g.placeholder("b", "float32", ["batch", 8])
+    w = g.constant(np.random.default_rng(3).standard_normal((8, 4)).astype(np.float32), name="w")
+    g.output(g.MatMul(g.Relu(a + b), w), "y")
+    g.output(a * b, "z")
+    return g.build()
+
+
+def _no_execute(runtime: PlanRuntime, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make ``runtime.execute`` count its calls: the run step does not go through it."""
+    calls: list[int] = []
+    execute = runtime.execute
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return execute(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runtime, "execute", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_steady_plan_s_run_is_its_run_step_with_the_full_path_s_results_and_counters(
+    mode: str, mlp_graph: dsp.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the plan replays its steady program, ``model.run`` with the previous call's feed shapes is
+    the program's own step (``PlanRuntime.run_step``), not ``execute``: the same outputs as the
+    reference, the caller's own copies, and the counters the full path keeps (cache hits and runs,
+    replays, executions, staging copies)."""
+    model = dsp.compile(mlp_graph, mode=mode)
+    x = x_of(3)
+    runtime = until_steady(model, {"x": x})
+    model.run({"x": x})  # the call that makes the step
+    calls = _no_execute(runtime, monkeypatch)
+    live = model.last_live
+    assert live is not None
+    hits, runs, executions, copies = model.stats.memory_hits, live.runs, runtime.executions, runtime.staging.copies
+    replays = sum(u.counters.replays for u in runtime.units)
+    got = []
+    for _ in range(5):
+        feed = x_of(3)
+        out = model.run({"x": feed})["y"]
+        np.testing.assert_allclose(out, mlp_reference(mlp_graph, feed), rtol=1e-4, atol=1e-5)
+        got.append(out)
+    assert calls == []  # every call took the run step
+    assert len({id(o) for o in got}) == 5 and not any(np.shares_memory(o, got[-1]) for o in got[:-1])
+    assert model.stats.memory_hits == hits + 5 and live.runs == runs + 5 and live.pins == 0
+    assert runtime.executions == executions + 5 and runtime.staging.copies == copies + 5
+    assert sum(u.counters.replays for u in runtime.units) == replays + 5 * len(runtime.units)
+    assert model.run({"x": x_of(4)})["y"].shape == (4, 4)  # another shape: the full path, a new plan
+
+
+@pytest.mark.parametrize("mode", ("onnxruntime", "openvino"))
+def test_the_run_step_of_several_feeds_and_outputs(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    graph = two_in_two_out()
+    w = graph.initializers["w"]
+    model = dsp.compile(graph, mode=mode)
+    rng = np.random.default_rng(11)
+    a, b = (rng.standard_normal((2, 8)).astype(np.float32) for _ in range(2))
+    runtime = until_steady(model, {"a": a, "b": b})
+    model.run({"a": a, "b": b})
+    calls = _no_execute(runtime, monkeypatch)
+    for _ in range(4):
+        a, b = (rng.standard_normal((2, 8)).astype(np.float32) for _ in range(2))
+        out = model.run({"b": b, "a": a})  # another order of the same names
+        np.testing.assert_allclose(out["y"], np.maximum(a + b, 0) @ w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out["z"], a * b, rtol=1e-6)
+    assert calls == []
+    with pytest.raises(InputError):  # a missing feed is still the full path's clear error
+        model.run({"a": a})
+    with pytest.raises(InputError):
+        model.run({"a": a, "b": b.astype(np.float64)})
+
+
+def test_threads_running_one_model_each_get_their_own_step(mlp_graph: dsp.Graph) -> None:
+    """Three threads calling the same steady model (the run step copies feeds in and outputs out under
+    the runtime's lock) each get the outputs of their own feeds."""
+    import threading
+
+    model = dsp.compile(mlp_graph, mode="onnxruntime")
+    until_steady(model, {"x": x_of(2)})
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(300):
+            x = rng.standard_normal((2, 8)).astype(np.float32)
+            y = model.run({"x": x})["y"]
+            if not np.allclose(y, mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5):
+                errors.append(f"thread {seed}: wrong outputs")
+                return
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2, 3)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: steps interleave
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

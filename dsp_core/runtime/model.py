@@ -301,10 +301,12 @@ class CompiledModel:
     # -- running ----------------------------------------------------------------------
     def run(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run on ``feeds`` (name -> array); returns every requested output by name."""
-        if outputs is None and self._repeat is not None:
-            done = self._run_repeat(feeds, self._repeat)
-            if done is not None:
-                return done
+        if outputs is None:
+            repeat = self._repeat
+            if repeat is not None:
+                done = repeat.run(self, repeat, feeds)
+                if done is not None:
+                    return done
         names = self._default_outputs if outputs is None else self._names(outputs)
         staged = self._stage(feeds)
         try:
@@ -348,43 +350,6 @@ class CompiledModel:
             checked = tuple((s.name, s.flat, a.__class__, a.shape, a.dtype) for s, a in zip(self._feeds, staged))
             self._repeat = _Repeat(live.signature, checked)
         return {name: _as_output(r, self.outputs_on_device) for name, r in zip(names, results)}
-
-    # -- the repeat path: DSP's own per-call overhead --------------------------------------
-    # A call with the default outputs whose feeds are a dict of exactly the previous such
-    # call's names, as arrays of the same classes (numpy's, or a device's such as CuPy's),
-    # shapes and dtypes, passed every check
-    # of ``_stage`` last time and passes them again: it skips them and reuses that call's
-    # shape signature (looked up in the plan cache as usual, so pins, LRU order and hit
-    # counts are unchanged). Anything else takes the full path.
-    def _run_repeat(self, feeds: Mapping[str, Any], repeat: _Repeat) -> dict[str, np.ndarray] | None:
-        if feeds.__class__ is not dict or len(feeds) != repeat.count:
-            return None
-        staged: list[tuple[int, Any]] = []
-        get = feeds.get
-        for name, flat, cls, shape, dtype in repeat.feeds:
-            array: Any = get(name)
-            same_class = array.__class__ is cls  # first: a missing feed (None) has no dtype
-            if not same_class or array.dtype is not dtype or array.shape != shape:
-                return None
-            staged.append((flat, array))
-        cache = self.cache
-        live = cache.acquire(repeat.signature)
-        if live is None:  # evicted since: the full path rebuilds it
-            self._repeat = None
-            return None
-        self.last_live = live
-        try:
-            results = live.runtime.execute(staged)
-        except Exception as exc:  # diag: as in run()
-            flight.record_failure(exc, live.runtime.diag_id)
-            raise
-        finally:
-            cache.release(live)
-        for r in results:
-            if r.__class__ is not np.ndarray:  # a sequence, None, a device array: as the full path returns them
-                on_device = self.outputs_on_device
-                return {name: _as_output(r, on_device) for name, r in zip(self._default_outputs, results)}
-        return dict(zip(self._default_outputs, results))
 
     def live_plan(self, names: tuple[str, ...], entry: Executor, staged: list[Any]) -> LivePlan:
         """The live plan of this call's shape signature (pinned: release it after the run)."""
@@ -535,16 +500,92 @@ class Stepper:
         self.close()
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Repeat:
-    """A call's shape signature and its feeds as checked: (name, flat index, array class, shape, dtype)."""
+    """A call's shape signature and its feeds as checked: (name, flat index, array class, shape, dtype);
+    ``run``: the repeat path made for them (``_repeat_path``), with the live plan's run step
+    (``PlanRuntime.run_step``) once the plan replays its steady program (``made_from``: the program
+    the step was made from, or tried on where it has none)."""
 
     signature: ShapeSignature
     feeds: tuple[tuple[str, int, Any, tuple[int, ...], np.dtype[Any]], ...]
     count: int = field(init=False)  # len(feeds)
+    run: Callable[[CompiledModel, _Repeat, Mapping[str, Any]], dict[str, Any] | None] = field(init=False)
+    made_from: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "count", len(self.feeds))
+        self.count = len(self.feeds)
+        self.run = _repeat_path(self.signature, self.feeds, None)
+
+
+# -- the repeat path: DSP's own per-call overhead --------------------------------------------
+# A call with the default outputs whose feeds are a dict of exactly the previous such call's
+# names, as arrays of the same classes (numpy's, or a device's such as CuPy's), shapes and
+# dtypes, passed every check of ``_stage`` last time and passes them again: it skips them and
+# reuses that call's shape signature (looked up in the plan cache as usual, so pins, LRU order
+# and hit counts are unchanged). Anything else takes the full path. Once the plan replays its
+# steady program, the step is the program's own (``PlanRuntime.run_step``: copies in, replay,
+# copies out), not ``execute``'s layers: after a real call each object a step reads is a cache
+# miss (``benchmarks/cpu_overhead.py --per-call``, ``after_a_call``).
+def _repeat_path(
+    signature: ShapeSignature,
+    checked: tuple[tuple[str, int, Any, tuple[int, ...], np.dtype[Any]], ...],
+    step: Callable[[list[tuple[int, Any]]], dict[str, Any] | None] | None,
+) -> Callable[[CompiledModel, _Repeat, Mapping[str, Any]], dict[str, Any] | None]:
+    """The repeat path of the call that left ``signature`` and ``checked``: a function of (model, its
+    ``_Repeat``, feeds) returning the outputs, or None for the full path.
+
+    It refers to neither the model nor the ``_Repeat`` that stores it (each is passed in): a reference
+    cycle would keep a dropped model's buffers alive until the garbage collector runs."""
+    count = len(checked)
+    one = checked[0] if count == 1 else None
+
+    def run(model: CompiledModel, repeat: _Repeat, feeds: Mapping[str, Any]) -> dict[str, Any] | None:
+        if feeds.__class__ is not dict or len(feeds) != count:
+            return None
+        if one is not None:  # one feed, without the loop
+            name, flat, cls, shape, dtype = one
+            array: Any = feeds.get(name)
+            if array.__class__ is not cls or array.dtype is not dtype or array.shape != shape:
+                return None  # the class first: a missing feed (None) has no dtype
+            staged = [(flat, array)]
+        else:
+            staged = []
+            get = feeds.get
+            for name, flat, cls, shape, dtype in checked:
+                array = get(name)
+                if array.__class__ is not cls or array.dtype is not dtype or array.shape != shape:
+                    return None
+                staged.append((flat, array))
+        cache = model.cache
+        live = cache.acquire(signature)
+        if live is None:  # evicted since: the full path rebuilds it
+            model._repeat = None
+            return None
+        model.last_live = live
+        runtime = live.runtime
+        try:
+            if step is not None:
+                done = step(staged)
+                if done is not None:
+                    return done
+            results = runtime.execute(staged)  # the first steps, or the program no longer current
+        except Exception as exc:  # diag: as in run()
+            flight.record_failure(exc, runtime.diag_id)
+            raise
+        finally:
+            cache.release(live)
+        if runtime._steady is not repeat.made_from:  # a steady program (again): the next call takes its step
+            repeat.made_from = runtime._steady
+            made = runtime.run_step(model._default_outputs, [(flat, cls) for _, flat, cls, _, _ in checked])
+            repeat.run = _repeat_path(signature, checked, made)
+        for r in results:
+            if r.__class__ is not np.ndarray:  # a sequence, None, a device array: as the full path returns them
+                on_device = model.outputs_on_device
+                return {name: _as_output(r, on_device) for name, r in zip(model._default_outputs, results)}
+        return dict(zip(model._default_outputs, results))
+
+    return run
 
 
 def _other_feed_key(value: Any) -> tuple[tuple[int, ...], Any]:

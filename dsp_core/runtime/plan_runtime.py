@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -401,20 +401,10 @@ class PlanRuntime:
         steady = self._steady
         if steady is None or diag.ON:
             return None
-        units = [u for u, _ in steady.units]
-        # a unit without a replay call replays through ``replay``: False when it was not OK
-        calls = [call or functools.partial(_replayed, u.compiled, steady.values) for u, call in steady.units]
-        counters = [u.counters for u in units]
+        calls, counters, failed = self._program(steady)
         buffers = [steady.values[i] for i in steady.outputs]
         outputs = dict(zip(names, buffers))
         cell, epoch = EPOCH, EPOCH[0]
-
-        def failed(n: int, exc: BaseException | None) -> None:
-            """Unit ``n``'s replay was not OK (``exc`` None) or raised: the full path takes over."""
-            if exc is None:
-                self._steady = None  # drifted, stale: the full path recaptures
-            else:
-                self._fail_unit(units[n], exc)
 
         # The lock's own methods, bound once: after a 44 µs call (the CNN fixture on ONNX Runtime, one
         # thread), ``with lock:`` cost the step 0.2-0.3 µs more than a bare call, these 0.1 (2026-12-05).
@@ -479,6 +469,123 @@ class PlanRuntime:
             return outputs.copy() if convert is None else convert(outputs)
 
         return steps, buffers
+
+    def _program(
+        self, steady: _Steady
+    ) -> tuple[list[Callable[[], Any]], list[Any], Callable[[int, BaseException | None], None]]:
+        """The steady program as a step made once runs it: each unit's call (False: its replay was
+        not OK), each unit's counters, and what to do when unit ``n`` was not OK or raised."""
+        units = [u for u, _ in steady.units]
+        # a unit without a replay call replays through ``replay``: False when it was not OK
+        calls = [call or functools.partial(_replayed, u.compiled, steady.values) for u, call in steady.units]
+
+        def failed(n: int, exc: BaseException | None) -> None:
+            """Unit ``n``'s replay was not OK (``exc`` None) or raised: the full path takes over."""
+            if exc is None:
+                self._steady = None  # drifted, stale: the full path recaptures
+            else:
+                self._fail_unit(units[n], exc)
+
+        return calls, [u.counters for u in units], failed
+
+    def run_step(
+        self, names: tuple[str, ...], feeds: Sequence[tuple[int, Any]]
+    ) -> Callable[[list[tuple[int, Any]]], dict[str, Any] | None] | None:
+        """``CompiledModel.run``'s repeat path on the steady program, made once: a step of feeds
+        (flat index, array) already checked against those of the call it was made for (``feeds``:
+        their flat indexes and array classes, in order) that copies them into their staging
+        buffers, replays the units and returns ``names`` -> copies of the outputs; or None, having
+        run nothing, when ``execute`` must take the step (the program no longer current, an
+        injected staging fault) or after a unit was not OK or raised (``execute`` then runs the
+        step again, as a binding's full path does after ``bound_step``). None instead of a step
+        where the program has none: no steady program, diagnostics on, a variable read in place,
+        a feed staged on a device, an output that is not a host array.
+
+        It is ``_steady_step`` through ``execute`` without their layers: after a 50 µs call of
+        the CNN fixture on ONNX Runtime each object a step reads is a cache miss, and ``model.run``
+        cost that much more. The copies in and out are made under the runtime's lock: another
+        thread's step between them would write the same buffers."""
+        steady = self._steady
+        if steady is None or diag.ON:
+            return None
+        flats = [flat for flat, _, _ in self.feed_shapes]
+        staged = {f: buf for f, (buf, fill) in zip(flats, steady.buffers) if fill is None}
+        if any(cls is not np.ndarray or flat not in staged for flat, cls in feeds):
+            return None
+        buffers = [staged[flat] for flat, _ in feeds]
+        outputs = [(name, steady.values[i]) for name, i in zip(names, steady.outputs)]
+        if len(outputs) != len(names) or any(out.__class__ is not np.ndarray for _, out in outputs):
+            return None
+        calls, counters, failed = self._program(steady)
+        staging = self.staging
+        cell, epoch = EPOCH, EPOCH[0]
+        acquire, release = self.lock.acquire, self.lock.release
+        environ, fault = _ENVIRON, _STAGING_FAULT
+
+        if len(buffers) == 1 and len(calls) == 1 and len(outputs) == 1:
+            # The common case (a whole model on one runtime), without the loops: each costs the step
+            # after a real call (the CNN fixture at batch 1, in turns with the bare call: about 2 µs
+            # less than the general step below, 2026-12-05).
+            (buf,), (call,), (counter,), ((name, out),) = buffers, calls, counters, outputs
+
+            def step_one(given: list[tuple[int, Any]]) -> dict[str, Any] | None:
+                if fault in environ:
+                    return None
+                array = given[0][1]
+                acquire()
+                try:
+                    if self._steady is not steady or cell[0] != epoch:
+                        return None
+                    if array is not buf:  # a binding's input passed to run: already in place
+                        buf[...] = array
+                        staging.copies += 1
+                    try:
+                        if call() is False:
+                            failed(0, None)
+                            return None
+                    except (KeyboardInterrupt, LifecycleError):
+                        raise
+                    except BaseException as exc:  # noqa: BLE001  (as in _steady_step)
+                        failed(0, exc)
+                        return None
+                    self.executions += 1
+                    counter.replays += 1
+                    return {name: out.copy()}
+                finally:
+                    release()
+
+            return step_one
+
+        def step(given: list[tuple[int, Any]]) -> dict[str, Any] | None:
+            if fault in environ:
+                return None
+            acquire()
+            try:
+                if self._steady is not steady or cell[0] != epoch:
+                    return None
+                for buf, (_, array) in zip(buffers, given):
+                    if array is not buf:  # a binding's input passed to run: already in place
+                        buf[...] = array
+                        staging.copies += 1
+                n = 0
+                try:
+                    for n, call in enumerate(calls):  # noqa: B007  (n: read on a raise)
+                        if call() is False:
+                            failed(n, None)
+                            return None
+                except (KeyboardInterrupt, LifecycleError):
+                    raise
+                except BaseException as exc:  # noqa: BLE001  (as in _steady_step)
+                    failed(n, exc)
+                    return None
+                self.executions += 1
+                for c in counters:
+                    c.replays += 1
+                return {name: out.copy() for name, out in outputs}
+            finally:
+                release()
+
+        return step
 
     def _steady_step(self, steady: _Steady, feeds: list[tuple[int, Any]], owned: bool = True) -> list[Any]:
         constants = self.plan.constants
