@@ -161,10 +161,11 @@ def _ran_on(segments: list[dict[str, Any]]) -> list[str]:
     """The backends of the model's segments (``explain``'s), each with its thread count where the auction gave it
     fewer than DSP_CPU_THREADS ("onnxruntime on 1 thread"); where a replay contest moved the segment to
     its rival, the rival ("onnxruntime@2 (contest)")."""
+    from dsp_core.backends.auction import on_threads
+
     names = []
     for seg in segments:
-        threads = seg.get("threads", 0)
-        name = seg["backend"] + (f" on {threads} thread{'s' if threads > 1 else ''}" if threads else "")
+        name = seg["backend"] + on_threads(seg.get("threads", 0))
         for c in seg.get("contests", []):
             if c["running"] != c["holder"]:
                 name = f"{c['running']} (contest)"

@@ -826,6 +826,7 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
 
 def _plan_explain(args: argparse.Namespace) -> int:
     import dsp_core
+    from dsp_core.backends.auction import on_threads
 
     model = dsp_core.compile(args.model, mode=args.mode, strict=args.strict, placement=args.placement)
     runs = getattr(args, "runs", 0)
@@ -858,8 +859,7 @@ def _plan_explain(args: argparse.Namespace) -> int:
             print(f"    slot {d['slot']} {d['op']}: {d['backend']} declined ({d['reason']}: {d['detail']})")
         for t in seg.get("trials", []):  # the measured auction (at freeze): best time of each contender
             times = ", ".join(f"{name} {us:.1f} us" for name, us in t["times_us"].items())
-            threads = t.get("threads", 0)  # fewer than DSP_CPU_THREADS where the trial found them faster
-            on = f" on {threads} thread{'s' if threads > 1 else ''}" if threads else ""
+            on = on_threads(t.get("threads", 0))  # fewer than DSP_CPU_THREADS where the trial found them faster
             rivals = f"; rivals {', '.join(t['rivals'])}" if t.get("rivals") else ""
             print(f"    trial ({t['source']}) for feeds {t['feeds']}: {times} -> {t['winner']}{on}{rivals}")
         for c in seg.get("contests", []):  # the replay contest: the rivals timed again on real steps

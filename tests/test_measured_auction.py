@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto
 
 import dsp_core as dsp
-from dsp_core.backends.auction import SIGN_P, THREADS_TRIAL_MAX_S, TIE, full_threads, sign_test
+from dsp_core.backends.auction import SIGN_P, THREADS_TRIAL_MAX_S, TIE, full_threads, on_threads, sign_test
 
 
 @pytest.fixture
@@ -462,3 +462,10 @@ def test_which_thread_counts_a_trial_tries(monkeypatch: pytest.MonkeyPatch) -> N
     # a long step keeps its threads
     assert auction._fewer_threads(Runtime(), THREADS_TRIAL_MAX_S * 2) == []  # type: ignore[arg-type]
     assert auction._fewer_threads(Other(), short) == []  # type: ignore[arg-type]
+
+
+def test_reports_name_a_variant_s_thread_count() -> None:
+    """``dsp plan explain``'s trial line and the CPU race's ``ran_on`` name a thread count alike."""
+    assert on_threads(0) == ""  # DSP_CPU_THREADS: no label
+    assert on_threads(1) == " on 1 thread"
+    assert on_threads(2) == " on 2 threads"

@@ -556,6 +556,12 @@ def variant(name: str) -> tuple[str, int]:
     return backend, 0 if threads == full_threads() else threads
 
 
+def on_threads(threads: int) -> str:
+    """How a report names a variant's thread count: " on 1 thread", " on 2 threads"; "" for 0
+    (DSP_CPU_THREADS, as ``variant`` gives it)."""
+    return f" on {threads} thread{'s' if threads > 1 else ''}" if threads else ""
+
+
 def contenders(plan: Plan, result: Partition, k: int) -> list[Backend]:
     """The available backends of the chain, the reference aside, that take all of segment ``k`` (chain order);
     and the reference, where one of them is ``timed_against_reference``."""
