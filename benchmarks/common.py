@@ -21,6 +21,7 @@ def machine_meta(**extra: Any) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpus": __import__("os").cpu_count(),
         "python": sys.version.split()[0],
         "numpy": np.__version__,
@@ -28,6 +29,20 @@ def machine_meta(**extra: Any) -> dict[str, Any]:
     }
     meta.update(extra)
     return meta
+
+
+def cpu_model() -> str:
+    """The CPU's model name and vector extensions as Linux reports them ("Intel(R) Xeon(R) Processor,
+    avx512f, amx"), or the platform's processor field elsewhere: the figures of a 2-core VM depend on
+    which host it landed on, and ``platform.processor()`` says only "x86_64" there."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    vector = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    return ", ".join([name or platform.machine(), *vector])
 
 
 def write_results(out: str | Path, meta: dict[str, Any], results: Any) -> None:
