@@ -400,6 +400,18 @@ def test_a_steady_plan_s_run_is_its_run_step_with_the_full_path_s_results_and_co
     assert model.stats.memory_hits == hits + 5 and live.runs == runs + 5 and live.pins == 0
     assert runtime.executions == executions + 5 and runtime.staging.copies == copies + 5
     assert sum(u.counters.replays for u in runtime.units) == replays + 5 * len(runtime.units)
+    from dsp_core import diag
+
+    diag.enable("EXECUTE", "detailed")  # an epoch: the step made before it takes execute's full path
+    try:
+        np.testing.assert_allclose(model.run({"x": x})["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    finally:
+        diag.disable()
+    model.run({"x": x})  # execute again, once: the step is made anew for the new epoch
+    calls.clear()
+    for _ in range(3):
+        np.testing.assert_allclose(model.run({"x": x})["y"], mlp_reference(mlp_graph, x), rtol=1e-4, atol=1e-5)
+    assert calls == []  # the run step again
     assert model.run({"x": x_of(4)})["y"].shape == (4, 4)  # another shape: the full path, a new plan
 
 

@@ -33,6 +33,7 @@ from dsp_core.ir.graph import Graph, Value
 from dsp_core.plan.compiler import Declined, check_outputs, compile_plan
 from dsp_core.plan.merge import merge_report
 from dsp_core.plan.plan import ExternalClass, Plan, Segment
+from dsp_core.runtime.epoch import EPOCH
 from dsp_core.runtime.handle import DspHandle
 from dsp_core.runtime.legacy import run_graph
 from dsp_core.runtime.plan_runtime import PlanRuntime
@@ -505,7 +506,9 @@ class _Repeat:
     """A call's shape signature and its feeds as checked: (name, flat index, array class, shape, dtype);
     ``run``: the repeat path made for them (``_repeat_path``), with the live plan's run step
     (``PlanRuntime.run_step``) once the plan replays its steady program (``made_from``: the program
-    the step was made from, or tried on where it has none)."""
+    and the epoch (``dsp_core.runtime.epoch``) the step was made under, or tried under where there was
+    none: a step made before diagnostics were switched on and off, or a constant replaced and
+    restored, would take ``execute`` for good)."""
 
     signature: ShapeSignature
     feeds: tuple[tuple[str, int, Any, tuple[int, ...], np.dtype[Any]], ...]
@@ -575,8 +578,9 @@ def _repeat_path(
             raise
         finally:
             cache.release(live)
-        if runtime._steady is not repeat.made_from:  # a steady program (again): the next call takes its step
-            repeat.made_from = runtime._steady
+        made_from = (runtime._steady, EPOCH[0])
+        if made_from != repeat.made_from:  # a steady program (again, or after an epoch): the next call takes its step
+            repeat.made_from = made_from
             made = runtime.run_step(model._default_outputs, [(flat, cls) for _, flat, cls, _, _ in checked])
             repeat.run = _repeat_path(signature, checked, made)
         for r in results:
