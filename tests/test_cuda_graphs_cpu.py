@@ -304,3 +304,19 @@ def test_a_kernels_bfloat16_outputs_are_compared_within_the_tolerance() -> None:
     nan = want.copy()
     nan[3] = np.nan
     assert "NaNs" in str(mismatch([nan], [want], 5e-3, np.asarray))
+
+
+def test_one_rule_of_agreement_for_two_backends_outputs() -> None:
+    """``base.disagreement``, the rule a fused kernel (``mismatch``) and a contest's rival are held to:
+    the largest absolute error against the expected output's largest finite magnitude; NaNs and
+    infinities where the expected output has them; other dtypes equal; shapes equal."""
+    from dsp_core.backends.base import disagreement
+
+    want = np.array([100.0, -0.001, np.inf, np.nan], np.float32)
+    assert disagreement(want + np.array([0.009, 0.009, 0, 0], np.float32), want, 1e-4) is None  # 0.009 <= 1e-4 x 100
+    assert "max abs error" in str(disagreement(want + np.array([0, 0.02, 0, 0], np.float32), want, 1e-4))
+    assert "infinities" in str(disagreement(np.array([100.0, -0.001, -np.inf, np.nan], np.float32), want, 1e-4))
+    assert "NaNs" in str(disagreement(np.array([100.0, np.nan, np.inf, np.nan], np.float32), want, 1e-4))
+    assert disagreement(np.arange(3), np.arange(3), 0.0) is None
+    assert "1 of 3 elements differ" == disagreement(np.array([0, 1, 3]), np.arange(3), 0.5)
+    assert "shape" in str(disagreement(np.zeros(2), np.zeros(3), 1.0))

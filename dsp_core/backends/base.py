@@ -37,6 +37,39 @@ class ModeContract:
     computes_values: bool = True  # False: outputs carry the right shapes and dtypes only
 
 
+def disagreement(got: Any, want: Any, tolerance: float) -> str | None:
+    """Why ``got`` does not agree with ``want`` (host arrays of one output) within ``tolerance``, or None.
+
+    Floats (and ml_dtypes' bfloat16) agree when their NaNs and infinities are where ``want``'s are and
+    their largest absolute error is at most ``tolerance`` times ``want``'s largest finite magnitude
+    (1 at least): a contract's tolerance, read against the output's own scale. Other dtypes agree
+    when equal. Two backends' outputs on the same inputs (the replay contest's rivals) and a fused
+    kernel's against the reference's (dsp-cuda-graphs, dsp-nvrtc) are held to this rule; the
+    conformance kit holds a backend to the reference element by element (its ``_compare``)."""
+    import numpy as np
+
+    x, y = np.asarray(got), np.asarray(want)
+    if x.shape != y.shape:
+        return f"shape {list(x.shape)}, expected {list(y.shape)}"
+    if y.dtype.kind not in "fc" and y.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 is of kind "V"
+        if not np.array_equal(x, y):
+            return f"{int(np.sum(x != y))} of {x.size} elements differ"
+        return None
+    xf, yf = x.astype(np.float64), y.astype(np.float64)
+    if not np.array_equal(np.isnan(xf), np.isnan(yf)):
+        return "NaNs in other places"
+    finite = np.isfinite(yf)
+    special = ~finite & ~np.isnan(yf)
+    if not np.array_equal(xf[special], yf[special]):
+        return "infinities differ"
+    if finite.any():
+        err = float(np.max(np.abs(xf[finite] - yf[finite])))
+        scale = max(1.0, float(np.max(np.abs(yf[finite]))))
+        if not err <= tolerance * scale:  # NaN in got where want is finite: a disagreement too
+            return f"max abs error {err:.3g} > {tolerance:g} x {scale:.3g}"
+    return None
+
+
 @dataclass(frozen=True)
 class CaptureProfile:
     """How a capturing backend splits a segment into captured islands and eager gaps."""

@@ -38,7 +38,7 @@ import numpy as np
 
 from dsp_core import config, diag
 from dsp_core.backends.auction import Fault, measure, release_quietly, shape_key
-from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStatus
+from dsp_core.backends.base import CaptureFailed, CaptureOutOfMemory, ReplayStatus, disagreement
 from dsp_core.backends.guard import describe
 from dsp_core.diag import Category, Level
 from dsp_core.errors import DSPError
@@ -1132,9 +1132,9 @@ def _owned(value: Any) -> Any:
 def _disagreement(
     unit: Unit, call: Callable[[], Any], rival_call: Callable[[], Any], values: list[Any], rival: Any
 ) -> str | None:
-    """Why the rival may not run ``unit``'s steps: its outputs on the same inputs differ from the
-    holder's by more than the looser of the two contracts' tolerance (relative to the holder's
-    largest value); None when they agree. The holder runs last: ``values`` keep its outputs."""
+    """Why the rival may not run ``unit``'s steps: its outputs on the same inputs disagree with the
+    holder's within the looser of the two contracts' tolerance (``base.disagreement``: relative to
+    the holder's largest value); None when they agree. The holder runs last: ``values`` keep its outputs."""
     call()
     want = [np.array(values[o], copy=True) for o in unit.outputs]
     rival_call()
@@ -1144,13 +1144,9 @@ def _disagreement(
     for flat, a, b in zip(unit.outputs, want, got):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"its output v{flat} is {b.dtype}{list(b.shape)}, the segment's {a.dtype}{list(a.shape)}"
-        if a.dtype.kind in "fc":
-            scale = max(float(np.max(np.abs(a), initial=0.0)), 1.0)
-            diff = float(np.max(np.abs(a - b), initial=0.0))
-            if not diff <= tolerance * scale:  # NaN: a disagreement too
-                return f"its output v{flat} differs by {diff:.3g} (tolerance {tolerance:g} x {scale:.3g})"
-        elif not np.array_equal(a, b):
-            return f"its output v{flat} differs"
+        why = disagreement(b, a, tolerance)
+        if why is not None:
+            return f"its output v{flat} differs: {why}"
     return None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from dsp_core import progress
-from dsp_core.backends.base import CaptureFailed
+from dsp_core.backends.base import CaptureFailed, disagreement
 from dsp_core.plan.fusion import FusionResult, Group
 from dsp_core.plan.plan import Plan
 
@@ -70,28 +70,14 @@ class GroupReport:
 
 
 def mismatch(got: Sequence[Any], want: Sequence[Any], tolerance: float, to_host: Callable[[Any], Any]) -> str | None:
-    """None when every output agrees within ``tolerance`` (relative to the reference's scale), else why not."""
+    """None when every output agrees within ``tolerance`` (relative to the reference's scale), else why not
+    (``dsp_core.backends.base.disagreement``, output by output)."""
     for k, (a, b) in enumerate(zip(got, want)):
         if b is None:
             continue
-        x, y = np.asarray(to_host(a)), np.asarray(to_host(b))
-        if x.shape != y.shape:
-            return f"output {k} has shape {x.shape}, the reference {y.shape}"
-        if x.dtype.kind not in "fc" and x.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 is of kind "V"
-            if not np.array_equal(x, y):
-                return f"output {k}: {int(np.sum(x != y))} of {x.size} elements differ"
-            continue
-        xf, yf = x.astype(np.float64), y.astype(np.float64)
-        if not np.array_equal(np.isnan(xf), np.isnan(yf)):
-            return f"output {k}: NaNs in different places"
-        finite = np.isfinite(yf)
-        if not np.array_equal(xf[~finite & ~np.isnan(yf)], yf[~finite & ~np.isnan(yf)]):
-            return f"output {k}: infinities differ"
-        if finite.any():
-            err = float(np.max(np.abs(xf[finite] - yf[finite])))
-            scale = max(1.0, float(np.max(np.abs(yf[finite]))))
-            if not err <= tolerance * scale:
-                return f"output {k}: max abs error {err:.3g} > {tolerance:g} x {scale:.3g}"
+        why = disagreement(to_host(a), to_host(b), tolerance)
+        if why is not None:
+            return f"output {k}: {why}"
     return None
 
 
