@@ -106,18 +106,70 @@ def test_three_variants_the_fastest_runs(clock: FakeClock) -> None:
     assert ran.count("b") == ran.count("c") == DUEL_ROUNDS * c.burst
 
 
+def _rounds(wins: int) -> dict[str, list[float]]:
+    """A duel's rounds where b (90 us) had the lower median than a (100 us) in ``wins`` of 10."""
+    return {"a": [100e-6] * 10, "b": [90e-6] * wins + [101e-6] * (10 - wins)}
+
+
 def test_a_duel_moves_the_segment_only_to_a_variant_clearly_faster() -> None:
     """More than 5% faster by median and the faster in 9 of 10 rounds: a tie, or 8 rounds of 10 (enough
-    for the trial's sign test at 10%), keeps the running variant; a duel comes again and again."""
+    for the trial's sign test at 10%), keeps the running variant; 8 of 10 leaves a doubt."""
     clearly = contest_mod._clearly_faster
+    times = {"a": 100e-6, "b": 90e-6}
     for wins, moves in ((8, False), (9, True), (10, True)):
-        rounds = {"a": [100e-6] * 10, "b": [90e-6] * wins + [101e-6] * (10 - wins)}
-        assert clearly("a", {"a": 100e-6, "b": 90e-6}, rounds) == ("b" if moves else "a")
+        kept, doubt = clearly("a", times, _rounds(wins))
+        assert kept == ("b" if moves else "a") and (doubt is None) == moves
     ties = {"a": [100e-6] * 10, "b": [97e-6] * 10}
-    assert clearly("a", {"a": 100e-6, "b": 97e-6}, ties) == "a"  # 3% in every round: a tie
+    assert clearly("a", {"a": 100e-6, "b": 97e-6}, ties) == ("a", None)  # 3% in every round: a tie, no doubt
     assert auction._pick(["a", "b"], {"a": 100e-6, "b": 97e-6}, ties) == "b"  # the trial's rule would move
     three = {"a": [100e-6] * 10, "b": [80e-6] * 10, "c": [70e-6] * 10}
-    assert clearly("a", {"a": 100e-6, "b": 80e-6, "c": 70e-6}, three) == "c"
+    assert clearly("a", {"a": 100e-6, "b": 80e-6, "c": 70e-6}, three) == ("c", None)
+
+
+def test_a_doubt_pools_its_rounds_with_the_next_duel_s() -> None:
+    """8 of 10 twice is 16 of 20, enough to move; 7 of 10 three times (21 of 30) is not; a tie, or another
+    variant the fastest, does not count the doubt's rounds; only the last 30 rounds are pooled."""
+    clearly = contest_mod._clearly_faster
+    times = {"a": 100e-6, "b": 90e-6}
+    kept, doubt = clearly("a", times, _rounds(8))
+    assert kept == "a" and doubt == ("b", [True] * 8 + [False] * 2)
+    assert clearly("a", times, _rounds(8), doubt) == ("b", None)
+    doubt = None
+    for _ in range(3):
+        kept, doubt = clearly("a", times, _rounds(7), doubt)
+        assert kept == "a"
+    assert doubt is not None and (sum(doubt[1]), len(doubt[1])) == (21, 30)
+    kept, later = clearly("a", times, _rounds(7), doubt)  # still 21 of the last 30
+    assert kept == "a" and later is not None and len(later[1]) == contest_mod.DOUBT_ROUNDS
+    assert clearly("a", {"a": 100e-6, "b": 98e-6}, _rounds(8), doubt) == ("a", None)  # a tie clears it
+    three = {"a": [100e-6] * 10, "b": [90e-6] * 8 + [101e-6] * 2, "c": [85e-6] * 8 + [101e-6] * 2}
+    kept, other = clearly("a", {"a": 100e-6, "b": 90e-6, "c": 85e-6}, three, ("b", [True] * 10))
+    assert kept == "a" and other == ("c", [True] * 8 + [False] * 2)  # b's rounds do not count for c
+
+
+def test_a_doubt_brings_the_next_duel_soon_and_a_second_moves(clock: FakeClock) -> None:
+    """A variant faster by more than 5% in 8 rounds of 10 (the other two rounds noisy): the first duel
+    keeps the running one and the gap does not grow; the second pools 16 of 20 rounds and moves."""
+    cost = {"a": 100e-6, "b": 80e-6}
+    ran: list[str] = []
+    c = _contest(clock, cost, ran)
+    slow = {"count": 0}
+    b_call = c.calls[1]
+
+    def b_noisy() -> None:  # b's steps in two rounds of each duel take 150 us
+        slow["count"] += 1
+        in_round = (slow["count"] - 1) // c.burst % DUEL_ROUNDS
+        cost["b"] = 150e-6 if in_round in (0, 1) else 80e-6
+        b_call()
+
+    c.calls[1] = b_noisy
+    while c.duels < 1:
+        c()
+    assert c.running == 0 and c.last["doubt"] == "b the faster in 8 of 10 rounds", c.last
+    assert c.left == contest_mod.DUEL_GAP * c.duel_steps  # not doubled: asked again soon
+    while c.duels < 2:
+        c()
+    assert c.running == 1 and c.switches == 1 and "doubt" not in c.last, c.last
 
 
 def test_a_rival_that_raises_is_dropped_and_released_and_the_holder_runs_on(clock: FakeClock) -> None:
@@ -226,7 +278,9 @@ def test_a_close_runner_up_contests_the_replays_and_every_step_stays_right(
 ) -> None:
     # every duel hands the segment to the other variant: each switch is exercised on real runtimes
     monkeypatch.setattr(
-        contest_mod, "_clearly_faster", lambda running, times, rounds: next(n for n in times if n != running)
+        contest_mod,
+        "_clearly_faster",
+        lambda running, times, rounds, doubt: (next(n for n in times if n != running), None),
     )
     model = dsp.compile(mlp_graph)
     _steps_checked(model, mlp_graph, 600)

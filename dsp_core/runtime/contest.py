@@ -17,9 +17,13 @@ and the steady replay calls a ``Contest`` in place of the segment's own call:
 - After a duel the running variant is kept unless another was clearly the faster: by more than
   the auction's ``TIE`` (5%) by median, and in enough rounds for a sign test at ``DUEL_SIGN_P``
   (9 rounds of 10). A tie keeps the running variant.
+- A duel whose fastest was faster by more than ``TIE`` but in too few rounds leaves a doubt: its
+  rounds count again in the next duel if the same variant is the fastest by more than ``TIE`` there
+  (the last ``DOUBT_ROUNDS`` rounds pooled: 8 of 10 twice is 16 of 20, enough), and the next duel
+  comes soon. A tie, or the running variant the fastest, clears it.
 - The next duel comes after ``DUEL_GAP`` duels' worth of steps, twice that after a duel that
-  changed nothing (up to ``DUEL_GAP_MAX``), back to ``DUEL_GAP`` after a switch: about 1/17 of the
-  steps are in duels at first, and fewer while the choice holds.
+  changed nothing and left no doubt (up to ``DUEL_GAP_MAX``), back to ``DUEL_GAP`` after a switch or
+  a doubt: about 1/17 of the steps are in duels at first, and fewer while the choice holds.
 
 A rival that raises is dropped and released (where it was running, the holder, the segment's own
 compiled segment, which owns the buffers, runs that step and the next); the holder's faults are
@@ -49,6 +53,13 @@ DUEL_ROUNDS = 10
 # threads, to one thread on 68.9 against 70.3 us, and ran 1.131x ONNX Runtime's call on two (05:48,
 # cpu_race_2026-12-05e). Ties keep the running variant.
 DUEL_SIGN_P = 0.011
+# Rounds of a doubt (a variant faster by more than TIE in too few rounds) pooled with the next duel's.
+# With a duel's 10 rounds alone, the CNN fixture's bound row at two threads, batch 1, moved to two ONNX
+# Runtime threads (65 against 72 us in its last duel), while its ``run`` row, the same model compiled
+# again, kept one thread in its last of 3 duels on 73.1 against 65.3 us for two, short of 9 rounds of
+# 10, and ran 77.3 us a call against ONNX Runtime's own ``run`` at 66.9 (race of 2026-12-05 08:31,
+# cpu_race_2026-12-05g).
+DOUBT_ROUNDS = 3 * DUEL_ROUNDS
 DUEL_BURST_S = 0.5e-3
 BURST_MIN, BURST_MAX = 3, 32
 DUEL_GAP = 16  # duels' worth of steps between duels
@@ -86,6 +97,7 @@ class Contest:
         self.switches = 0
         self.dropped: list[str] = []
         self.last: dict[str, Any] = {}
+        self._doubt: tuple[str, list[bool]] | None = None  # (a variant, the rounds it won against the running one)
         self._release = release
         self._plan: list[tuple[int, bool, bool]] = []  # (variant, timed, ends its burst), last first
         self._burst: list[float] = []
@@ -176,18 +188,23 @@ class Contest:
         rounds = {names[s]: self._rounds[s] for s in range(n)}
         self.duels += 1
         if len(times) == n:
-            faster = _clearly_faster(names[self.running], times, rounds)
+            faster, self._doubt = _clearly_faster(names[self.running], times, rounds, self._doubt)
             self.last = {
                 "times_us": {k: round(v * 1e6, 2) for k, v in times.items()},
                 "rounds": len(self._rounds[0]),
                 "kept": faster,
             }
+            if self._doubt is not None:
+                name, won = self._doubt
+                self.last["doubt"] = f"{name} the faster in {sum(won)} of {len(won)} rounds"
             if faster != names[self.running]:
                 self.running = names.index(faster)
                 self.call = self.calls[self.running]
                 self.switches += 1
                 self.gap = DUEL_GAP
                 log.info("DSP replay contest: %s is the faster now (%s); it runs the segment", faster, self.last)
+            elif self._doubt is not None:
+                self.gap = DUEL_GAP  # an open question: asked again soon
             else:
                 self.gap = min(self.gap * 2, DUEL_GAP_MAX)
         self.left = self.gap * self.duel_steps
@@ -235,12 +252,25 @@ class Contest:
         }
 
 
-def _clearly_faster(running: str, times: dict[str, float], rounds: dict[str, list[float]]) -> str:
-    """The variant a duel leaves running: the fastest by median where it was faster than ``running``
-    by more than the auction's TIE and had the lower median in enough rounds to pass the sign test
-    at DUEL_SIGN_P; else ``running``."""
+def _clearly_faster(
+    running: str,
+    times: dict[str, float],
+    rounds: dict[str, list[float]],
+    doubt: tuple[str, list[bool]] | None = None,
+) -> tuple[str, tuple[str, list[bool]] | None]:
+    """The variant a duel leaves running, and the doubt it leaves.
+
+    The fastest by median runs where it was faster than ``running`` by more than the auction's TIE
+    and had the lower median in enough rounds to pass the sign test at DUEL_SIGN_P: this duel's
+    rounds, after ``doubt``'s where the same variant left it (the last DOUBT_ROUNDS). Else
+    ``running`` stays, with a doubt where the fastest was faster by more than TIE: (its name, the
+    rounds it won, pooled); None where it was not (a tie, or ``running`` the fastest)."""
     fastest = min(times, key=lambda name: times[name])
     if fastest == running or times[fastest] * (1 + TIE) >= times[running]:
-        return running
-    pairs = list(zip(rounds[fastest], rounds[running]))
-    return fastest if pairs and sign_test(sum(a < b for a, b in pairs), len(pairs)) <= DUEL_SIGN_P else running
+        return running, None
+    won = [a < b for a, b in zip(rounds[fastest], rounds[running])]
+    if doubt is not None and doubt[0] == fastest:
+        won = (doubt[1] + won)[-DOUBT_ROUNDS:]
+    if won and sign_test(sum(won), len(won)) <= DUEL_SIGN_P:
+        return fastest, None
+    return running, (fastest, won)
