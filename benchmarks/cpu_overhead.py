@@ -69,20 +69,30 @@ def time_per_call(fn: Callable[[], Any], calls: int, repeats: int) -> tuple[floa
     return statistics.median(samples), samples
 
 
-def ort_runner(model_proto: Any, feeds: dict[str, np.ndarray]) -> Callable[[], Any] | None:
-    """An ONNX Runtime call through a pre-bound IOBinding, or None when ORT is missing."""
+def ort_session(model: bytes | str, feeds: dict[str, np.ndarray]) -> tuple[Any, Any] | None:
+    """An ONNX Runtime session on ``model`` (bytes or a path), one thread, and an IOBinding with ``feeds``
+    and every output bound; None when ORT is missing."""
     try:
         import onnxruntime as ort
     except ImportError:
         return None
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(model_proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
     binding = sess.io_binding()
     for name, arr in feeds.items():
         binding.bind_cpu_input(name, arr)
     for out in sess.get_outputs():
         binding.bind_output(out.name, "cpu")
+    return sess, binding
+
+
+def ort_runner(model_proto: Any, feeds: dict[str, np.ndarray]) -> Callable[[], Any] | None:
+    """An ONNX Runtime call through a pre-bound IOBinding, or None when ORT is missing."""
+    made = ort_session(model_proto.SerializeToString(), feeds)
+    if made is None:
+        return None
+    sess, binding = made
     return lambda: sess.run_with_iobinding(binding)
 
 
@@ -282,17 +292,11 @@ def after_call_overhead(budget_s: float = 4.0) -> dict[str, Any]:
 
 def _ort_cnn(x: np.ndarray) -> tuple[Callable[[], Any], Callable[[], Any]] | None:
     """ONNX Runtime's own IOBinding step and ``run`` on the CNN fixture (one thread), or None without it."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return None
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    sess = ort.InferenceSession(str(ROOT / "tests" / "fixtures" / "cnn.onnx"), opts, providers=["CPUExecutionProvider"])
-    binding = sess.io_binding()
-    binding.bind_cpu_input("input", x)
-    binding.bind_output(sess.get_outputs()[0].name, "cpu")
     feeds = {"input": x}
+    made = ort_session(str(ROOT / "tests" / "fixtures" / "cnn.onnx"), feeds)
+    if made is None:
+        return None
+    sess, binding = made
     return (lambda: sess.run_with_iobinding(binding)), (lambda: sess.run(None, feeds))
 
 

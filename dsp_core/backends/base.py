@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from dsp_core.backends.guard import BackendFault, call_with_timeout, describe
 from dsp_core.backends.modes import GraphExecutionMode
 from dsp_core.errors import BackendError, BackendUnavailableError
@@ -46,8 +48,6 @@ def disagreement(got: Any, want: Any, tolerance: float) -> str | None:
     when equal. Two backends' outputs on the same inputs (the replay contest's rivals) and a fused
     kernel's against the reference's (dsp-cuda-graphs, dsp-nvrtc) are held to this rule; the
     conformance kit holds a backend to the reference element by element (its ``_compare``)."""
-    import numpy as np
-
     x, y = np.asarray(got), np.asarray(want)
     if x.shape != y.shape:
         return f"shape {list(x.shape)}, expected {list(y.shape)}"
